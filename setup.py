@@ -1,0 +1,25 @@
+"""Build the C kernels as one plain shared library (no Python or torch headers).
+
+parascan loads it with ctypes; it is `optional` so that a machine without a C
+compiler still installs parascan, with the `cpu` backend reported unavailable.
+"""
+
+from setuptools import Extension, setup
+
+KERNEL_SOURCES = [
+    "src/parascan/_csrc/parallel.c",
+    "src/parascan/linear/cpu_kernel.c",
+]
+
+setup(
+    ext_modules=[
+        Extension(
+            "parascan._kernels",
+            sources=KERNEL_SOURCES,
+            include_dirs=["src/parascan/_csrc", "src/parascan/linear"],
+            extra_compile_args=["-std=c11", "-O3", "-ffp-contract=fast", "-fvisibility=hidden"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)

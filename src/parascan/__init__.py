@@ -1,0 +1,14 @@
+"""parascan: parallel scans and linear recurrences for PyTorch.
+
+    import parascan as ps
+    x = ps.linear_scan(gates, tokens, dim=1)     # x[t] = gates[t] * x[t-1] + tokens[t]
+
+The public API is listed in ``__all__``; see the README for the tour.
+"""
+
+from parascan._backends import backends
+from parascan.linear import linear_scan
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "backends", "linear_scan"]

@@ -1,0 +1,107 @@
+"""Input validation shared by the public functions.
+
+Every check raises before any kernel runs, with a message that starts with the
+public name (``parascan.linear_scan: ...``) and states what was expected and what
+was received. These run under torch.compile too, so they use no try/except on the
+happy path and only Python-level shape arithmetic.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "accumulate_dtype",
+    "as_operand",
+    "broadcast_shape",
+    "check_dtype",
+    "check_same_device",
+    "describe",
+    "normalize_dim",
+]
+
+FLOAT_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half types accumulate in float32; every other dtype in itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def describe(value: object) -> str:
+    """A short description of a received value for error messages."""
+    if isinstance(value, torch.Tensor):
+        return (
+            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+        )
+    return f"{type(value).__name__} {value!r}"
+
+
+def as_operand(
+    fn: str, name: str, value: object, *, allow_number: bool, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``value`` as a tensor: tensors pass through; Python numbers become 0-d tensors
+    on ``like``'s device when ``allow_number``. Anything else is a TypeError."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if allow_number and isinstance(value, numbers.Number) and not isinstance(value, bool):
+        device = like.device if like is not None else None
+        return torch.as_tensor(value, device=device)
+    expected = "a Tensor or a Python number" if allow_number else "a Tensor"
+    raise TypeError(f"{fn}: expected {name} to be {expected}, but got {describe(value)}")
+
+
+def check_dtype(fn: str, name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+        raise TypeError(
+            f"{fn}: expected {name} to have a floating or complex dtype ({names}), "
+            f"but got {tensor.dtype}"
+        )
+
+
+def check_same_device(fn: str, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    first_name, first = named[0]
+    for name, tensor in named[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{fn}: expected all tensors on one device, but {first_name} is on "
+                f"{first.device} and {name} is on {tensor.device}"
+            )
+
+
+def broadcast_shape(fn: str, named: Sequence[tuple[str, Sequence[int]]]) -> tuple[int, ...]:
+    """The broadcast of the named shapes (numpy rules), or ValueError naming them."""
+    ndim = max(len(shape) for _, shape in named)
+    out = [1] * ndim
+    for _, shape in named:
+        for i, size in enumerate(shape, start=ndim - len(shape)):
+            if size != 1:
+                if out[i] != 1 and out[i] != size:
+                    received = ", ".join(f"{n} {tuple(s)}" for n, s in named)
+                    raise ValueError(f"{fn}: expected shapes that broadcast, but got {received}")
+                out[i] = size
+    return tuple(out)
+
+
+def normalize_dim(fn: str, dim: object, ndim: int) -> int:
+    """``dim`` as a non-negative index into ``ndim`` dims, as torch.cumsum wraps it."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{fn}: expected dim to be an int, but got {describe(dim)}")
+    if not -ndim <= dim < ndim:
+        raise IndexError(
+            f"{fn}: expected dim in the range [{-ndim}, {ndim - 1}] for a result with "
+            f"{ndim} dimensions, but got {dim}"
+        )
+    return dim % ndim

@@ -1,0 +1,46 @@
+#include "parallel.h"
+
+#include <pthread.h>
+
+typedef struct {
+    ps_task_fn fn;
+    const void *ctx;
+    int64_t begin, end;
+} ps_range;
+
+static void *ps_run_range(void *p) {
+    const ps_range *r = (const ps_range *)p;
+    r->fn(r->ctx, r->begin, r->end);
+    return NULL;
+}
+
+enum { PS_MAX_THREADS = 256 };
+
+void ps_parallel_for(int64_t n, int64_t nthreads, ps_task_fn fn, const void *ctx) {
+    if (n <= 0) return;
+    if (nthreads > n) nthreads = n;
+    if (nthreads > PS_MAX_THREADS) nthreads = PS_MAX_THREADS;
+    if (nthreads <= 1) {
+        fn(ctx, 0, n);
+        return;
+    }
+    ps_range ranges[PS_MAX_THREADS];
+    pthread_t threads[PS_MAX_THREADS];
+    int started[PS_MAX_THREADS];
+    const int64_t base = n / nthreads, extra = n % nthreads;
+    int64_t begin = 0;
+    for (int64_t i = 0; i < nthreads; ++i) {
+        const int64_t len = base + (i < extra ? 1 : 0);
+        ranges[i] = (ps_range){fn, ctx, begin, begin + len};
+        begin += len;
+    }
+    for (int64_t i = 1; i < nthreads; ++i)
+        started[i] = pthread_create(&threads[i], NULL, ps_run_range, &ranges[i]) == 0;
+    ps_run_range(&ranges[0]);
+    for (int64_t i = 1; i < nthreads; ++i) {
+        if (started[i])
+            pthread_join(threads[i], NULL);
+        else
+            ps_run_range(&ranges[i]);
+    }
+}

@@ -1,0 +1,54 @@
+"""Locate and load the compiled C kernels (one shared library, loaded with ctypes).
+
+Nothing is compiled here: the library is built by ``pip install`` (setup.py). When it
+is missing or stale the ``cpu`` backend is unavailable and says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+from pathlib import Path
+
+__all__ = ["kernel_library", "kernel_library_error"]
+
+_STEM = "_kernels"
+ABI_VERSION = 1
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    here = Path(__file__).resolve().parent
+    candidates = [here / (_STEM + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        return None, (
+            f"the compiled kernels ({_STEM}.*.so) are not in {here}; reinstall parascan "
+            "with a C compiler available (pip install -e .)"
+        )
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"loading {path} failed: {exc}"
+    lib.ps_abi_version.restype = ctypes.c_int64
+    found = lib.ps_abi_version()
+    if found != ABI_VERSION:
+        return None, (
+            f"{path} has kernel ABI {found} but this parascan expects {ABI_VERSION}; "
+            "rebuild it (pip install -e .)"
+        )
+    return lib, None
+
+
+def kernel_library() -> ctypes.CDLL:
+    """The loaded kernel library; RuntimeError saying why when it cannot be used."""
+    lib, error = _load()
+    if lib is None:
+        raise RuntimeError(error)
+    return lib
+
+
+def kernel_library_error() -> str | None:
+    """None when the kernel library loads, else the reason it does not."""
+    return _load()[1]

@@ -1,0 +1,194 @@
+"""``parascan.linear_scan``: the public first-order linear recurrence."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, overload
+
+import torch
+from torch import Tensor
+
+from parascan._backends import resolve_backend
+from parascan._checks import (
+    as_operand,
+    broadcast_shape,
+    check_dtype,
+    check_same_device,
+    describe,
+    normalize_dim,
+)
+from parascan.linear.ops import backward_via_scan, linear_scan_backward_op, linear_scan_op
+
+__all__ = ["linear_scan"]
+
+_NAME = "parascan.linear_scan"
+
+
+class _LinearScan(torch.autograd.Function):
+    """Autograd around the raw ops. Forward and backward are ops with vmap rules,
+    so ``generate_vmap_rule`` gives vmap, vmap(grad) and jacrev for free."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool, backend: str
+    ) -> Tensor:
+        return linear_scan_op(gates, tokens, initial, dim, reverse, backend)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        gates, _, initial, dim, reverse, backend = inputs
+        ctx.save_for_backward(gates, output, initial)
+        ctx.dim, ctx.reverse, ctx.backend = dim, reverse, backend
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        gates, out, initial = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph (double backward, torch.func): the same reverse scan,
+            # but through this Function so that it is differentiable again.
+            def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
+                return _LinearScan.apply(a, b, h, dim, reverse, ctx.backend)  # type: ignore[no-any-return]
+
+            grads = backward_via_scan(
+                scan, gates, out, grad_out, initial, ctx.dim, ctx.reverse
+            )
+        else:
+            grads = linear_scan_backward_op(
+                gates, out, grad_out, initial, ctx.dim, ctx.reverse, ctx.backend
+            )
+        need = ctx.needs_input_grad
+        return (
+            grads[0] if need[0] else None,
+            grads[1] if need[1] else None,
+            grads[2] if initial is not None and need[2] else None,
+            None,
+            None,
+            None,
+        )
+
+
+@overload
+def linear_scan(
+    gates: Tensor | float,
+    tokens: Tensor,
+    dim: int,
+    *,
+    initial: Tensor | float | None = ...,
+    reverse: bool = ...,
+    return_final: Literal[False] = ...,
+    backend: str = ...,
+) -> Tensor: ...
+@overload
+def linear_scan(
+    gates: Tensor | float,
+    tokens: Tensor,
+    dim: int,
+    *,
+    initial: Tensor | float | None = ...,
+    reverse: bool = ...,
+    return_final: Literal[True],
+    backend: str = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def linear_scan(
+    gates: Tensor | float,
+    tokens: Tensor,
+    dim: int,
+    *,
+    initial: Tensor | float | None = None,
+    reverse: bool = False,
+    return_final: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    r"""First-order linear recurrence along ``dim``.
+
+    .. math:: x_t = a_t \, x_{t-1} + b_t, \qquad x_{-1} = \text{initial} \ (\text{default } 0)
+
+    Semantics given by this loop (``reverse=True`` walks ``t`` from T-1 down to 0 and
+    reads ``x[t+1]``, with ``x[T] = initial``)::
+
+        x = initial
+        for t in range(T):
+            x = gates[t] * x + tokens[t]
+            out[t] = x
+
+    Args:
+        gates: the multipliers ``a``; a tensor or a Python number, broadcast with
+            ``tokens``.
+        tokens: the inputs ``b``.
+        dim: the time dimension of the broadcast result (negative counts from the end).
+        initial: the state before the first step, broadcastable to the result's shape
+            without ``dim``.
+        reverse: run time backwards.
+        return_final: also return the last state (``out[T-1]``, or ``out[0]`` when
+            reversed; ``initial`` or zeros when T == 0).
+        backend: ``"auto"``, ``"cpu"``, ``"triton"``, ``"torch"`` or ``"loop"``; see
+            :func:`parascan.backends`.
+
+    Returns:
+        ``out``, contiguous, with the broadcast shape and dtype
+        ``torch.result_type(gates, tokens)``; or ``(out, final)``. float16 and bfloat16
+        accumulate in float32. Differentiable in gates, tokens and initial (gradients
+        are reduced to each input's shape), under vmap, torch.func and torch.compile.
+
+    Example:
+        >>> import torch, parascan as ps
+        >>> ps.linear_scan(torch.tensor([1.0, 0.5, 2.0]), torch.tensor([1.0, 1.0, 1.0]), 0)
+        tensor([1.0000, 1.5000, 4.0000])
+        >>> ps.linear_scan(0.5, torch.ones(3), 0, initial=torch.tensor(2.0), reverse=True)
+        tensor([1.7500, 1.5000, 2.0000])
+    """
+    tokens = as_operand(_NAME, "tokens", tokens, allow_number=False)
+    gates = as_operand(_NAME, "gates", gates, allow_number=True, like=tokens)
+    check_dtype(_NAME, "gates", gates)
+    check_dtype(_NAME, "tokens", tokens)
+    named = [("gates", gates), ("tokens", tokens)]
+    if initial is not None:
+        initial = as_operand(_NAME, "initial", initial, allow_number=True, like=tokens)
+        check_dtype(_NAME, "initial", initial)
+        named.append(("initial", initial))
+    check_same_device(_NAME, named)
+    shape = broadcast_shape(_NAME, [("gates", gates.shape), ("tokens", tokens.shape)])
+    scalar = len(shape) == 0
+    if scalar:  # like torch.cumsum, a 0-d input is a sequence of length 1
+        shape = (1,)
+    d = normalize_dim(_NAME, dim, max(len(shape), 1) if not scalar else 1)
+    dtype = torch.result_type(gates, tokens)
+    state_shape = shape[:d] + shape[d + 1 :]
+    if initial is not None:
+        if initial.is_complex() and not dtype.is_complex:
+            raise TypeError(
+                f"{_NAME}: expected a real initial for a real result ({dtype}), "
+                f"but got {initial.dtype}"
+            )
+        if len(initial.shape) > len(state_shape) or (
+            broadcast_shape(_NAME, [("result without dim", state_shape), ("initial", initial.shape)])
+            != state_shape
+        ):
+            raise ValueError(
+                f"{_NAME}: expected initial broadcastable to the result's shape without dim "
+                f"{state_shape}, but got {describe(initial)}"
+            )
+        initial = initial.to(dtype).expand(state_shape)
+    if not isinstance(reverse, bool) or not isinstance(return_final, bool):
+        raise TypeError(
+            f"{_NAME}: expected bool reverse and return_final, but got "
+            f"{describe(reverse)} and {describe(return_final)}"
+        )
+    chosen = resolve_backend(_NAME, backend, tokens.device)
+
+    a = gates.to(dtype).expand(shape)
+    b = tokens.to(dtype).expand(shape)
+    out = _LinearScan.apply(a, b, initial, d - len(shape), reverse, chosen)
+    if not return_final:
+        return out.reshape(()) if scalar else out
+    steps = shape[d]
+    if steps == 0:
+        final = out.new_zeros(state_shape) if initial is None else initial.clone()
+    else:
+        final = out.select(d, 0 if reverse else steps - 1).clone()
+    if scalar:
+        return out.reshape(()), final.reshape(())
+    return out, final

@@ -1,0 +1,126 @@
+/* linear_scan CPU kernels: x[t] = gates[t] * x[t-1] + tokens[t], forward and
+ * fused backward, for float16, bfloat16, float32, float64, complex64 and
+ * complex128. Half types accumulate in float32. See cpu_kernel.h for the ABI
+ * and cpu_kernel_impl.h for the algorithm; this file only instantiates it.
+ *
+ * The hot loops are compiled twice (x86-64-v3: AVX2 + FMA + F16C, and the
+ * baseline) and the CPU picks at load time, so one build runs on any x86-64. */
+#include "cpu_kernel.h"
+
+#include "parallel.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PS_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PS_HOT
+#endif
+
+enum { PS_BLOCK = 256, PS_ROWS = 8, PS_TILE = 32 };
+
+/* Below this many elements a kernel runs on the calling thread: starting
+ * threads costs more than the work. */
+static int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
+    return elements < (INT64_C(1) << 16) ? 1 : nthreads;
+}
+
+PS_API int64_t ps_abi_version(void) { return 1; }
+
+/* Real types: ACC arithmetic is plain C. conj is the identity. */
+#define FMA(a, s, b) ((a) * (s) + (b))
+#define CFMA(a, s, b) ((a) * (s) + (b))
+#define MULC(g, x) ((g) * (x))
+
+#define SFX f32
+#define ST float
+#define ACC float
+#define LD(p) (*(p))
+#define STO(p, v) (*(p) = (v))
+#define ZERO 0.0f
+#include "cpu_kernel_impl.h"
+#undef SFX
+#undef ST
+#undef ACC
+#undef ZERO
+
+#define SFX f64
+#define ST double
+#define ACC double
+#define ZERO 0.0
+#include "cpu_kernel_impl.h"
+#undef SFX
+#undef ST
+#undef ACC
+#undef LD
+#undef STO
+#undef ZERO
+
+#define SFX f16
+#define ST _Float16
+#define ACC float
+#define LD(p) ((float)*(p))
+#define STO(p, v) (*(p) = (_Float16)(v))
+#define ZERO 0.0f
+#include "cpu_kernel_impl.h"
+#undef SFX
+#undef ST
+#undef LD
+#undef STO
+#undef ZERO
+
+#define SFX bf16
+#define ST ps_bf16
+#define LD(p) ps_bf16_to_f32(*(p))
+#define STO(p, v) (*(p) = ps_f32_to_bf16(v))
+#define ZERO 0.0f
+#include "cpu_kernel_impl.h"
+#undef SFX
+#undef ST
+#undef ACC
+#undef LD
+#undef STO
+#undef ZERO
+#undef FMA
+#undef CFMA
+#undef MULC
+
+/* Complex types: interleaved (re, im) pairs, the layout torch uses. */
+#define PS_COMPLEX_OPS(T)                                                         \
+    static inline T T##_fma(T a, T s, T b) {                                      \
+        return (T){a.re * s.re - a.im * s.im + b.re, a.re * s.im + a.im * s.re + b.im}; \
+    }                                                                             \
+    static inline T T##_cfma(T a, T s, T b) {                                     \
+        return (T){a.re * s.re + a.im * s.im + b.re, a.re * s.im - a.im * s.re + b.im}; \
+    }                                                                             \
+    static inline T T##_mulc(T g, T x) {                                          \
+        return (T){g.re * x.re + g.im * x.im, g.im * x.re - g.re * x.im};         \
+    }
+PS_COMPLEX_OPS(ps_c64)
+PS_COMPLEX_OPS(ps_c128)
+
+#define LD(p) (*(p))
+#define STO(p, v) (*(p) = (v))
+
+#define SFX c64
+#define ST ps_c64
+#define ACC ps_c64
+#define FMA ps_c64_fma
+#define CFMA ps_c64_cfma
+#define MULC ps_c64_mulc
+#define ZERO ((ps_c64){0.0f, 0.0f})
+#include "cpu_kernel_impl.h"
+#undef SFX
+#undef ST
+#undef ACC
+#undef FMA
+#undef CFMA
+#undef MULC
+#undef ZERO
+
+#define SFX c128
+#define ST ps_c128
+#define ACC ps_c128
+#define FMA ps_c128_fma
+#define CFMA ps_c128_cfma
+#define MULC ps_c128_mulc
+#define ZERO ((ps_c128){0.0, 0.0})
+#include "cpu_kernel_impl.h"

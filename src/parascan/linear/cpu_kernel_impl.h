@@ -1,0 +1,275 @@
+/* One instantiation of the linear_scan kernels, included by cpu_kernel.c once per
+ * dtype. The includer defines:
+ *   SFX        name suffix (f32, ...)        ST   storage type     ACC  accumulation type
+ *   LD(p)      load *p as ACC                STO(p, v)  store ACC v to *p
+ *   FMA(a,s,b) a * s + b                     CFMA(a,s,b) conj(a) * s + b
+ *   MULC(g,x)  g * conj(x)                   ZERO  ACC zero
+ *
+ * Summary of algorithm. The recurrence is sequential in time and independent
+ * across (outer, inner), so parallelism and SIMD come from the independent
+ * channels, and each channel's chain is walked once, reading every input once
+ * and writing every output once:
+ *  - inner > 1 ("time-major", channels contiguous): a work unit is one outer
+ *    index and a block of PS_BLOCK channels; the block's states live in a small
+ *    local array, and each time step is a unit-stride loop the compiler
+ *    vectorizes.
+ *  - inner == 1 ("time-contiguous"): a work unit is PS_ROWS rows whose chains
+ *    are stepped together through transposed tiles of PS_TILE steps, so the
+ *    independent chains form one vector and hide the multiply-add latency.
+ * reverse is handled once, up front, by pointing every time-indexed operand at
+ * its last step and negating its time stride.
+ */
+
+#define PS_CAT2(a, b) a##_##b
+#define PS_CAT(a, b) PS_CAT2(a, b)
+#define FN(name) PS_CAT(name, SFX)
+
+static inline void FN(fwd_row)(int64_t n, ACC *restrict s,
+                               const ST *restrict a, int64_t as,
+                               const ST *restrict b, int64_t bs,
+                               ST *restrict x, int64_t xs) {
+    if (as == 1 && bs == 1 && xs == 1) {
+        for (int64_t c = 0; c < n; ++c) {
+            const ACC v = FMA(LD(a + c), s[c], LD(b + c));
+            s[c] = v;
+            STO(x + c, v);
+        }
+    } else {
+        for (int64_t c = 0; c < n; ++c) {
+            const ACC v = FMA(LD(a + c * as), s[c], LD(b + c * bs));
+            s[c] = v;
+            STO(x + c * xs, v);
+        }
+    }
+}
+
+static inline void FN(load_state)(int64_t n, ACC *restrict s, const ST *p, int64_t ps) {
+    for (int64_t c = 0; c < n; ++c) s[c] = p ? LD(p + c * ps) : ZERO;
+}
+
+PS_HOT static void FN(fwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
+    const ps_linear_fwd_args *p = (const ps_linear_fwd_args *)vp;
+    const int64_t *gs = p->gates_stride, *ts = p->tokens_stride, *xs = p->out_stride;
+    const int64_t *is = p->initial_stride;
+    const int64_t nblk = (p->inner + PS_BLOCK - 1) / PS_BLOCK;
+    ACC s[PS_BLOCK];
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t o = u / nblk, c0 = (u % nblk) * PS_BLOCK;
+        const int64_t n = p->inner - c0 < PS_BLOCK ? p->inner - c0 : PS_BLOCK;
+        const ST *a = (const ST *)p->gates + o * gs[0] + c0 * gs[2];
+        const ST *b = (const ST *)p->tokens + o * ts[0] + c0 * ts[2];
+        ST *x = (ST *)p->out + o * xs[0] + c0 * xs[2];
+        FN(load_state)(n, s, p->initial ? (const ST *)p->initial + o * is[0] + c0 * is[1] : NULL, is[1]);
+        for (int64_t t = 0; t < p->steps; ++t)
+            FN(fwd_row)(n, s, a + t * gs[1], gs[2], b + t * ts[1], ts[2], x + t * xs[1], xs[2]);
+    }
+}
+
+/* Time-contiguous data is processed in tiles of PS_ROWS rows x PS_TILE steps,
+ * transposed into a local array so that the PS_ROWS independent chains step
+ * together as one vector, and each row is read in whole cache lines (rows that
+ * lie a power of two apart would otherwise all fall into one cache set).
+ * Rows past nr read as zero and are never stored. */
+static inline void FN(gather)(ACC tile[PS_TILE][PS_ROWS], int64_t n, int64_t nr,
+                              const ST *src, int64_t row_stride, int64_t step_stride) {
+    for (int64_t r = 0; r < PS_ROWS; ++r) {
+        if (r < nr) {
+            const ST *row = src + r * row_stride;
+            if (step_stride == 1)
+                for (int64_t k = 0; k < n; ++k) tile[k][r] = LD(row + k);
+            else
+                for (int64_t k = 0; k < n; ++k) tile[k][r] = LD(row + k * step_stride);
+        } else {
+            for (int64_t k = 0; k < n; ++k) tile[k][r] = ZERO;
+        }
+    }
+}
+
+static inline void FN(scatter)(ST *dst, int64_t row_stride, int64_t step_stride,
+                               ACC tile[PS_TILE][PS_ROWS], int64_t n, int64_t nr) {
+    for (int64_t r = 0; r < nr; ++r) {
+        ST *row = dst + r * row_stride;
+        if (step_stride == 1)
+            for (int64_t k = 0; k < n; ++k) STO(row + k, tile[k][r]);
+        else
+            for (int64_t k = 0; k < n; ++k) STO(row + k * step_stride, tile[k][r]);
+    }
+}
+
+PS_HOT static void FN(fwd_time_contiguous)(const void *vp, int64_t u0, int64_t u1) {
+    const ps_linear_fwd_args *p = (const ps_linear_fwd_args *)vp;
+    const int64_t *gs = p->gates_stride, *ts = p->tokens_stride, *xs = p->out_stride;
+    const int64_t *is = p->initial_stride;
+    ACC ta[PS_TILE][PS_ROWS], tb[PS_TILE][PS_ROWS], s[PS_ROWS];
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r0 = u * PS_ROWS;
+        const int64_t nr = p->outer - r0 < PS_ROWS ? p->outer - r0 : PS_ROWS;
+        const ST *a = (const ST *)p->gates + r0 * gs[0];
+        const ST *b = (const ST *)p->tokens + r0 * ts[0];
+        ST *x = (ST *)p->out + r0 * xs[0];
+        for (int64_t r = 0; r < PS_ROWS; ++r)
+            s[r] = (r < nr && p->initial) ? LD((const ST *)p->initial + (r0 + r) * is[0]) : ZERO;
+        for (int64_t t0 = 0; t0 < p->steps; t0 += PS_TILE) {
+            const int64_t n = p->steps - t0 < PS_TILE ? p->steps - t0 : PS_TILE;
+            FN(gather)(ta, n, nr, a + t0 * gs[1], gs[0], gs[1]);
+            FN(gather)(tb, n, nr, b + t0 * ts[1], ts[0], ts[1]);
+            for (int64_t k = 0; k < n; ++k)
+                for (int64_t r = 0; r < PS_ROWS; ++r) ta[k][r] = s[r] = FMA(ta[k][r], s[r], tb[k][r]);
+            FN(scatter)(x + t0 * xs[1], xs[0], xs[1], ta, n, nr);
+        }
+    }
+}
+
+/* One backward time step over n channels: g = grad_out + conj(a_next) * g,
+ * grad_tokens = g, grad_gates = g * conj(x_prev) (zero when x_prev is NULL),
+ * then a_next = gates of this step. */
+static inline void FN(bwd_row)(int64_t n, ACC *restrict g, ACC *restrict an,
+                               const ST *restrict a, int64_t as,
+                               const ST *restrict gx, int64_t gxs,
+                               const ST *restrict xp, int64_t xps,
+                               ST *restrict ga, int64_t gas,
+                               ST *restrict gb, int64_t gbs) {
+    if (as == 1 && gxs == 1 && xps == 1 && gas == 1 && gbs == 1 && xp) {
+        for (int64_t c = 0; c < n; ++c) {
+            const ACC v = CFMA(an[c], g[c], LD(gx + c));
+            g[c] = v;
+            STO(gb + c, v);
+            STO(ga + c, MULC(v, LD(xp + c)));
+            an[c] = LD(a + c);
+        }
+    } else {
+        for (int64_t c = 0; c < n; ++c) {
+            const ACC v = CFMA(an[c], g[c], LD(gx + c * gxs));
+            g[c] = v;
+            STO(gb + c * gbs, v);
+            STO(ga + c * gas, xp ? MULC(v, LD(xp + c * xps)) : ZERO);
+            an[c] = LD(a + c * as);
+        }
+    }
+}
+
+PS_HOT static void FN(bwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
+    const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
+    const int64_t *as = p->gates_stride, *xs = p->out_stride, *gxs = p->grad_out_stride;
+    const int64_t *gas = p->grad_gates_stride, *gbs = p->grad_tokens_stride;
+    const int64_t *is = p->initial_stride, *gis = p->grad_initial_stride;
+    const int64_t nblk = (p->inner + PS_BLOCK - 1) / PS_BLOCK;
+    ACC g[PS_BLOCK], an[PS_BLOCK];
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t o = u / nblk, c0 = (u % nblk) * PS_BLOCK;
+        const int64_t n = p->inner - c0 < PS_BLOCK ? p->inner - c0 : PS_BLOCK;
+        const ST *a = (const ST *)p->gates + o * as[0] + c0 * as[2];
+        const ST *x = (const ST *)p->out + o * xs[0] + c0 * xs[2];
+        const ST *gx = (const ST *)p->grad_out + o * gxs[0] + c0 * gxs[2];
+        ST *ga = (ST *)p->grad_gates + o * gas[0] + c0 * gas[2];
+        ST *gb = (ST *)p->grad_tokens + o * gbs[0] + c0 * gbs[2];
+        const ST *x0 = p->initial ? (const ST *)p->initial + o * is[0] + c0 * is[1] : NULL;
+        for (int64_t c = 0; c < n; ++c) g[c] = an[c] = ZERO;
+        for (int64_t t = p->steps - 1; t >= 0; --t) {
+            const ST *xp = t > 0 ? x + (t - 1) * xs[1] : x0;
+            const int64_t xps = t > 0 ? xs[2] : is[1];
+            FN(bwd_row)(n, g, an, a + t * as[1], as[2], gx + t * gxs[1], gxs[2], xp, xps,
+                        ga + t * gas[1], gas[2], gb + t * gbs[1], gbs[2]);
+        }
+        ST *gi = (ST *)p->grad_initial + o * gis[0] + c0 * gis[1];
+        for (int64_t c = 0; c < n; ++c) STO(gi + c * gis[1], CFMA(an[c], g[c], ZERO));
+    }
+}
+
+PS_HOT static void FN(bwd_time_contiguous)(const void *vp, int64_t u0, int64_t u1) {
+    const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
+    const int64_t *as = p->gates_stride, *xs = p->out_stride, *gxs = p->grad_out_stride;
+    const int64_t *gas = p->grad_gates_stride, *gbs = p->grad_tokens_stride;
+    const int64_t *is = p->initial_stride, *gis = p->grad_initial_stride;
+    ACC ta[PS_TILE][PS_ROWS], tg[PS_TILE][PS_ROWS], tx[PS_TILE][PS_ROWS];
+    ACC g[PS_ROWS], an[PS_ROWS];
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r0 = u * PS_ROWS;
+        const int64_t nr = p->outer - r0 < PS_ROWS ? p->outer - r0 : PS_ROWS;
+        const ST *a = (const ST *)p->gates + r0 * as[0];
+        const ST *x = (const ST *)p->out + r0 * xs[0];
+        const ST *gx = (const ST *)p->grad_out + r0 * gxs[0];
+        ST *ga = (ST *)p->grad_gates + r0 * gas[0];
+        ST *gb = (ST *)p->grad_tokens + r0 * gbs[0];
+        for (int64_t r = 0; r < PS_ROWS; ++r) g[r] = an[r] = ZERO;
+        const int64_t last = (p->steps - 1) / PS_TILE * PS_TILE;
+        for (int64_t t0 = last; t0 >= 0; t0 -= PS_TILE) {
+            const int64_t n = p->steps - t0 < PS_TILE ? p->steps - t0 : PS_TILE;
+            FN(gather)(ta, n, nr, a + t0 * as[1], as[0], as[1]);
+            FN(gather)(tg, n, nr, gx + t0 * gxs[1], gxs[0], gxs[1]);
+            /* tx[k] = out[t0 + k - 1]; at t0 == 0 the first is the initial state. */
+            if (t0 > 0) {
+                FN(gather)(tx, n, nr, x + (t0 - 1) * xs[1], xs[0], xs[1]);
+            } else {
+                if (n > 1) FN(gather)(tx + 1, n - 1, nr, x, xs[0], xs[1]);
+                for (int64_t r = 0; r < PS_ROWS; ++r)
+                    tx[0][r] = (r < nr && p->initial) ? LD((const ST *)p->initial + (r0 + r) * is[0]) : ZERO;
+            }
+            for (int64_t k = n - 1; k >= 0; --k)
+                for (int64_t r = 0; r < PS_ROWS; ++r) {
+                    const ACC v = CFMA(an[r], g[r], tg[k][r]);
+                    g[r] = v;
+                    an[r] = ta[k][r];
+                    tg[k][r] = v;
+                    tx[k][r] = MULC(v, tx[k][r]);
+                }
+            FN(scatter)(gb + t0 * gbs[1], gbs[0], gbs[1], tg, n, nr);
+            FN(scatter)(ga + t0 * gas[1], gas[0], gas[1], tx, n, nr);
+        }
+        for (int64_t r = 0; r < nr; ++r)
+            STO((ST *)p->grad_initial + (r0 + r) * gis[0], CFMA(an[r], g[r], ZERO));
+    }
+}
+
+/* Point a time-indexed operand at its last step and negate its time stride. */
+#define PS_FLIP(ptr, stride) \
+    do { (ptr) = (ST *)(ptr) + (steps - 1) * (stride)[1]; (stride)[1] = -(stride)[1]; } while (0)
+
+PS_API int FN(ps_linear_scan_fwd)(const ps_linear_fwd_args *args) {
+    if (args->outer < 0 || args->steps < 0 || args->inner < 0) return -1;
+    if (args->outer == 0 || args->steps == 0 || args->inner == 0) return 0;
+    ps_linear_fwd_args p = *args;
+    const int64_t steps = p.steps;
+    if (p.reverse) {
+        PS_FLIP(p.gates, p.gates_stride);
+        PS_FLIP(p.tokens, p.tokens_stride);
+        PS_FLIP(p.out, p.out_stride);
+    }
+    const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
+    if (p.inner == 1)
+        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, FN(fwd_time_contiguous), &p);
+    else
+        ps_parallel_for(p.outer * ((p.inner + PS_BLOCK - 1) / PS_BLOCK), nthreads, FN(fwd_time_major), &p);
+    return 0;
+}
+
+PS_API int FN(ps_linear_scan_bwd)(const ps_linear_bwd_args *args) {
+    if (args->outer < 0 || args->steps < 0 || args->inner < 0) return -1;
+    if (args->outer == 0 || args->inner == 0) return 0;
+    if (args->steps == 0) {
+        for (int64_t o = 0; o < args->outer; ++o)
+            for (int64_t c = 0; c < args->inner; ++c)
+                STO((ST *)args->grad_initial + o * args->grad_initial_stride[0] + c * args->grad_initial_stride[1], ZERO);
+        return 0;
+    }
+    ps_linear_bwd_args p = *args;
+    const int64_t steps = p.steps;
+    if (p.reverse) {
+        PS_FLIP(p.gates, p.gates_stride);
+        PS_FLIP(p.out, p.out_stride);
+        PS_FLIP(p.grad_out, p.grad_out_stride);
+        PS_FLIP(p.grad_gates, p.grad_gates_stride);
+        PS_FLIP(p.grad_tokens, p.grad_tokens_stride);
+    }
+    const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
+    if (p.inner == 1)
+        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, FN(bwd_time_contiguous), &p);
+    else
+        ps_parallel_for(p.outer * ((p.inner + PS_BLOCK - 1) / PS_BLOCK), nthreads, FN(bwd_time_major), &p);
+    return 0;
+}
+
+#undef PS_FLIP
+#undef FN
+#undef PS_CAT
+#undef PS_CAT2
