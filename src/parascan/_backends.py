@@ -17,6 +17,13 @@ __all__ = ["BACKENDS", "backends", "resolve_backend", "unavailable_reason"]
 BACKENDS = ("cpu", "triton", "torch", "loop")
 
 
+@torch.compiler.assume_constant_result
+def _kernel_library_error() -> str:
+    # Constant for the process; torch.compile evaluates it once instead of tracing
+    # into the file system. "" means the library loads.
+    return kernel_library_error() or ""
+
+
 def _device(device: str | torch.device) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
@@ -29,7 +36,7 @@ def unavailable_reason(backend: str, device: str | torch.device) -> str | None:
     if backend == "cpu":
         if dev.type != "cpu":
             return f"it runs on CPU tensors only, and the inputs are on {dev}"
-        return kernel_library_error()
+        return _kernel_library_error() or None
     if backend == "triton":
         return "this version of parascan has no Triton kernels yet"
     if backend in ("torch", "loop"):

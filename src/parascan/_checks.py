@@ -22,6 +22,7 @@ __all__ = [
     "check_same_device",
     "describe",
     "normalize_dim",
+    "result_dtype",
 ]
 
 FLOAT_DTYPES = (
@@ -32,6 +33,31 @@ FLOAT_DTYPES = (
     torch.complex64,
     torch.complex128,
 )
+
+
+_COMPLEX_OF = {
+    torch.float16: torch.complex32,
+    torch.bfloat16: torch.complex64,
+    torch.float32: torch.complex64,
+    torch.float64: torch.complex128,
+}
+
+
+def result_dtype(fn: str, a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """``torch.result_type(a, b)`` for floating/complex tensors, written with
+    ``torch.promote_types`` because dynamo cannot trace ``result_type``: a 0-d
+    tensor (a Python number) never widens a dimensioned tensor of its own kind;
+    a complex 0-d tensor makes a real dimensioned tensor complex."""
+    if (a.dim() == 0) == (b.dim() == 0):
+        dtype = torch.promote_types(a.dtype, b.dtype)
+    else:
+        zero_dim, dimensioned = (a, b) if a.dim() == 0 else (b, a)
+        dtype = dimensioned.dtype
+        if zero_dim.dtype.is_complex and not dtype.is_complex:
+            dtype = _COMPLEX_OF[dtype]
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: the inputs promote to {dtype}, which parascan does not support")
+    return dtype
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,8 +82,13 @@ def as_operand(
     if isinstance(value, torch.Tensor):
         return value
     if allow_number and isinstance(value, numbers.Number) and not isinstance(value, bool):
+        # A 0-d floating tensor promotes like the Python scalar it came from: it
+        # never widens the dtype of a dimensioned tensor of the same kind.
         device = like.device if like is not None else None
-        return torch.as_tensor(value, device=device)
+        number = complex(value) if isinstance(value, numbers.Complex) and not isinstance(
+            value, numbers.Real
+        ) else float(value)  # type: ignore[arg-type]
+        return torch.tensor(number, device=device)
     expected = "a Tensor or a Python number" if allow_number else "a Tensor"
     raise TypeError(f"{fn}: expected {name} to be {expected}, but got {describe(value)}")
 

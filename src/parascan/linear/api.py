@@ -15,8 +15,14 @@ from parascan._checks import (
     check_same_device,
     describe,
     normalize_dim,
+    result_dtype,
 )
-from parascan.linear.ops import backward_via_scan, linear_scan_backward_op, linear_scan_op
+from parascan.linear.ops import (
+    backward_via_scan,
+    linear_scan_backward_op,
+    linear_scan_op,
+    previous_states,
+)
 
 __all__ = ["linear_scan"]
 
@@ -39,6 +45,7 @@ class _LinearScan(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         gates, _, initial, dim, reverse, backend = inputs
         ctx.save_for_backward(gates, output, initial)
+        ctx.save_for_forward(gates, output, initial)
         ctx.dim, ctx.reverse, ctx.backend = dim, reverse, backend
 
     @staticmethod
@@ -48,7 +55,7 @@ class _LinearScan(torch.autograd.Function):
             # create_graph (double backward, torch.func): the same reverse scan,
             # but through this Function so that it is differentiable again.
             def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
-                return _LinearScan.apply(a, b, h, dim, reverse, ctx.backend)  # type: ignore[no-any-return]
+                return _apply(a, b, h, dim, reverse, ctx.backend)
 
             grads = backward_via_scan(
                 scan, gates, out, grad_out, initial, ctx.dim, ctx.reverse
@@ -66,6 +73,30 @@ class _LinearScan(torch.autograd.Function):
             None,
             None,
         )
+
+
+class _LinearScanForwardMode(_LinearScan):
+    """_LinearScan with forward-mode AD (torch.func.jvp, jacfwd). Kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(  # type: ignore[override]
+        ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None, *_: Any
+    ) -> Tensor:
+        # Forward mode: the tangent obeys the same recurrence,
+        # dx[t] = a[t] dx[t-1] + (da[t] x[t-1] + db[t]),  dx[-1] = d initial.
+        gates, out, initial = ctx.saved_tensors
+        drive = torch.zeros_like(out) if tokens_t is None else tokens_t
+        if gates_t is not None:
+            drive = drive + gates_t * previous_states(out, initial, ctx.dim, ctx.reverse)
+        return _apply(gates, drive, initial_t, ctx.dim, ctx.reverse, ctx.backend)
+
+
+def _apply(
+    gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool, backend: str
+) -> Tensor:
+    fn = _LinearScan if torch.compiler.is_compiling() else _LinearScanForwardMode
+    return fn.apply(gates, tokens, initial, dim, reverse, backend)  # type: ignore[no-any-return]
 
 
 @overload
@@ -155,7 +186,7 @@ def linear_scan(
     if scalar:  # like torch.cumsum, a 0-d input is a sequence of length 1
         shape = (1,)
     d = normalize_dim(_NAME, dim, max(len(shape), 1) if not scalar else 1)
-    dtype = torch.result_type(gates, tokens)
+    dtype = result_dtype(_NAME, gates, tokens)
     state_shape = shape[:d] + shape[d + 1 :]
     if initial is not None:
         if initial.is_complex() and not dtype.is_complex:
@@ -181,7 +212,7 @@ def linear_scan(
 
     a = gates.to(dtype).expand(shape)
     b = tokens.to(dtype).expand(shape)
-    out = _LinearScan.apply(a, b, initial, d - len(shape), reverse, chosen)
+    out = _apply(a, b, initial, d - len(shape), reverse, chosen)
     if not return_final:
         return out.reshape(()) if scalar else out
     steps = shape[d]

@@ -1,8 +1,9 @@
 """The ``cpu`` backend for linear_scan: ctypes bindings to cpu_kernel.c.
 
-Each tensor goes to the kernel as a strided 3-d view (outer, T, inner) around the
-scan dim, without copying when its strides allow it (contiguous, transposed,
-sliced and broadcast inputs all do). Outputs are new contiguous tensors.
+Inputs arrive with lazy conj/neg views resolved (ops.py). Each tensor goes to the
+kernel as a strided 3-d view (outer, T, inner) around the scan dim, without copying
+when its strides allow it (contiguous, transposed, sliced and broadcast inputs all
+do). Outputs are new contiguous tensors.
 """
 
 from __future__ import annotations
@@ -81,21 +82,16 @@ def _dims(shape: torch.Size, dim: int) -> tuple[int, int, int]:
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Materialize lazy conjugate/negative views: the kernel reads raw memory."""
-    return t.resolve_conj().resolve_neg()
-
-
 def _as3(t: torch.Tensor, dims: tuple[int, int, int]) -> tuple[torch.Tensor, _Strides3]:
     """A (outer, T, inner) view of ``t`` (a copy only when no view exists)."""
-    t3 = _plain(t).reshape(dims)
+    t3 = t.reshape(dims)
     return t3, _Strides3(*t3.stride())
 
 
 def _as2(t: torch.Tensor | None, outer: int, inner: int) -> tuple[torch.Tensor | None, _Strides2]:
     if t is None:
         return None, _Strides2(0, 0)
-    t2 = _plain(t).reshape(outer, inner)
+    t2 = t.reshape(outer, inner)
     return t2, _Strides2(*t2.stride())
 
 

@@ -18,7 +18,12 @@ from torch import Tensor
 from parascan._checks import accumulate_dtype
 from parascan.linear import chunked, cpu, reference
 
-__all__ = ["backward_via_scan", "linear_scan_backward_op", "linear_scan_op"]
+__all__ = [
+    "backward_via_scan",
+    "linear_scan_backward_op",
+    "linear_scan_op",
+    "previous_states",
+]
 
 ScanFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
 
@@ -50,18 +55,38 @@ def backward_via_scan(
     if steps == 0:
         return torch.zeros_like(out), torch.zeros_like(out), out.new_zeros(_state_shape(out, dim))
     no_gate = torch.zeros_like(gates.narrow(dim, 0, 1))
-    x0 = no_gate if initial is None else initial.unsqueeze(dim)
     if reverse:
         a_next = torch.cat([no_gate, gates.narrow(dim, 0, steps - 1)], dim)
-        x_prev = torch.cat([out.narrow(dim, 1, steps - 1), x0], dim)
-        first = steps - 1
     else:
         a_next = torch.cat([gates.narrow(dim, 1, steps - 1), no_gate], dim)
-        x_prev = torch.cat([x0, out.narrow(dim, 0, steps - 1)], dim)
-        first = 0
-    g = scan(a_next.conj(), grad_out, None, dim, not reverse)
-    grad_initial = gates.select(dim, first).conj() * g.select(dim, first)
-    return g * x_prev.conj(), g, grad_initial
+    first = steps - 1 if reverse else 0
+    g = scan(_conj(a_next), grad_out, None, dim, not reverse)
+    grad_initial = _conj(gates.select(dim, first)) * g.select(dim, first)
+    return g * _conj(previous_states(out, initial, dim, reverse)), g, grad_initial
+
+
+def previous_states(out: Tensor, initial: Tensor | None, dim: int, reverse: bool) -> Tensor:
+    """x[t-1] for every t (x[t+1] when reversed), the initial state (or zeros) at
+    the start: the states each step's gate multiplies."""
+    steps = out.shape[dim]
+    if steps == 0:
+        return out
+    x0 = torch.zeros_like(out.narrow(dim, 0, 1)) if initial is None else initial.unsqueeze(dim)
+    if reverse:
+        return torch.cat([out.narrow(dim, 1, steps - 1), x0], dim)
+    return torch.cat([x0, out.narrow(dim, 0, steps - 1)], dim)
+
+
+def _conj(t: Tensor) -> Tensor:
+    # conj_physical, not the lazy conj view: see _resolved.
+    return t.conj_physical() if t.is_complex() else t
+
+
+def _resolved(t: Tensor | None) -> Tensor | None:
+    """Materialize lazy conjugate/negative views before backend code sees them.
+    Under AOT dispatch (torch.compile) a custom op's body can run with the
+    Conjugate key excluded, so a conj view would silently read as unconjugated."""
+    return None if t is None else t.resolve_conj().resolve_neg()
 
 
 def _state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
@@ -74,7 +99,7 @@ def linear_scan_op(
     gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool, backend: str
 ) -> Tensor:
     """x[t] = gates[t] * x[t-1] + tokens[t] along ``dim``; a new contiguous tensor."""
-    return _FORWARD[backend](gates, tokens, initial, dim, reverse)
+    return _FORWARD[backend](_resolved(gates), _resolved(tokens), _resolved(initial), dim, reverse)
 
 
 @linear_scan_op.register_fake
@@ -97,6 +122,7 @@ def linear_scan_backward_op(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_gates, grad_tokens, grad_initial) of linear_scan, given its output."""
+    gates, out, grad_out, initial = map(_resolved, (gates, out, grad_out, initial))
     if backend == "cpu":
         return cpu.backward(gates, out, grad_out, initial, dim, reverse)
     # Backends without a fused backward: one reverse scan, accumulating half types

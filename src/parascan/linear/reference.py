@@ -34,7 +34,7 @@ def forward(
     acc = accumulate_dtype(dtype)
     a = gates.movedim(dim, 0).to(acc)
     b = tokens.movedim(dim, 0).to(acc)
-    state = torch.zeros_like(b[0]) if initial is None else initial.to(acc)
+    state = b.new_zeros(b.shape[1:]) if initial is None else initial.to(acc)
     steps = range(b.shape[0] - 1, -1, -1) if reverse else range(b.shape[0])
     out: list[torch.Tensor] = [state] * b.shape[0]
     for t in steps:

@@ -1,0 +1,105 @@
+"""Shared test setup.
+
+- Uninitialized memory is filled with NaN (torch's deterministic mode does this for
+  every torch.empty), so an output element a kernel forgets to write fails a test.
+- One tolerance table, per dtype, for comparisons against the float64 oracle.
+- The oracle: a float64 sequential loop written here, independently of parascan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+torch.use_deterministic_algorithms(True)
+torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+@dataclass(frozen=True)
+class Tol:
+    rtol: float
+    atol: float
+
+
+# Tolerances for results compared with the float64 oracle run on the same (already
+# rounded) inputs: the error is accumulation plus the rounding of the output.
+TOL = {
+    torch.float16: Tol(2e-3, 2e-3),
+    torch.bfloat16: Tol(1.6e-2, 1.6e-2),
+    torch.float32: Tol(2e-5, 2e-5),
+    torch.complex64: Tol(2e-5, 2e-5),
+    torch.float64: Tol(1e-10, 1e-10),
+    torch.complex128: Tol(1e-10, 1e-10),
+}
+
+
+def oracle_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.complex128 if dtype.is_complex else torch.float64
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """``actual`` (any dtype) against a float64 ``expected``, with the tolerance of
+    ``dtype``; the absolute part scales with the largest expected magnitude, since
+    errors accumulate relative to the running state rather than to each element."""
+    tol = TOL[dtype]
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    torch.testing.assert_close(
+        actual.to(expected.dtype), expected, rtol=tol.rtol, atol=tol.atol * scale
+    )
+
+
+def loop_oracle(
+    gates: torch.Tensor | float,
+    tokens: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None = None,
+    reverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[t] = gates[t] x[t-1] + tokens[t], one step at a time; returns (x, final).
+    Differentiable by ordinary autograd, so it is the gradient oracle too."""
+    if not isinstance(gates, torch.Tensor):
+        gates = torch.tensor(gates, dtype=tokens.dtype)
+    a, b = torch.broadcast_tensors(gates, tokens)
+    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
+    steps = b.shape[0]
+    state = torch.zeros_like(b.sum(0)) if initial is None else initial.expand(b.shape[1:])
+    state = state + torch.zeros_like(b.sum(0))  # result dtype
+    out: list[torch.Tensor] = [state] * steps
+    for t in reversed(range(steps)) if reverse else range(steps):
+        state = a[t] * state + b[t]
+        out[t] = state
+    x = torch.stack(out).movedim(0, dim) if steps else (a * b).movedim(0, dim)
+    return x, state
+
+
+def random_gates(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Gates with magnitude in [0.5, 1): long memory, bounded states."""
+    mag = 0.5 + 0.5 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    if dtype.is_complex:
+        phase = torch.rand(shape, generator=gen, dtype=torch.float64) * 6.283185307179586
+        return torch.polar(mag, phase).to(dtype)
+    return mag.to(dtype)
+
+
+def random_tokens(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    real = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if dtype.is_complex:
+        return torch.complex(real, torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+    return real.to(dtype)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
