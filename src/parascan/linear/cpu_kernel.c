@@ -15,7 +15,7 @@
 #define PS_HOT
 #endif
 
-enum { PS_BLOCK = 256, PS_ROWS = 8, PS_TILE = 32 };
+enum { PS_BLOCK = 256, PS_ROWS = 8, PS_TILE = 64 };
 
 /* Below this many elements a kernel runs on the calling thread: starting
  * threads costs more than the work. */
@@ -30,6 +30,12 @@ PS_API int64_t ps_abi_version(void) { return 1; }
 #define CFMA(a, s, b) ((a) * (s) + (b))
 #define MULC(g, x) ((g) * (x))
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu_kernel_x86.h"
+#define PS_FWD_TC_FAST ps_fwd_tc_f32_fast
+#define PS_BWD_TC_FAST ps_bwd_tc_f32_fast
+#endif
+
 #define SFX f32
 #define ST float
 #define ACC float
@@ -41,6 +47,8 @@ PS_API int64_t ps_abi_version(void) { return 1; }
 #undef ST
 #undef ACC
 #undef ZERO
+#undef PS_FWD_TC_FAST
+#undef PS_BWD_TC_FAST
 
 #define SFX f64
 #define ST double

@@ -4,6 +4,8 @@
  *   LD(p)      load *p as ACC                STO(p, v)  store ACC v to *p
  *   FMA(a,s,b) a * s + b                     CFMA(a,s,b) conj(a) * s + b
  *   MULC(g,x)  g * conj(x)                   ZERO  ACC zero
+ * and optionally PS_FWD_TC_FAST / PS_BWD_TC_FAST: functions that return a faster
+ * time-contiguous worker for the given arguments, or NULL.
  *
  * Summary of algorithm. The recurrence is sequential in time and independent
  * across (outer, inner), so parallelism and SIMD come from the independent
@@ -70,7 +72,7 @@ PS_HOT static void FN(fwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
  * together as one vector, and each row is read in whole cache lines (rows that
  * lie a power of two apart would otherwise all fall into one cache set).
  * Rows past nr read as zero and are never stored. */
-static inline void FN(gather)(ACC tile[PS_TILE][PS_ROWS], int64_t n, int64_t nr,
+static inline void FN(gather)(ACC (*tile)[PS_ROWS], int64_t n, int64_t nr,
                               const ST *src, int64_t row_stride, int64_t step_stride) {
     for (int64_t r = 0; r < PS_ROWS; ++r) {
         if (r < nr) {
@@ -86,7 +88,7 @@ static inline void FN(gather)(ACC tile[PS_TILE][PS_ROWS], int64_t n, int64_t nr,
 }
 
 static inline void FN(scatter)(ST *dst, int64_t row_stride, int64_t step_stride,
-                               ACC tile[PS_TILE][PS_ROWS], int64_t n, int64_t nr) {
+                               ACC (*tile)[PS_ROWS], int64_t n, int64_t nr) {
     for (int64_t r = 0; r < nr; ++r) {
         ST *row = dst + r * row_stride;
         if (step_stride == 1)
@@ -236,8 +238,14 @@ PS_API int FN(ps_linear_scan_fwd)(const ps_linear_fwd_args *args) {
         PS_FLIP(p.out, p.out_stride);
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
-    if (p.inner == 1)
-        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, FN(fwd_time_contiguous), &p);
+    if (p.inner == 1) {
+        ps_task_fn tc = NULL;
+#ifdef PS_FWD_TC_FAST
+        tc = PS_FWD_TC_FAST(&p);
+#endif
+        if (!tc) tc = FN(fwd_time_contiguous);
+        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, &p);
+    }
     else
         ps_parallel_for(p.outer * ((p.inner + PS_BLOCK - 1) / PS_BLOCK), nthreads, FN(fwd_time_major), &p);
     return 0;
@@ -262,8 +270,14 @@ PS_API int FN(ps_linear_scan_bwd)(const ps_linear_bwd_args *args) {
         PS_FLIP(p.grad_tokens, p.grad_tokens_stride);
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
-    if (p.inner == 1)
-        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, FN(bwd_time_contiguous), &p);
+    if (p.inner == 1) {
+        ps_task_fn tc = NULL;
+#ifdef PS_BWD_TC_FAST
+        tc = PS_BWD_TC_FAST(&p);
+#endif
+        if (!tc) tc = FN(bwd_time_contiguous);
+        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, &p);
+    }
     else
         ps_parallel_for(p.outer * ((p.inner + PS_BLOCK - 1) / PS_BLOCK), nthreads, FN(bwd_time_major), &p);
     return 0;

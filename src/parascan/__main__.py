@@ -1,0 +1,5 @@
+import sys
+
+from parascan.cli import main
+
+sys.exit(main())

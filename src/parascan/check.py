@@ -1,0 +1,122 @@
+"""``parascan check``: every available backend against the float64 loop, and
+gradcheck, on this machine. Exit status 1 when anything fails."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from parascan._backends import backends
+from parascan.linear import linear_scan
+from parascan.linear import reference as linear_reference
+
+__all__ = ["run_check"]
+
+_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+# Relative to the largest state magnitude: accumulation plus output rounding.
+_TOLERANCE = {
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+    torch.float32: 2e-5,
+    torch.complex64: 2e-5,
+    torch.float64: 1e-10,
+    torch.complex128: 1e-10,
+}
+_CASES = [  # (shape, dim, reverse, with initial)
+    ((3, 65, 257), 1, False, True),
+    ((9, 1031), -1, True, False),
+    ((2, 9, 33), 2, False, False),
+    ((4, 0, 3), 1, True, True),
+]
+
+
+@dataclass
+class CheckResult:
+    what: str
+    backend: str
+    passed: bool
+    detail: str
+
+
+def _high(dtype: torch.dtype) -> torch.dtype:
+    return torch.complex128 if dtype.is_complex else torch.float64
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    gates = (0.5 + 0.5 * torch.rand(shape, generator=gen, dtype=torch.float64)).to(dtype)
+    tokens = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    return gates.to(device), tokens.to(device)
+
+
+def _forward_checks(backend: str, device: str) -> Iterator[CheckResult]:
+    for dtype in _DTYPES:
+        worst, ok = 0.0, True
+        for i, (shape, dim, reverse, with_initial) in enumerate(_CASES):
+            gates, tokens = _inputs(shape, dtype, device, seed=i)
+            d = dim % len(shape)
+            initial = tokens.select(d, 0).clone() if with_initial and shape[d] else None
+            if with_initial and initial is None:
+                initial = torch.ones(shape[:d] + shape[d + 1 :], dtype=dtype, device=device)
+            out, final = linear_scan(
+                gates, tokens, dim, initial=initial, reverse=reverse, return_final=True,
+                backend=backend,
+            )  # fmt: skip
+            want = linear_reference.forward(
+                gates.to(_high(dtype)), tokens.to(_high(dtype)),
+                None if initial is None else initial.to(_high(dtype)), dim, reverse,
+            )  # fmt: skip
+            if out.numel() == 0:
+                continue
+            scale = max(1.0, want.abs().max().item())
+            err = (out.to(want.dtype) - want).abs().max().item() / scale
+            end = 0 if reverse else -1
+            err = max(err, (final.to(want.dtype) - want.select(d, end)).abs().max().item() / scale)
+            worst = max(worst, err)
+            ok = ok and err <= _TOLERANCE[dtype] and bool(torch.isfinite(out).all())
+        yield CheckResult(
+            f"forward {str(dtype).removeprefix('torch.')}", backend, ok, f"max rel err {worst:.1e}"
+        )
+
+
+def _gradchecks(backend: str, device: str) -> Iterator[CheckResult]:
+    for dtype in (torch.float64, torch.complex128):
+        for reverse in (False, True):
+            gates, tokens = _inputs((3, 6, 2), dtype, device, seed=7)
+            initial = tokens[:, 0].clone()
+            args = tuple(t.requires_grad_() for t in (gates, tokens, initial))
+
+            def fn(a, b, h, reverse=reverse):  # type: ignore[no-untyped-def]
+                return linear_scan(a, b, 1, initial=h, reverse=reverse, backend=backend)
+
+            try:
+                ok = torch.autograd.gradcheck(fn, args) and torch.autograd.gradgradcheck(fn, args)
+                detail = "gradcheck + gradgradcheck"
+            except Exception as exc:  # gradcheck raises on mismatch: report it, do not crash
+                ok, detail = False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            name = f"gradients {str(dtype).removeprefix('torch.')}{' reverse' if reverse else ''}"
+            yield CheckResult(name, backend, ok, detail)
+
+
+def run_check(devices: list[str] | None = None, out=sys.stdout) -> int:  # type: ignore[no-untyped-def]
+    devices = devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    failures = 0
+    print(f"{'check':<32}{'device':<8}{'backend':<9}{'result':<8}detail", file=out)
+    for device in devices:
+        for backend in backends(device):
+            for r in (*_forward_checks(backend, device), *_gradchecks(backend, device)):
+                failures += not r.passed
+                status = "ok" if r.passed else "FAILED"
+                print(f"{r.what:<32}{device:<8}{r.backend:<9}{status:<8}{r.detail}", file=out)
+    print(f"\n{'all checks passed' if failures == 0 else f'{failures} checks FAILED'}", file=out)
+    return 1 if failures else 0

@@ -1,0 +1,76 @@
+"""The parascan command line: info, check and bench."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+import parascan as ps
+from parascan import bench
+from parascan.check import run_check
+from parascan.cli import main
+
+
+def test_info_reports_versions_and_backends(capsys) -> None:
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parascan"] == ps.__version__
+    assert info["backends"]["cpu"] == ps.backends("cpu")
+    assert info["threads"] >= 1
+
+
+def test_python_dash_m_is_the_same_program() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "parascan", "info"], capture_output=True, text=True, check=True
+    )
+    assert "backends" in done.stdout and ps.__version__ in done.stdout
+
+
+def test_check_passes_on_this_machine() -> None:
+    out = io.StringIO()
+    assert run_check(["cpu"], out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "all checks passed" in text
+    for backend in ps.backends("cpu"):
+        assert f" {backend} " in text
+
+
+def test_bench_quick_json_reports_ratios_and_errors() -> None:
+    out = io.StringIO()
+    status = bench.run_bench(
+        workloads=bench.QUICK_WORKLOADS, backend_names=["torch"], repeat=1, as_json=True, out=out
+    )
+    assert status == 0
+    rows = json.loads(out.getvalue())["rows"]
+    assert {(r["workload"], r["direction"]) for r in rows} == {
+        (w.name, d) for w in bench.QUICK_WORKLOADS for d in ("forward", "backward")
+    }
+    for r in rows:
+        assert r["correct"] and r["max_error"] < 1e-4
+        assert r["ratio"] == pytest.approx(r["time_ms"] / r["limit_ms"])
+        assert r["tensors"] == (3 if r["direction"] == "forward" else 5)
+
+
+def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
+    from parascan.linear import ops
+
+    real = ops._FORWARD["torch"]
+    monkeypatch.setitem(ops._FORWARD, "torch", lambda *a: real(*a) * 1.01)
+    out = io.StringIO()
+    status = bench.run_bench(
+        workloads=bench.QUICK_WORKLOADS[:1], backend_names=["torch"], repeat=1, out=out
+    )
+    assert status == 1
+    assert "WRONG" in out.getvalue()
+
+
+@pytest.mark.slow
+def test_default_bench_workload_is_correct_for_every_backend() -> None:
+    """The full-size default workload (minutes): every backend matches the float64 loop."""
+    out = io.StringIO()
+    assert bench.run_bench(repeat=1, as_json=True, out=out) == 0
+    assert all(r["correct"] for r in json.loads(out.getvalue())["rows"])
