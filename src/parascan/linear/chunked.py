@@ -1,19 +1,21 @@
 """The ``torch`` backend for linear_scan: a parallel chunked scan in pure PyTorch.
 
 Summary of algorithm. The pair (a, b) stands for the affine map x -> a*x + b, and
-composing maps is associative: (a2, b2) after (a1, b1) = (a2*a1, a2*b1 + b2). So:
-  1. fold the initial state into the first token: b[0] += a[0] * initial;
-  2. split time into chunks of CHUNK steps (padding the tail with the identity map
-     a=1, b=0) and scan inside every chunk at once with log2(CHUNK) doubling steps
-     (Hillis-Steele), giving each step's map from the chunk start;
-  3. the chunks' total maps form a recurrence CHUNK times shorter: scan it the same
-     way (recursively), giving the state entering each chunk;
-  4. apply each step's map to the state entering its chunk.
-Work is O(T log CHUNK), depth O(log T); every step is a batched tensor op, so it
-runs on any device. Never divides by a gate, so zeros and tiny gates are exact.
+maps compose associatively, so time can be cut into K chunks of L ~ sqrt(T) steps:
+  1. inside all chunks at once, walk the L positions: each chunk's local state
+     (from a zero start) and the running product of its gates. That is L batched
+     tensor ops, each over all K chunks and all channels;
+  2. the chunks' end states obey a recurrence K steps long,
+     end[k] = prod[k] * end[k-1] + local_end[k]: solve it the same way (recursion);
+  3. add the state entering each chunk, times the running product: one op.
+Work is O(T) (about 7 passes over the data), depth O(sqrt(T)) batched ops, so it
+runs well on any device. It never divides by a gate: zero and tiny gates are exact.
+The initial state is folded into the first token; reverse flips time.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -21,35 +23,51 @@ from parascan._checks import accumulate_dtype
 
 __all__ = ["forward"]
 
-CHUNK = 16
-
-
-def _scan_chunks(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive scan of affine maps along dim 1 by doubling."""
-    length = a.shape[1]
-    shift = 1
-    while shift < length:
-        b = torch.cat([b[:, :shift], torch.addcmul(b[:, shift:], a[:, shift:], b[:, :-shift])], 1)
-        a = torch.cat([a[:, :shift], a[:, shift:] * a[:, :-shift]], 1)
-        shift *= 2
-    return a, b
+# Below this many steps one batched op per step is cheapest.
+SEQUENTIAL_STEPS = 32
 
 
 def _scan_time_first(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """x[t] = a[t] x[t-1] + b[t] along dim 0 from a zero state."""
+    """x[t] = a[t] x[t-1] + b[t] along dim 0 from a zero state; a new tensor."""
     steps, rest = a.shape[0], a.shape[1:]
-    if steps <= CHUNK:
-        return _scan_chunks(a.unsqueeze(0), b.unsqueeze(0))[1].squeeze(0)
-    pad = -steps % CHUNK
+    x = torch.empty((steps, *rest), dtype=b.dtype, device=b.device)
+    if steps <= SEQUENTIAL_STEPS:
+        if steps:
+            x[0] = b[0]
+        for t in range(1, steps):
+            torch.addcmul(b[t], a[t], x[t - 1], out=x[t])
+        return x
+    length = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
+    chunks = -(-steps // length)
+    pad = chunks * length - steps
     if pad:
         a = torch.cat([a, a.new_ones((pad, *rest))])
         b = torch.cat([b, b.new_zeros((pad, *rest))])
-    chunks = a.shape[0] // CHUNK
-    a_in, b_in = _scan_chunks(a.reshape(chunks, CHUNK, *rest), b.reshape(chunks, CHUNK, *rest))
-    ends = _scan_time_first(a_in[:, -1], b_in[:, -1])
+    a = a.reshape(chunks, length, *rest)
+    b = b.reshape(chunks, length, *rest)
+    local = torch.empty_like(b)
+    prod = torch.empty_like(a)
+    local[:, 0] = b[:, 0]
+    prod[:, 0] = a[:, 0]
+    for j in range(1, length):
+        torch.addcmul(b[:, j], a[:, j], local[:, j - 1], out=local[:, j])
+        torch.mul(prod[:, j - 1], a[:, j], out=prod[:, j])
+    ends = _scan_time_first(prod[:, -1], local[:, -1])
     entering = torch.cat([ends.new_zeros((1, *rest)), ends[:-1]])
-    x = torch.addcmul(b_in, a_in, entering.unsqueeze(1))
-    return x.reshape(chunks * CHUNK, *rest)[:steps]
+    local.addcmul_(prod, entering.unsqueeze(1))
+    x.copy_(local.reshape(chunks * length, *rest)[:steps])
+    return x
+
+
+def _time_first(t: torch.Tensor, dim: int, acc: torch.dtype, reverse: bool) -> torch.Tensor:
+    """``t`` with time moved to dim 0, in ``acc``, channels unit-stride when there are
+    channels (each batched op then reads whole cache lines)."""
+    t = t.movedim(dim, 0).to(acc)
+    if reverse:
+        t = t.flip(0)
+    if t.dim() > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
 
 
 def forward(
@@ -60,15 +78,12 @@ def forward(
     reverse: bool,
 ) -> torch.Tensor:
     """Same contract as ``reference.forward``."""
-    dtype = tokens.dtype
-    acc = accumulate_dtype(dtype)
-    a = gates.movedim(dim, 0).to(acc)
-    b = tokens.movedim(dim, 0).to(acc)
-    if reverse:
-        a, b = a.flip(0), b.flip(0)
-    out = torch.empty(tokens.shape, dtype=dtype, device=tokens.device)
-    if b.shape[0] == 0:
+    acc = accumulate_dtype(tokens.dtype)
+    out = torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+    if tokens.shape[dim] == 0:
         return out
+    a = _time_first(gates, dim, acc, reverse)
+    b = _time_first(tokens, dim, acc, reverse)
     if initial is not None:
         b = torch.cat([(b[0] + a[0] * initial.to(acc)).unsqueeze(0), b[1:]])
     x = _scan_time_first(a, b)
