@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import parascan as ps
+
 from conftest import (
     DTYPES,
     assert_matches,
@@ -13,8 +16,6 @@ from conftest import (
     random_gates,
     random_tokens,
 )
-
-import parascan as ps
 
 BACKENDS = ps.backends("cpu")
 # 33: one past the CPU kernel's time tile (32); 17 and 257: past the torch
@@ -186,7 +187,10 @@ def test_dtype_promotion(backend, gen) -> None:
 @pytest.mark.parametrize("dim", [0, 1, 2, -1, -2, -3])
 def test_every_dim_positive_and_negative(backend, dim, gen) -> None:
     shape = (5, 6, 7)
-    gates, tokens = random_gates(shape, torch.float64, gen), random_tokens(shape, torch.float64, gen)
+    gates, tokens = (
+        random_gates(shape, torch.float64, gen),
+        random_tokens(shape, torch.float64, gen),
+    )
     out = ps.linear_scan(gates, tokens, dim, backend=backend)
     assert_matches(out, loop_oracle(gates, tokens, dim)[0], torch.float64)
     assert torch.equal(out, ps.linear_scan(gates, tokens, dim % 3, backend=backend))
@@ -236,7 +240,10 @@ def test_results_do_not_depend_on_thread_count(gen) -> None:
     if "cpu" not in BACKENDS:
         pytest.skip("the cpu backend is not built")
     for shape, dim in [((4, 300, 200), 1), ((64, 2000), 1)]:
-        gates, tokens = random_gates(shape, torch.float32, gen), random_tokens(shape, torch.float32, gen)
+        gates, tokens = (
+            random_gates(shape, torch.float32, gen),
+            random_tokens(shape, torch.float32, gen),
+        )
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -257,7 +264,7 @@ def test_result_dtype_follows_torch_result_type() -> None:
                 gates, tokens = torch.ones(gate_shape, dtype=x), torch.ones(token_shape, dtype=y)
                 want = torch.result_type(gates, tokens)
                 if want == torch.complex32:
-                    with pytest.raises(TypeError, match="parascan.linear_scan"):
+                    with pytest.raises(TypeError, match=r"parascan\.linear_scan"):
                         ps.linear_scan(gates, tokens, 0)
                 else:
                     assert ps.linear_scan(gates, tokens, 0).dtype == want

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_matches, loop_oracle, random_gates, random_tokens
 from torch.autograd import gradcheck, gradgradcheck
 
 import parascan as ps
 from parascan.linear.ops import linear_scan_backward_op, linear_scan_op
+
+from conftest import assert_matches, loop_oracle, random_gates, random_tokens
 
 BACKENDS = ps.backends("cpu")
 
@@ -42,7 +43,8 @@ def test_gradcheck_with_broadcast_inputs(backend, gen) -> None:
     tokens = random_tokens((2, 5, 3), torch.float64, gen).requires_grad_()
     initial = random_tokens((3,), torch.float64, gen).requires_grad_()
     assert gradcheck(
-        lambda a, b, h: ps.linear_scan(a, b, -2, initial=h, backend=backend), (gates, tokens, initial)
+        lambda a, b, h: ps.linear_scan(a, b, -2, initial=h, backend=backend),
+        (gates, tokens, initial),
     )
 
 
@@ -61,7 +63,7 @@ def _op_samples(gen: torch.Generator):
 def test_opcheck_raw_ops(gen) -> None:
     for backend, args in _op_samples(gen):
         torch.library.opcheck(linear_scan_op, args)
-        a, b, initial, dim, reverse, _ = args
+        a, _, initial, dim, reverse, _ = args
         out = linear_scan_op(*args)
         grad_out = torch.randn(out.shape, generator=gen).to(out.dtype)
         torch.library.opcheck(
@@ -121,7 +123,9 @@ def test_jacrev_and_jvp(backend, gen) -> None:
     want = torch.func.jacrev(lambda b: loop_oracle(gates, b, 0)[0])(tokens)
     assert_matches(jac, want, torch.float64)
     tangent = random_tokens((7,), torch.float64, gen)
-    _, jvp = torch.func.jvp(lambda a: ps.linear_scan(a, tokens, 0, backend=backend), (gates,), (tangent,))
+    _, jvp = torch.func.jvp(
+        lambda a: ps.linear_scan(a, tokens, 0, backend=backend), (gates,), (tangent,)
+    )
     _, want_jvp = torch.func.jvp(lambda a: loop_oracle(a, tokens, 0)[0], (gates,), (tangent,))
     assert jvp.abs().max() > 0
     assert_matches(jvp, want_jvp, torch.float64)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
-from conftest import assert_matches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parascan as ps
+
+from conftest import assert_matches
 
 BACKENDS = ps.backends("cpu")
 
@@ -54,7 +55,9 @@ def test_scanning_a_concatenation_continues_from_the_final_state(problem, data) 
         gates, tokens, dim, initial=initial, reverse=reverse, return_final=True, backend=backend
     )
     # The part scanned first is the head in time order: the start, or the end when reversed.
-    first, second = (slice(cut, steps), slice(0, cut)) if reverse else (slice(0, cut), slice(cut, steps))
+    first, second = (
+        (slice(cut, steps), slice(0, cut)) if reverse else (slice(0, cut), slice(cut, steps))
+    )
 
     def part(t, s):
         return t.narrow(dim, s.start, s.stop - s.start)

@@ -1,12 +1,14 @@
 """Which backend computes a scan, per device.
 
-    cpu     compiled C kernels (CPU tensors)
-    triton  Triton kernels (CUDA tensors; not part of this version yet)
-    torch   pure PyTorch, parallel (chunked) algorithm, any device
-    loop    the sequential reference, any device, slow
+cpu     compiled C kernels (CPU tensors)
+triton  Triton kernels (CUDA tensors; not part of this version yet)
+torch   pure PyTorch, parallel (chunked) algorithm, any device
+loop    the sequential reference, any device, slow
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -17,11 +19,15 @@ __all__ = ["BACKENDS", "backends", "resolve_backend", "unavailable_reason"]
 BACKENDS = ("cpu", "triton", "torch", "loop")
 
 
-@torch.compiler.assume_constant_result
-def _kernel_library_error() -> str:
-    # Constant for the process; torch.compile evaluates it once instead of tracing
-    # into the file system. "" means the library loads.
+def _kernel_library_status() -> str:
     return kernel_library_error() or ""
+
+
+# Constant for the process: torch.compile evaluates it once instead of tracing into
+# the file system. "" means the library loads.
+_kernel_library_error: Callable[[], str] = torch.compiler.assume_constant_result(
+    _kernel_library_status
+)
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -68,9 +68,7 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 def describe(value: object) -> str:
     """A short description of a received value for error messages."""
     if isinstance(value, torch.Tensor):
-        return (
-            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
-        )
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     return f"{type(value).__name__} {value!r}"
 
 
@@ -84,11 +82,10 @@ def as_operand(
     if allow_number and isinstance(value, numbers.Number) and not isinstance(value, bool):
         # A 0-d floating tensor promotes like the Python scalar it came from: it
         # never widens the dtype of a dimensioned tensor of the same kind.
-        device = like.device if like is not None else None
-        number = complex(value) if isinstance(value, numbers.Complex) and not isinstance(
-            value, numbers.Real
-        ) else float(value)  # type: ignore[arg-type]
-        return torch.tensor(number, device=device)
+        number = torch.tensor(value, device=like.device if like is not None else None)
+        if not (number.is_floating_point() or number.is_complex()):
+            number = number.to(torch.get_default_dtype())
+        return number
     expected = "a Tensor or a Python number" if allow_number else "a Tensor"
     raise TypeError(f"{fn}: expected {name} to be {expected}, but got {describe(value)}")
 

@@ -164,14 +164,20 @@ def _bench_workload(
             limit_ms = lim * 1e3 * tensors / 3
             rows.append(
                 Row(
-                    workload=w.name, shape=w.shape, dim=w.dim,
-                    dtype=str(w.dtype).removeprefix("torch."), backend=backend,
-                    direction=direction, tensors=tensors,
-                    time_ms=None if t is None else t * 1e3, limit_ms=limit_ms,
+                    workload=w.name,
+                    shape=w.shape,
+                    dim=w.dim,
+                    dtype=str(w.dtype).removeprefix("torch."),
+                    backend=backend,
+                    direction=direction,
+                    tensors=tensors,
+                    time_ms=None if t is None else t * 1e3,
+                    limit_ms=limit_ms,
                     ratio=None if t is None else t * 1e3 / limit_ms,
-                    max_error=err, correct=correct,
+                    max_error=err,
+                    correct=correct,
                     times_ms=[x * 1e3 for x in times] if correct else [],
-                )  # fmt: skip
+                )
             )
         del out, ga, gb
     return rows
@@ -190,7 +196,7 @@ def format_table(rows: list[Row], info: dict[str, object]) -> str:
         time_s = f"{r.time_ms:10.2f}" if r.time_ms is not None else f"{'WRONG':>10}"
         ratio_s = f"{r.ratio:9.2f}" if r.ratio is not None else f"{'-':>9}"
         lines.append(
-            f"{r.workload:<30}{str(r.shape):<18}{r.dim:>4}  {r.backend:<8}{r.direction:<9}"
+            f"{r.workload:<30}{r.shape!s:<18}{r.dim:>4}  {r.backend:<8}{r.direction:<9}"
             f"{time_s}{r.limit_ms:10.2f}{ratio_s}{r.max_error:13.1e}"
         )
     return "\n".join(lines)

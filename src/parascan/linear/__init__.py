@@ -1,10 +1,10 @@
 """linear_scan: x[t] = gates[t] * x[t-1] + tokens[t].
 
-    api.py         the public function and its autograd.Function
-    ops.py         the torch.library ops (fake kernels, vmap rules) and the backward identity
-    reference.py   the sequential loop: the ``loop`` backend and the oracle
-    chunked.py     the ``torch`` backend: a parallel chunked scan in pure PyTorch
-    cpu.py         the ``cpu`` backend: ctypes bindings to cpu_kernel.c
+api.py         the public function and its autograd.Function
+ops.py         the torch.library ops (fake kernels, vmap rules) and the backward identity
+reference.py   the sequential loop: the ``loop`` backend and the oracle
+chunked.py     the ``torch`` backend: a parallel chunked scan in pure PyTorch
+cpu.py         the ``cpu`` backend: ctypes bindings to cpu_kernel.c
 """
 
 from parascan.linear.api import linear_scan

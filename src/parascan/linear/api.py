@@ -36,10 +36,11 @@ class _LinearScan(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool, backend: str
     ) -> Tensor:
-        return linear_scan_op(gates, tokens, initial, dim, reverse, backend)
+        out: Tensor = linear_scan_op(gates, tokens, initial, dim, reverse, backend)
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -49,7 +50,7 @@ class _LinearScan(torch.autograd.Function):
         ctx.dim, ctx.reverse, ctx.backend = dim, reverse, backend
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         gates, out, initial = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph (double backward, torch.func): the same reverse scan,
@@ -57,9 +58,7 @@ class _LinearScan(torch.autograd.Function):
             def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
                 return _apply(a, b, h, dim, reverse, ctx.backend)
 
-            grads = backward_via_scan(
-                scan, gates, out, grad_out, initial, ctx.dim, ctx.reverse
-            )
+            grads = backward_via_scan(scan, gates, out, grad_out, initial, ctx.dim, ctx.reverse)
         else:
             grads = linear_scan_backward_op(
                 gates, out, grad_out, initial, ctx.dim, ctx.reverse, ctx.backend
@@ -80,7 +79,7 @@ class _LinearScanForwardMode(_LinearScan):
     dynamo cannot trace an autograd.Function that defines ``jvp``."""
 
     @staticmethod
-    def jvp(  # type: ignore[override]
+    def jvp(
         ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None, *_: Any
     ) -> Tensor:
         # Forward mode: the tangent obeys the same recurrence,
@@ -96,7 +95,8 @@ def _apply(
     gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool, backend: str
 ) -> Tensor:
     fn = _LinearScan if torch.compiler.is_compiling() else _LinearScanForwardMode
-    return fn.apply(gates, tokens, initial, dim, reverse, backend)  # type: ignore[no-any-return]
+    out: Tensor = fn.apply(gates, tokens, initial, dim, reverse, backend)  # type: ignore[no-untyped-call]
+    return out
 
 
 @overload
@@ -168,8 +168,15 @@ def linear_scan(
         >>> import torch, parascan as ps
         >>> ps.linear_scan(torch.tensor([1.0, 0.5, 2.0]), torch.tensor([1.0, 1.0, 1.0]), 0)
         tensor([1.0000, 1.5000, 4.0000])
-        >>> ps.linear_scan(0.5, torch.ones(3), 0, initial=torch.tensor(2.0), reverse=True)
-        tensor([1.7500, 1.5000, 2.0000])
+        >>> ps.linear_scan(0.5, torch.ones(3), 0, reverse=True)
+        tensor([1.7500, 1.5000, 1.0000])
+        >>> out, final = ps.linear_scan(0.5, torch.ones(2, 3), 1, initial=torch.tensor([0.0, 4.0]),
+        ...                             return_final=True)
+        >>> out
+        tensor([[1.0000, 1.5000, 1.7500],
+                [3.0000, 2.5000, 2.2500]])
+        >>> final
+        tensor([1.7500, 2.2500])
     """
     tokens = as_operand(_NAME, "tokens", tokens, allow_number=False)
     gates = as_operand(_NAME, "gates", gates, allow_number=True, like=tokens)
@@ -195,7 +202,9 @@ def linear_scan(
                 f"but got {initial.dtype}"
             )
         if len(initial.shape) > len(state_shape) or (
-            broadcast_shape(_NAME, [("result without dim", state_shape), ("initial", initial.shape)])
+            broadcast_shape(
+                _NAME, [("result without dim", state_shape), ("initial", initial.shape)]
+            )
             != state_shape
         ):
             raise ValueError(

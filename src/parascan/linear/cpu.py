@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ _Strides2 = ctypes.c_int64 * 2
 
 
 class _ForwardArgs(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes layout, mirrors ps_linear_fwd_args)
+    _fields_ = [
         ("outer", ctypes.c_int64),
         ("steps", ctypes.c_int64),
         ("inner", ctypes.c_int64),
@@ -49,7 +50,7 @@ class _ForwardArgs(ctypes.Structure):
 
 
 class _BackwardArgs(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes layout, mirrors ps_linear_bwd_args)
+    _fields_ = [
         ("outer", ctypes.c_int64),
         ("steps", ctypes.c_int64),
         ("inner", ctypes.c_int64),
@@ -72,7 +73,7 @@ class _BackwardArgs(ctypes.Structure):
     ]
 
 
-def _kernel(direction: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+def _kernel(direction: str, dtype: torch.dtype) -> Any:
     fn = getattr(kernel_library(), f"ps_linear_scan_{direction}_{_SUFFIX[dtype]}")
     fn.restype = ctypes.c_int
     return fn
@@ -82,13 +83,17 @@ def _dims(shape: torch.Size, dim: int) -> tuple[int, int, int]:
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
 
-def _as3(t: torch.Tensor, dims: tuple[int, int, int]) -> tuple[torch.Tensor, _Strides3]:
+def _as3(
+    t: torch.Tensor, dims: tuple[int, int, int]
+) -> tuple[torch.Tensor, ctypes.Array[ctypes.c_int64]]:
     """A (outer, T, inner) view of ``t`` (a copy only when no view exists)."""
     t3 = t.reshape(dims)
     return t3, _Strides3(*t3.stride())
 
 
-def _as2(t: torch.Tensor | None, outer: int, inner: int) -> tuple[torch.Tensor | None, _Strides2]:
+def _as2(
+    t: torch.Tensor | None, outer: int, inner: int
+) -> tuple[torch.Tensor | None, ctypes.Array[ctypes.c_int64]]:
     if t is None:
         return None, _Strides2(0, 0)
     t2 = t.reshape(outer, inner)

@@ -82,11 +82,15 @@ def _conj(t: Tensor) -> Tensor:
     return t.conj_physical() if t.is_complex() else t
 
 
-def _resolved(t: Tensor | None) -> Tensor | None:
+def _resolved(t: Tensor) -> Tensor:
     """Materialize lazy conjugate/negative views before backend code sees them.
     Under AOT dispatch (torch.compile) a custom op's body can run with the
     Conjugate key excluded, so a conj view would silently read as unconjugated."""
-    return None if t is None else t.resolve_conj().resolve_neg()
+    return t.resolve_conj().resolve_neg()
+
+
+def _resolved_optional(t: Tensor | None) -> Tensor | None:
+    return None if t is None else _resolved(t)
 
 
 def _state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
@@ -99,7 +103,9 @@ def linear_scan_op(
     gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool, backend: str
 ) -> Tensor:
     """x[t] = gates[t] * x[t-1] + tokens[t] along ``dim``; a new contiguous tensor."""
-    return _FORWARD[backend](_resolved(gates), _resolved(tokens), _resolved(initial), dim, reverse)
+    return _FORWARD[backend](
+        _resolved(gates), _resolved(tokens), _resolved_optional(initial), dim, reverse
+    )
 
 
 @linear_scan_op.register_fake
@@ -122,7 +128,8 @@ def linear_scan_backward_op(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_gates, grad_tokens, grad_initial) of linear_scan, given its output."""
-    gates, out, grad_out, initial = map(_resolved, (gates, out, grad_out, initial))
+    gates, out, grad_out = _resolved(gates), _resolved(out), _resolved(grad_out)
+    initial = _resolved_optional(initial)
     if backend == "cpu":
         return cpu.backward(gates, out, grad_out, initial, dim, reverse)
     # Backends without a fused backward: one reverse scan, accumulating half types

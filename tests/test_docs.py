@@ -1,0 +1,17 @@
+"""The examples in the docstrings are exact: run them."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import parascan._backends
+import parascan.linear.api
+
+
+@pytest.mark.parametrize("module", [parascan.linear.api, parascan._backends])
+def test_docstring_examples(module) -> None:
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0
+    assert result.failed == 0
