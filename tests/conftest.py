@@ -2,16 +2,17 @@
 
 - Uninitialized memory is filled with NaN (torch's deterministic mode does this for
   every torch.empty), so an output element a kernel forgets to write fails a test.
-- One tolerance table, per dtype, for comparisons against the float64 oracle.
+- The tolerance table (parascan._tolerance, shared with `parascan check`) for
+  comparisons against the float64 oracle.
 - The oracle: a float64 sequential loop written here, independently of parascan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+
+from parascan._tolerance import TOLERANCE
 
 torch.use_deterministic_algorithms(True)
 torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
@@ -26,24 +27,6 @@ DTYPES = [
 ]
 
 
-@dataclass(frozen=True)
-class Tol:
-    rtol: float
-    atol: float
-
-
-# Tolerances for results compared with the float64 oracle run on the same (already
-# rounded) inputs: the error is accumulation plus the rounding of the output.
-TOL = {
-    torch.float16: Tol(2e-3, 2e-3),
-    torch.bfloat16: Tol(1.6e-2, 1.6e-2),
-    torch.float32: Tol(2e-5, 2e-5),
-    torch.complex64: Tol(2e-5, 2e-5),
-    torch.float64: Tol(1e-10, 1e-10),
-    torch.complex128: Tol(1e-10, 1e-10),
-}
-
-
 def oracle_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype.is_complex else torch.float64
 
@@ -52,12 +35,10 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     """``actual`` (any dtype) against a float64 ``expected``, with the tolerance of
     ``dtype``; the absolute part scales with the largest expected magnitude, since
     errors accumulate relative to the running state rather than to each element."""
-    tol = TOL[dtype]
+    rtol, atol = TOLERANCE[dtype]
     scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    torch.testing.assert_close(
-        actual.to(expected.dtype), expected, rtol=tol.rtol, atol=tol.atol * scale
-    )
+    torch.testing.assert_close(actual.to(expected.dtype), expected, rtol=rtol, atol=atol * scale)
 
 
 def loop_oracle(

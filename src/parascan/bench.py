@@ -23,14 +23,12 @@ import torch
 
 from parascan._backends import backends
 from parascan._sysinfo import summary
+from parascan._tolerance import TOLERANCE, relative_error
 from parascan.linear import linear_scan
 from parascan.linear import reference as linear_reference
 from parascan.linear.ops import backward_via_scan
 
 __all__ = ["DEFAULT_WORKLOADS", "Row", "Workload", "run_bench"]
-
-# Relative error (to the largest magnitude) above which a result counts as wrong.
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
 @dataclass(frozen=True)
@@ -102,11 +100,6 @@ def _time(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = max(1.0, want.abs().max().item())
-    return (got.to(want.dtype) - want).abs().max().item() / scale
-
-
 def _bench_workload(
     w: Workload, names: list[str], repeat: int, device: torch.device, progress: _Progress
 ) -> list[Row]:
@@ -139,10 +132,10 @@ def _bench_workload(
         def backward(out: torch.Tensor = out, a: torch.Tensor = a, b: torch.Tensor = b) -> Any:
             return torch.autograd.grad(out, (a, b), grad_out, retain_graph=True)
 
-        fwd_err = _rel_error(out.detach(), want)
+        fwd_err = relative_error(out.detach(), want)
         ga, gb = backward()
-        bwd_err = max(_rel_error(ga, want_ga), _rel_error(gb, want_gb))
-        tol = _TOLERANCE[w.dtype]
+        bwd_err = max(relative_error(ga, want_ga), relative_error(gb, want_gb))
+        tol = TOLERANCE[w.dtype][1]
 
         runs = max(1, repeat if backend not in ("loop",) else min(repeat, 2))
         limits, fwd_times, bwd_times = [], [], []
@@ -212,10 +205,12 @@ def plot(rows: list[Row], path: str) -> None:
         raise RuntimeError(
             "parascan bench --plot needs matplotlib: pip install 'parascan[bench]'"
         ) from exc
-    ok = [r for r in rows if r.ratio is not None]
-    labels = [f"{r.workload.removeprefix('linear_scan ')}\n{r.backend} {r.direction}" for r in ok]
+    ok = [(r, r.ratio) for r in rows if r.ratio is not None]
+    labels = [
+        f"{r.workload.removeprefix('linear_scan ')}\n{r.backend} {r.direction}" for r, _ in ok
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(ok)), 4))
-    ax.bar(range(len(ok)), [r.ratio for r in ok])
+    ax.bar(range(len(ok)), [ratio for _, ratio in ok])
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="bandwidth limit (torch.add)")
     ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_yscale("log")

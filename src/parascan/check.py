@@ -10,28 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from parascan._backends import backends
+from parascan._checks import FLOAT_DTYPES
+from parascan._tolerance import TOLERANCE, relative_error
 from parascan.linear import linear_scan
 from parascan.linear import reference as linear_reference
 
 __all__ = ["run_check"]
 
-_DTYPES = [
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-]
-# Relative to the largest state magnitude: accumulation plus output rounding.
-_TOLERANCE = {
-    torch.float16: 2e-3,
-    torch.bfloat16: 1.6e-2,
-    torch.float32: 2e-5,
-    torch.complex64: 2e-5,
-    torch.float64: 1e-10,
-    torch.complex128: 1e-10,
-}
 _CASES = [  # (shape, dim, reverse, with initial)
     ((3, 65, 257), 1, False, True),
     ((9, 1031), -1, True, False),
@@ -60,7 +45,7 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int):
 
 
 def _forward_checks(backend: str, device: str) -> Iterator[CheckResult]:
-    for dtype in _DTYPES:
+    for dtype in FLOAT_DTYPES:
         worst, ok = 0.0, True
         for i, (shape, dim, reverse, with_initial) in enumerate(_CASES):
             gates, tokens = _inputs(shape, dtype, device, seed=i)
@@ -78,12 +63,10 @@ def _forward_checks(backend: str, device: str) -> Iterator[CheckResult]:
             )  # fmt: skip
             if out.numel() == 0:
                 continue
-            scale = max(1.0, want.abs().max().item())
-            err = (out.to(want.dtype) - want).abs().max().item() / scale
             end = 0 if reverse else -1
-            err = max(err, (final.to(want.dtype) - want.select(d, end)).abs().max().item() / scale)
+            err = max(relative_error(out, want), relative_error(final, want.select(d, end)))
             worst = max(worst, err)
-            ok = ok and err <= _TOLERANCE[dtype] and bool(torch.isfinite(out).all())
+            ok = ok and err <= TOLERANCE[dtype][1] and bool(torch.isfinite(out).all())
         yield CheckResult(
             f"forward {str(dtype).removeprefix('torch.')}", backend, ok, f"max rel err {worst:.1e}"
         )
