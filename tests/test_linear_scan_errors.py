@@ -23,8 +23,8 @@ T = torch.ones(2, 5)
         (lambda: ps.linear_scan(True, T, 1), TypeError, ["gates", "bool"]),
         (lambda: ps.linear_scan(T, 1.0, 0), TypeError, ["tokens", "float"]),
         (lambda: ps.linear_scan(torch.ones(3), T, 1), ValueError, ["broadcast", "(3,)", "(2, 5)"]),
-        (lambda: ps.linear_scan(T, T, 2), IndexError, ["dim", "[-2, 1]", "got 2"]),
-        (lambda: ps.linear_scan(T, T, -3), IndexError, ["dim", "-3"]),
+        (lambda: ps.linear_scan(T, T, 2), ValueError, ["dim", "[-2, 1]", "got 2"]),
+        (lambda: ps.linear_scan(T, T, -3), IndexError, ["dim", "-3"]),  # like torch.cumsum
         (lambda: ps.linear_scan(T, T, 1.0), TypeError, ["dim", "float"]),
         (lambda: ps.linear_scan(T, T, None), TypeError, ["dim", "NoneType"]),
         (

@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "FLOAT_DTYPES",
+    "DimensionError",
     "accumulate_dtype",
     "as_operand",
     "broadcast_shape",
@@ -123,12 +124,16 @@ def broadcast_shape(fn: str, named: Sequence[tuple[str, Sequence[int]]]) -> tupl
     return tuple(out)
 
 
+class DimensionError(IndexError, ValueError):
+    """A dim out of range: an IndexError like torch's own, and a ValueError."""
+
+
 def normalize_dim(fn: str, dim: object, ndim: int) -> int:
     """``dim`` as a non-negative index into ``ndim`` dims, as torch.cumsum wraps it."""
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{fn}: expected dim to be an int, but got {describe(dim)}")
     if not -ndim <= dim < ndim:
-        raise IndexError(
+        raise DimensionError(
             f"{fn}: expected dim in the range [{-ndim}, {ndim - 1}] for a result with "
             f"{ndim} dimensions, but got {dim}"
         )
