@@ -192,7 +192,7 @@ def linear_scan(
     scalar = len(shape) == 0
     if scalar:  # like torch.cumsum, a 0-d input is a sequence of length 1
         shape = (1,)
-    d = normalize_dim(_NAME, dim, max(len(shape), 1) if not scalar else 1)
+    d = normalize_dim(_NAME, dim, len(shape))
     dtype = result_dtype(_NAME, gates, tokens)
     state_shape = shape[:d] + shape[d + 1 :]
     if initial is not None:
