@@ -1,6 +1,10 @@
+#define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE under -std=c11 */
 #include "parallel.h"
 
 #include <pthread.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 typedef struct {
     ps_task_fn fn;
@@ -43,4 +47,17 @@ void ps_parallel_for(int64_t n, int64_t nthreads, ps_task_fn fn, const void *ctx
         else
             ps_run_range(&ranges[i]);
     }
+}
+
+void ps_prefer_huge_pages(void *ptr, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21;
+    if (bytes < (int64_t)(2 * huge)) return;
+    const uintptr_t begin = ((uintptr_t)ptr + huge - 1) & ~(huge - 1);
+    const uintptr_t end = ((uintptr_t)ptr + (uintptr_t)bytes) & ~(huge - 1);
+    if (end > begin) (void)madvise((void *)begin, end - begin, MADV_HUGEPAGE);
+#else
+    (void)ptr;
+    (void)bytes;
+#endif
 }

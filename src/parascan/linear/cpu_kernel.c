@@ -15,7 +15,21 @@
 #define PS_HOT
 #endif
 
-enum { PS_BLOCK = 256, PS_ROWS = 8, PS_TILE = 64 };
+enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
+
+/* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
+ * blocks only when there are fewer rows than threads; multiples of 16 keep the
+ * blocks' starts aligned for SIMD. */
+static int64_t ps_channel_block(int64_t outer, int64_t inner, int64_t nthreads) {
+    int64_t nblk = (inner + PS_BLOCK - 1) / PS_BLOCK;
+    const int64_t want = outer > 0 ? (nthreads + outer - 1) / outer : 1;
+    const int64_t most = (inner + 63) / 64;
+    if (want > nblk) nblk = want < most ? want : most;
+    if (nblk < 1) nblk = 1;
+    int64_t block = (inner + nblk - 1) / nblk;
+    block = (block + 15) / 16 * 16;
+    return block < PS_BLOCK ? block : PS_BLOCK;
+}
 
 /* Below this many elements a kernel runs on the calling thread: starting
  * threads costs more than the work. */

@@ -12,9 +12,10 @@
  * channels, and each channel's chain is walked once, reading every input once
  * and writing every output once:
  *  - inner > 1 ("time-major", channels contiguous): a work unit is one outer
- *    index and a block of PS_BLOCK channels; the block's states live in a small
- *    local array, and each time step is a unit-stride loop the compiler
- *    vectorizes.
+ *    index and a block of channels (whole rows of up to PS_BLOCK channels, split
+ *    further only when there are fewer rows than threads), so each thread streams
+ *    through memory; the block's states live in a local array, and each time
+ *    step is a unit-stride loop the compiler vectorizes.
  *  - inner == 1 ("time-contiguous"): a work unit is PS_ROWS rows whose chains
  *    are stepped together through transposed tiles of PS_TILE steps, so the
  *    independent chains form one vector and hide the multiply-add latency.
@@ -53,11 +54,12 @@ PS_HOT static void FN(fwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
     const ps_linear_fwd_args *p = (const ps_linear_fwd_args *)vp;
     const int64_t *gs = p->gates_stride, *ts = p->tokens_stride, *xs = p->out_stride;
     const int64_t *is = p->initial_stride;
-    const int64_t nblk = (p->inner + PS_BLOCK - 1) / PS_BLOCK;
+    const int64_t block = ps_channel_block(p->outer, p->inner, p->nthreads);
+    const int64_t nblk = (p->inner + block - 1) / block;
     ACC s[PS_BLOCK];
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t o = u / nblk, c0 = (u % nblk) * PS_BLOCK;
-        const int64_t n = p->inner - c0 < PS_BLOCK ? p->inner - c0 : PS_BLOCK;
+        const int64_t o = u / nblk, c0 = (u % nblk) * block;
+        const int64_t n = p->inner - c0 < block ? p->inner - c0 : block;
         const ST *a = (const ST *)p->gates + o * gs[0] + c0 * gs[2];
         const ST *b = (const ST *)p->tokens + o * ts[0] + c0 * ts[2];
         ST *x = (ST *)p->out + o * xs[0] + c0 * xs[2];
@@ -155,11 +157,12 @@ PS_HOT static void FN(bwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
     const int64_t *as = p->gates_stride, *xs = p->out_stride, *gxs = p->grad_out_stride;
     const int64_t *gas = p->grad_gates_stride, *gbs = p->grad_tokens_stride;
     const int64_t *is = p->initial_stride, *gis = p->grad_initial_stride;
-    const int64_t nblk = (p->inner + PS_BLOCK - 1) / PS_BLOCK;
+    const int64_t block = ps_channel_block(p->outer, p->inner, p->nthreads);
+    const int64_t nblk = (p->inner + block - 1) / block;
     ACC g[PS_BLOCK], an[PS_BLOCK];
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t o = u / nblk, c0 = (u % nblk) * PS_BLOCK;
-        const int64_t n = p->inner - c0 < PS_BLOCK ? p->inner - c0 : PS_BLOCK;
+        const int64_t o = u / nblk, c0 = (u % nblk) * block;
+        const int64_t n = p->inner - c0 < block ? p->inner - c0 : block;
         const ST *a = (const ST *)p->gates + o * as[0] + c0 * as[2];
         const ST *x = (const ST *)p->out + o * xs[0] + c0 * xs[2];
         const ST *gx = (const ST *)p->grad_out + o * gxs[0] + c0 * gxs[2];
@@ -232,6 +235,7 @@ PS_API int FN(ps_linear_scan_fwd)(const ps_linear_fwd_args *args) {
     if (args->outer == 0 || args->steps == 0 || args->inner == 0) return 0;
     ps_linear_fwd_args p = *args;
     const int64_t steps = p.steps;
+    ps_prefer_huge_pages(p.out, p.outer * p.steps * p.inner * (int64_t)sizeof(ST));
     if (p.reverse) {
         PS_FLIP(p.gates, p.gates_stride);
         PS_FLIP(p.tokens, p.tokens_stride);
@@ -245,9 +249,11 @@ PS_API int FN(ps_linear_scan_fwd)(const ps_linear_fwd_args *args) {
 #endif
         if (!tc) tc = FN(fwd_time_contiguous);
         ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, &p);
+    } else {
+        p.nthreads = nthreads;
+        const int64_t block = ps_channel_block(p.outer, p.inner, nthreads);
+        ps_parallel_for(p.outer * ((p.inner + block - 1) / block), nthreads, FN(fwd_time_major), &p);
     }
-    else
-        ps_parallel_for(p.outer * ((p.inner + PS_BLOCK - 1) / PS_BLOCK), nthreads, FN(fwd_time_major), &p);
     return 0;
 }
 
@@ -262,6 +268,8 @@ PS_API int FN(ps_linear_scan_bwd)(const ps_linear_bwd_args *args) {
     }
     ps_linear_bwd_args p = *args;
     const int64_t steps = p.steps;
+    ps_prefer_huge_pages(p.grad_gates, p.outer * p.steps * p.inner * (int64_t)sizeof(ST));
+    ps_prefer_huge_pages(p.grad_tokens, p.outer * p.steps * p.inner * (int64_t)sizeof(ST));
     if (p.reverse) {
         PS_FLIP(p.gates, p.gates_stride);
         PS_FLIP(p.out, p.out_stride);
@@ -277,9 +285,11 @@ PS_API int FN(ps_linear_scan_bwd)(const ps_linear_bwd_args *args) {
 #endif
         if (!tc) tc = FN(bwd_time_contiguous);
         ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, &p);
+    } else {
+        p.nthreads = nthreads;
+        const int64_t block = ps_channel_block(p.outer, p.inner, nthreads);
+        ps_parallel_for(p.outer * ((p.inner + block - 1) / block), nthreads, FN(bwd_time_major), &p);
     }
-    else
-        ps_parallel_for(p.outer * ((p.inner + PS_BLOCK - 1) / PS_BLOCK), nthreads, FN(bwd_time_major), &p);
     return 0;
 }
 
