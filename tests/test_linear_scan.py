@@ -270,3 +270,55 @@ def test_result_dtype_follows_torch_result_type() -> None:
                     assert ps.linear_scan(gates, tokens, 0).dtype == want
     assert ps.linear_scan(0.5j, torch.ones(3), 0).dtype == torch.complex64
     assert ps.linear_scan(2, torch.ones(3, dtype=torch.float64), 0).dtype == torch.float64
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eager_fast_path_is_taken_and_correct(dtype, gen, monkeypatch) -> None:
+    """Plain CPU calls that need no gradient skip the op machinery; the result is
+    the same kernel's, checked against the oracle."""
+    from parascan.linear import ops
+
+    def fail(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setitem(ops._FORWARD, "cpu", fail)
+    for shape, dim in [((2, 65, 257), 1), ((9, 63), -1), ((3, 4, 33), -3)]:
+        gates, tokens = random_gates(shape, dtype, gen), random_tokens(shape, dtype, gen)
+        d = dim % len(shape)
+        initial = random_tokens(shape[:d] + shape[d + 1 :], dtype, gen)
+        for reverse in (False, True):
+            for h in (None, initial):
+                out = ps.linear_scan(gates, tokens, dim, initial=h, reverse=reverse)
+                high = oracle_dtype(dtype)
+                want, _ = loop_oracle(
+                    gates.to(high), tokens.to(high), dim, None if h is None else h.to(high), reverse
+                )
+                assert_matches(out, want, dtype)
+
+
+def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) -> None:
+    from parascan.linear import api, ops
+
+    calls = []
+    real = ops._FORWARD["torch"]
+    monkeypatch.setattr(api, "_cpu_fast_path", lambda *a: calls.append("fast"))
+    monkeypatch.setitem(ops._FORWARD, "torch", lambda *a: calls.append("op") or real(*a))
+    x = random_tokens((3, 20), torch.float32, gen)
+    ps.linear_scan(x, x, 1, backend="torch")
+    assert calls == ["fast", "op"]
+    from parascan.linear.api import _cpu_fast_path as fast
+
+    a = random_gates((3, 20), torch.float32, gen)
+    assert fast(a.requires_grad_(), x, 1, None, False, "auto") is None  # needs autograd
+    a = a.detach()
+    assert fast(a, x, 1, None, False, "torch") is None  # another backend
+    assert fast(a, x.double(), 1, None, False, "auto") is None  # mixed dtypes
+    assert fast(a, x[:, :1], 1, None, False, "auto") is None  # broadcasting
+    assert fast(a.to(torch.complex64).conj(), x.to(torch.complex64), 1, None, False, "auto") is None
+    assert fast(a, x, 2, None, False, "auto") is None  # bad dim: the general path raises
+    assert fast(a, x, 1, torch.zeros(3, 1), False, "auto") is None  # broadcast initial
+    seen = []
+    torch.func.vmap(lambda t: seen.append(fast(t, t, 0, None, False, "auto")) or t)(x)
+    assert seen == [None]  # under a torch.func transform
+    assert fast(a, x, 1, None, False, "auto") is not None

@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 
 from parascan._backends import resolve_backend
+from parascan._native import kernel_library_error
 from parascan._checks import (
+    FLOAT_DTYPES,
     as_operand,
     broadcast_shape,
     check_dtype,
@@ -17,6 +19,7 @@ from parascan._checks import (
     normalize_dim,
     result_dtype,
 )
+from parascan.linear import cpu
 from parascan.linear.ops import (
     backward_via_scan,
     linear_scan_backward_op,
@@ -99,6 +102,65 @@ def _apply(
     return out
 
 
+def _plain_eager(*tensors: Tensor | None) -> bool:
+    """True when the call runs eagerly on ordinary tensors: no torch.compile, no
+    torch.func transform, no dispatch mode, no tensor subclass (fake, functional)."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+    )
+
+
+def _cpu_fast_path(
+    gates: object, tokens: object, dim: object, initial: object, reverse: object, backend: object
+) -> Tensor | None:
+    """The cpu kernel called directly, for the common call that needs nothing of the
+    op machinery: plain CPU tensors of one shape and dtype that need no gradient.
+    Returns None (take the general path, which validates everything and owns every
+    error message) for anything else. A small scan costs microseconds in the
+    kernel, so the tens of microseconds of dispatch are what this path saves."""
+    if not (
+        type(gates) is torch.Tensor
+        and type(tokens) is torch.Tensor
+        and (initial is None or type(initial) is torch.Tensor)
+        and type(dim) is int
+        and type(reverse) is bool
+        and backend in ("auto", "cpu")
+    ):
+        return None
+    dtype, shape = tokens.dtype, tokens.shape
+    if (
+        gates.dtype != dtype
+        or gates.shape != shape
+        or dtype not in FLOAT_DTYPES
+        or tokens.device.type != "cpu"
+        or gates.device.type != "cpu"
+        or not -len(shape) <= dim < len(shape)
+        or gates.is_conj()
+        or tokens.is_conj()
+        or gates.is_neg()
+        or tokens.is_neg()
+        or (torch.is_grad_enabled() and (gates.requires_grad or tokens.requires_grad))
+        or not _plain_eager()
+        or kernel_library_error() is not None
+    ):
+        return None
+    if initial is not None:
+        d = dim % len(shape)
+        if (
+            initial.dtype != dtype
+            or initial.device.type != "cpu"
+            or initial.shape != shape[:d] + shape[d + 1 :]
+            or initial.is_conj()
+            or initial.is_neg()
+            or (torch.is_grad_enabled() and initial.requires_grad)
+        ):
+            return None
+    return cpu.forward(gates, tokens, initial, dim, reverse)
+
+
 @overload
 def linear_scan(
     gates: Tensor | float,
@@ -178,6 +240,10 @@ def linear_scan(
         >>> final
         tensor([1.7500, 2.2500])
     """
+    if not return_final and not torch.compiler.is_compiling():
+        fast = _cpu_fast_path(gates, tokens, dim, initial, reverse, backend)
+        if fast is not None:
+            return fast
     tokens = as_operand(_NAME, "tokens", tokens, allow_number=False)
     gates = as_operand(_NAME, "gates", gates, allow_number=True, like=tokens)
     check_dtype(_NAME, "gates", gates)

@@ -4,11 +4,16 @@ Inputs arrive with lazy conj/neg views resolved (ops.py). Each tensor goes to th
 kernel as a strided 3-d view (outer, T, inner) around the scan dim, without copying
 when its strides allow it (contiguous, transposed, sliced and broadcast inputs all
 do). Outputs are new contiguous tensors.
+
+The argument structs of cpu_kernel.h are passed as flat int64 arrays, in the
+structs' member order (every member is 64 bits wide): building one array is a
+single call, which keeps a small scan's Python overhead to a few microseconds.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any
 
@@ -27,55 +32,29 @@ _SUFFIX = {
     torch.complex128: "c128",
 }
 
-_Strides3 = ctypes.c_int64 * 3
-_Strides2 = ctypes.c_int64 * 2
+# ps_linear_fwd_args: outer, steps, inner, gates, gates_stride[3], tokens,
+# tokens_stride[3], initial, initial_stride[2], out, out_stride[3], reverse, nthreads
+_ForwardArgs = ctypes.c_int64 * 20
+# ps_linear_bwd_args: outer, steps, inner, gates, stride[3], out, stride[3], grad_out,
+# stride[3], initial, stride[2], grad_gates, stride[3], grad_tokens, stride[3],
+# grad_initial, stride[2], reverse, nthreads
+_BackwardArgs = ctypes.c_int64 * 31
 
 
-class _ForwardArgs(ctypes.Structure):
-    _fields_ = [
-        ("outer", ctypes.c_int64),
-        ("steps", ctypes.c_int64),
-        ("inner", ctypes.c_int64),
-        ("gates", ctypes.c_void_p),
-        ("gates_stride", _Strides3),
-        ("tokens", ctypes.c_void_p),
-        ("tokens_stride", _Strides3),
-        ("initial", ctypes.c_void_p),
-        ("initial_stride", _Strides2),
-        ("out", ctypes.c_void_p),
-        ("out_stride", _Strides3),
-        ("reverse", ctypes.c_int64),
-        ("nthreads", ctypes.c_int64),
-    ]
-
-
-class _BackwardArgs(ctypes.Structure):
-    _fields_ = [
-        ("outer", ctypes.c_int64),
-        ("steps", ctypes.c_int64),
-        ("inner", ctypes.c_int64),
-        ("gates", ctypes.c_void_p),
-        ("gates_stride", _Strides3),
-        ("out", ctypes.c_void_p),
-        ("out_stride", _Strides3),
-        ("grad_out", ctypes.c_void_p),
-        ("grad_out_stride", _Strides3),
-        ("initial", ctypes.c_void_p),
-        ("initial_stride", _Strides2),
-        ("grad_gates", ctypes.c_void_p),
-        ("grad_gates_stride", _Strides3),
-        ("grad_tokens", ctypes.c_void_p),
-        ("grad_tokens_stride", _Strides3),
-        ("grad_initial", ctypes.c_void_p),
-        ("grad_initial_stride", _Strides2),
-        ("reverse", ctypes.c_int64),
-        ("nthreads", ctypes.c_int64),
-    ]
-
-
+@functools.cache
 def _kernel(direction: str, dtype: torch.dtype) -> Any:
-    fn = getattr(kernel_library(), f"ps_linear_scan_{direction}_{_SUFFIX[dtype]}")
+    lib = kernel_library()
+    for name, args in (("fwd", _ForwardArgs), ("bwd", _BackwardArgs)):
+        size = getattr(lib, f"ps_linear_{name}_args_size")
+        size.restype = ctypes.c_int64
+        if size() != ctypes.sizeof(args):
+            raise RuntimeError(
+                f"parascan: the kernel library's ps_linear_{name}_args has {size()} bytes, "
+                f"these bindings expect {ctypes.sizeof(args)}; rebuild it (pip install -e .)"
+            )
+    fn = getattr(lib, f"ps_linear_scan_{direction}_{_SUFFIX[dtype]}")
     fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p]
     return fn
 
 
@@ -83,25 +62,28 @@ def _dims(shape: torch.Size, dim: int) -> tuple[int, int, int]:
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
 
-def _as3(
+def _view3(
     t: torch.Tensor, dims: tuple[int, int, int]
-) -> tuple[torch.Tensor, ctypes.Array[ctypes.c_int64]]:
-    """A (outer, T, inner) view of ``t`` (a copy only when no view exists)."""
-    t3 = t.reshape(dims)
-    return t3, _Strides3(*t3.stride())
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``t`` seen as (outer, T, inner): the tensor to read (a copy only when no view
+    exists; the caller holds it while the kernel runs) and its three strides.
+    Contiguous tensors, the common case, need no view object at all."""
+    if t.is_contiguous():
+        return t, (dims[1] * dims[2], dims[2], 1)
+    v = t.reshape(dims)
+    return v, v.stride()  # type: ignore[return-value]
 
 
-def _as2(
+def _state(
     t: torch.Tensor | None, outer: int, inner: int
-) -> tuple[torch.Tensor | None, ctypes.Array[ctypes.c_int64]]:
+) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
+    """A state tensor as (outer, inner), and its (data pointer, strides) for the
+    kernel (NULL for None). The caller holds the tensor while the kernel runs: it
+    may be a copy that nothing else references."""
     if t is None:
-        return None, _Strides2(0, 0)
+        return None, (0, 0, 0)
     t2 = t.reshape(outer, inner)
-    return t2, _Strides2(*t2.stride())
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    return t2, (t2.data_ptr(), t2.stride(0), t2.stride(1))
 
 
 def forward(
@@ -115,16 +97,15 @@ def forward(
     dim %= tokens.dim()
     dims = _dims(tokens.shape, dim)
     out = torch.empty(tokens.shape, dtype=tokens.dtype)
-    a, a_s = _as3(gates, dims)
-    b, b_s = _as3(tokens, dims)
-    h, h_s = _as2(initial, dims[0], dims[2])
-    x = out.view(dims)
+    (a, a_s), (b, b_s), (x, x_s) = _view3(gates, dims), _view3(tokens, dims), _view3(out, dims)
+    h_keep, h = _state(initial, dims[0], dims[2])
     args = _ForwardArgs(
-        *dims, a.data_ptr(), a_s, b.data_ptr(), b_s, _ptr(h), h_s,
-        x.data_ptr(), _Strides3(*x.stride()), int(reverse), torch.get_num_threads(),
+        *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
+        x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
     )  # fmt: skip
-    if _kernel("fwd", tokens.dtype)(ctypes.byref(args)) != 0:
+    if _kernel("fwd", tokens.dtype)(args) != 0:
         raise RuntimeError(f"parascan: linear_scan CPU kernel rejected shape {dims}")
+    del h_keep
     return out
 
 
@@ -142,19 +123,16 @@ def backward(
     dims = _dims(out.shape, dim)
     grad_gates = torch.empty(out.shape, dtype=out.dtype)
     grad_tokens = torch.empty(out.shape, dtype=out.dtype)
-    state_shape = out.shape[:dim] + out.shape[dim + 1 :]
-    grad_initial = torch.empty(state_shape, dtype=out.dtype)
-    a, a_s = _as3(gates, dims)
-    x, x_s = _as3(out, dims)
-    gx, gx_s = _as3(grad_out, dims)
-    h, h_s = _as2(initial, dims[0], dims[2])
-    ga, gb = grad_gates.view(dims), grad_tokens.view(dims)
-    gh = grad_initial.view(dims[0], dims[2])
+    grad_initial = torch.empty((*out.shape[:dim], *out.shape[dim + 1 :]), dtype=out.dtype)
+    (a, a_s), (x, x_s), (gx, gx_s) = (_view3(t, dims) for t in (gates, out, grad_out))
+    (ga, ga_s), (gb, gb_s) = _view3(grad_gates, dims), _view3(grad_tokens, dims)
+    h_keep, h = _state(initial, dims[0], dims[2])
     args = _BackwardArgs(
-        *dims, a.data_ptr(), a_s, x.data_ptr(), x_s, gx.data_ptr(), gx_s, _ptr(h), h_s,
-        ga.data_ptr(), _Strides3(*ga.stride()), gb.data_ptr(), _Strides3(*gb.stride()),
-        gh.data_ptr(), _Strides2(*gh.stride()), int(reverse), torch.get_num_threads(),
+        *dims, a.data_ptr(), *a_s, x.data_ptr(), *x_s, gx.data_ptr(), *gx_s,
+        *h, ga.data_ptr(), *ga_s, gb.data_ptr(), *gb_s, grad_initial.data_ptr(), dims[2], 1,
+        reverse, torch.get_num_threads(),
     )  # fmt: skip
-    if _kernel("bwd", out.dtype)(ctypes.byref(args)) != 0:
+    if _kernel("bwd", out.dtype)(args) != 0:
         raise RuntimeError(f"parascan: linear_scan CPU kernel rejected shape {dims}")
+    del h_keep
     return grad_gates, grad_tokens, grad_initial

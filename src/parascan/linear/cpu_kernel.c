@@ -39,6 +39,11 @@ static int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
 
 PS_API int64_t ps_abi_version(void) { return 1; }
 
+/* Python passes the argument structs as flat int64 arrays (every member is 64
+ * bits wide); it checks these sizes once against its own layout. */
+PS_API int64_t ps_linear_fwd_args_size(void) { return (int64_t)sizeof(ps_linear_fwd_args); }
+PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_bwd_args); }
+
 /* Real types: ACC arithmetic is plain C. conj is the identity. */
 #define FMA(a, s, b) ((a) * (s) + (b))
 #define CFMA(a, s, b) ((a) * (s) + (b))
