@@ -300,6 +300,7 @@ def test_eager_fast_path_is_taken_and_correct(dtype, gen, monkeypatch) -> None:
 def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) -> None:
     from parascan.linear import api, ops
 
+    fast = api._cpu_fast_path
     calls = []
     real = ops._FORWARD["torch"]
     monkeypatch.setattr(api, "_cpu_fast_path", lambda *a: calls.append("fast"))
@@ -307,8 +308,6 @@ def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) 
     x = random_tokens((3, 20), torch.float32, gen)
     ps.linear_scan(x, x, 1, backend="torch")
     assert calls == ["fast", "op"]
-    from parascan.linear.api import _cpu_fast_path as fast
-
     a = random_gates((3, 20), torch.float32, gen)
     assert fast(a.requires_grad_(), x, 1, None, False, "auto") is None  # needs autograd
     a = a.detach()

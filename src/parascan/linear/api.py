@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from parascan._backends import resolve_backend
-from parascan._native import kernel_library_error
 from parascan._checks import (
     FLOAT_DTYPES,
     as_operand,
@@ -19,6 +18,7 @@ from parascan._checks import (
     normalize_dim,
     result_dtype,
 )
+from parascan._native import kernel_library_error
 from parascan.linear import cpu
 from parascan.linear.ops import (
     backward_via_scan,
