@@ -321,3 +321,24 @@ def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) 
     torch.func.vmap(lambda t: seen.append(fast(t, t, 0, None, False, "auto")) or t)(x)
     assert seen == [None]  # under a torch.func transform
     assert fast(a, x, 1, None, False, "auto") is not None
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "steps"), [(1, 2**16 + 1031), (3, 2**16 + 8 * 1024)])
+def test_long_sequences_chunked_over_time(dtype, rows, steps, gen) -> None:
+    """Few rows and long T: the CPU kernel cuts time into chunks scanned in
+    parallel (past 2**16 steps); outputs and final state against the loop."""
+    reverse = rows == 3
+    gates = random_gates((rows, steps), dtype, gen)
+    tokens = random_tokens((rows, steps), dtype, gen)
+    initial = random_tokens((rows,), dtype, gen)
+    out, final = ps.linear_scan(
+        gates, tokens, -1, initial=initial, reverse=reverse, return_final=True, backend="cpu"
+    )
+    high = oracle_dtype(dtype)
+    want, want_final = loop_oracle(
+        gates.to(high), tokens.to(high), -1, initial.to(high), reverse
+    )
+    assert_matches(out, want, dtype)
+    assert_matches(final, want_final, dtype)

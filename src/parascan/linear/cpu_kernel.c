@@ -9,6 +9,8 @@
 
 #include "parallel.h"
 
+#include <stdlib.h>
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PS_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -16,6 +18,9 @@
 #endif
 
 enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
+
+/* Rows at least this long, with few rows, are cut into chunks scanned in parallel. */
+#define PS_LONG_STEPS (INT64_C(1) << 16)
 
 /* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
  * blocks only when there are fewer rows than threads; multiples of 16 keep the
@@ -61,11 +66,14 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define LD(p) (*(p))
 #define STO(p, v) (*(p) = (v))
 #define ZERO 0.0f
+#define ONE 1.0f
+#define PS_ACC_IS_STORAGE
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
 #undef ACC
 #undef ZERO
+#undef ONE
 #undef PS_FWD_TC_FAST
 #undef PS_BWD_TC_FAST
 
@@ -73,6 +81,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define ST double
 #define ACC double
 #define ZERO 0.0
+#define ONE 1.0
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -80,6 +89,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef LD
 #undef STO
 #undef ZERO
+#undef ONE
+#undef PS_ACC_IS_STORAGE
 
 #define SFX f16
 #define ST _Float16
@@ -87,6 +98,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define LD(p) ((float)*(p))
 #define STO(p, v) (*(p) = (_Float16)(v))
 #define ZERO 0.0f
+#define ONE 1.0f
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -106,6 +118,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef LD
 #undef STO
 #undef ZERO
+#undef ONE
 #undef FMA
 #undef CFMA
 #undef MULC
@@ -126,6 +139,7 @@ PS_COMPLEX_OPS(ps_c128)
 
 #define LD(p) (*(p))
 #define STO(p, v) (*(p) = (v))
+#define PS_ACC_IS_STORAGE
 
 #define SFX c64
 #define ST ps_c64
@@ -134,6 +148,7 @@ PS_COMPLEX_OPS(ps_c128)
 #define CFMA ps_c64_cfma
 #define MULC ps_c64_mulc
 #define ZERO ((ps_c64){0.0f, 0.0f})
+#define ONE ((ps_c64){1.0f, 0.0f})
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -142,6 +157,7 @@ PS_COMPLEX_OPS(ps_c128)
 #undef CFMA
 #undef MULC
 #undef ZERO
+#undef ONE
 
 #define SFX c128
 #define ST ps_c128
@@ -150,4 +166,5 @@ PS_COMPLEX_OPS(ps_c128)
 #define CFMA ps_c128_cfma
 #define MULC ps_c128_mulc
 #define ZERO ((ps_c128){0.0, 0.0})
+#define ONE ((ps_c128){1.0, 0.0})
 #include "cpu_kernel_impl.h"

@@ -3,7 +3,8 @@
  *   SFX        name suffix (f32, ...)        ST   storage type     ACC  accumulation type
  *   LD(p)      load *p as ACC                STO(p, v)  store ACC v to *p
  *   FMA(a,s,b) a * s + b                     CFMA(a,s,b) conj(a) * s + b
- *   MULC(g,x)  g * conj(x)                   ZERO  ACC zero
+ *   MULC(g,x)  g * conj(x)                   ZERO  ACC zero      ONE  ACC one
+ *   PS_ACC_IS_STORAGE  defined when ACC and ST are one type (enables long chunks)
  * and optionally PS_FWD_TC_FAST / PS_BWD_TC_FAST: functions that return a faster
  * time-contiguous worker for the given arguments, or NULL.
  *
@@ -124,6 +125,126 @@ PS_HOT static void FN(fwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
     }
 }
 
+#ifdef PS_ACC_IS_STORAGE
+/* Long sequences with few chains (inner == 1, few rows): the time axis of each row
+ * is cut into chunks that run in parallel, in three phases:
+ *   1. every full chunk is reduced to its affine map: the product of its gates and
+ *      its final state from a zero start (8 chunks step together, as rows);
+ *   2. the chunks' carries are chained, one step per chunk, serially;
+ *   3. the ordinary time-contiguous kernel runs over the chunks as rows, each
+ *      starting from its carry (the tail past the last full chunk runs last).
+ * It reads the inputs twice, so it is used only where the direct kernel would leave
+ * SIMD lanes and threads idle. Only for dtypes that accumulate in their own type:
+ * the carries pass through the kernel's `initial`, which has the storage type. */
+typedef struct {
+    ps_linear_fwd_args p; /* a chunk per row: outer = chunks, steps = chunk length */
+    ps_linear_fwd_args full; /* the whole problem */
+    ps_task_fn scan;      /* phase 3: the time-contiguous worker */
+    ACC *prod, *state;    /* per (row, chunk): product of gates, final state from 0 */
+    ACC *carry;           /* per (row, chunk): the state entering the chunk */
+} FN(long_job);
+
+/* The chunk rows of original row o, as a time-contiguous problem. */
+static ps_linear_fwd_args FN(chunk_rows)(const FN(long_job) *job, int64_t o) {
+    const ps_linear_fwd_args *f = &job->full;
+    ps_linear_fwd_args r = job->p;
+    r.gates = (const ST *)f->gates + o * f->gates_stride[0];
+    r.tokens = (const ST *)f->tokens + o * f->tokens_stride[0];
+    r.out = (ST *)f->out + o * f->out_stride[0];
+    r.initial = job->carry + o * job->p.outer;
+    return r;
+}
+
+PS_HOT static void FN(reduce_chunks)(const void *vp, int64_t u0, int64_t u1) {
+    const FN(long_job) *job = (const FN(long_job) *)vp;
+    const int64_t chunks = job->p.outer, groups = chunks / PS_ROWS;
+    ACC ta[PS_TILE][PS_ROWS], tb[PS_TILE][PS_ROWS], s[PS_ROWS], q[PS_ROWS];
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t o = u / groups, r0 = (u % groups) * PS_ROWS;
+        const ps_linear_fwd_args p = FN(chunk_rows)(job, o);
+        const int64_t *gs = p.gates_stride, *ts = p.tokens_stride;
+        const ST *a = (const ST *)p.gates + r0 * gs[0];
+        const ST *b = (const ST *)p.tokens + r0 * ts[0];
+        for (int64_t r = 0; r < PS_ROWS; ++r) {
+            s[r] = ZERO;
+            q[r] = ONE;
+        }
+        for (int64_t t0 = 0; t0 < p.steps; t0 += PS_TILE) {
+            const int64_t n = p.steps - t0 < PS_TILE ? p.steps - t0 : PS_TILE;
+            FN(gather)(ta, n, PS_ROWS, a + t0 * gs[1], gs[0], gs[1]);
+            FN(gather)(tb, n, PS_ROWS, b + t0 * ts[1], ts[0], ts[1]);
+            for (int64_t k = 0; k < n; ++k)
+                for (int64_t r = 0; r < PS_ROWS; ++r) {
+                    s[r] = FMA(ta[k][r], s[r], tb[k][r]);
+                    q[r] = FMA(ta[k][r], q[r], ZERO);
+                }
+        }
+        for (int64_t r = 0; r < PS_ROWS; ++r) {
+            job->state[o * chunks + r0 + r] = s[r];
+            job->prod[o * chunks + r0 + r] = q[r];
+        }
+    }
+}
+
+PS_HOT static void FN(scan_chunks)(const void *vp, int64_t u0, int64_t u1) {
+    const FN(long_job) *job = (const FN(long_job) *)vp;
+    const int64_t groups = job->p.outer / PS_ROWS;
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t o = u / groups, g = u % groups;
+        const ps_linear_fwd_args p = FN(chunk_rows)(job, o);
+        job->scan(&p, g, g + 1);
+    }
+}
+
+/* Returns 0 when done, 1 when this problem is not worth (or able) to chunk. */
+static int FN(fwd_long)(const ps_linear_fwd_args *p, int64_t nthreads) {
+    int64_t chunks = (32 * nthreads + p->outer - 1) / p->outer;
+    chunks = (chunks + PS_ROWS - 1) / PS_ROWS * PS_ROWS;
+    const int64_t len = p->steps / chunks; /* the tail, steps % chunks, runs last */
+    if (len < 1024) return 1;
+    const int64_t pairs = p->outer * chunks;
+    ACC *buf = (ACC *)malloc((size_t)(3 * pairs + p->outer) * sizeof(ACC));
+    if (!buf) return 1;
+    FN(long_job) job = {*p, *p, NULL, buf, buf + pairs, buf + 2 * pairs};
+    job.p.outer = chunks;
+    job.p.steps = len;
+    job.p.gates_stride[0] = len * p->gates_stride[1];
+    job.p.tokens_stride[0] = len * p->tokens_stride[1];
+    job.p.out_stride[0] = len * p->out_stride[1];
+    job.p.initial_stride[0] = 1;
+    job.p.initial_stride[1] = 0;
+#ifdef PS_FWD_TC_FAST
+    job.scan = PS_FWD_TC_FAST(&job.p);
+#endif
+    if (!job.scan) job.scan = FN(fwd_time_contiguous);
+    const int64_t units = p->outer * (chunks / PS_ROWS);
+    ps_parallel_for(units, nthreads, FN(reduce_chunks), &job);
+    ACC *ends = buf + 3 * pairs; /* each row's state after its last full chunk */
+    for (int64_t o = 0; o < p->outer; ++o) {
+        ACC c = p->initial ? LD((const ST *)p->initial + o * p->initial_stride[0]) : ZERO;
+        for (int64_t k = 0; k < chunks; ++k) {
+            job.carry[o * chunks + k] = c;
+            c = FMA(job.prod[o * chunks + k], c, job.state[o * chunks + k]);
+        }
+        ends[o] = c;
+    }
+    ps_parallel_for(units, nthreads, FN(scan_chunks), &job);
+    const int64_t done = chunks * len;
+    if (done < p->steps) { /* fewer than `chunks` steps per row */
+        ps_linear_fwd_args tail = *p;
+        tail.steps = p->steps - done;
+        tail.gates = (const ST *)p->gates + done * p->gates_stride[1];
+        tail.tokens = (const ST *)p->tokens + done * p->tokens_stride[1];
+        tail.out = (ST *)p->out + done * p->out_stride[1];
+        tail.initial = ends;
+        tail.initial_stride[0] = 1;
+        FN(fwd_time_contiguous)(&tail, 0, (p->outer + PS_ROWS - 1) / PS_ROWS);
+    }
+    free(buf);
+    return 0;
+}
+#endif
+
 /* One backward time step over n channels: g = grad_out + conj(a_next) * g,
  * grad_tokens = g, grad_gates = g * conj(x_prev) (zero when x_prev is NULL),
  * then a_next = gates of this step. */
@@ -242,6 +363,11 @@ PS_API int FN(ps_linear_scan_fwd)(const ps_linear_fwd_args *args) {
         PS_FLIP(p.out, p.out_stride);
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
+#ifdef PS_ACC_IS_STORAGE
+    if (p.inner == 1 && p.steps >= PS_LONG_STEPS && 2 * p.outer <= PS_ROWS * nthreads &&
+        FN(fwd_long)(&p, nthreads) == 0)
+        return 0;
+#endif
     if (p.inner == 1) {
         ps_task_fn tc = NULL;
 #ifdef PS_FWD_TC_FAST
