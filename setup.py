@@ -17,7 +17,7 @@ setup(
             "parascan._kernels",
             sources=KERNEL_SOURCES,
             include_dirs=["src/parascan/_csrc", "src/parascan/linear"],
-            extra_compile_args=["-std=c11", "-O3", "-ffp-contract=fast", "-fvisibility=hidden"],
+            extra_compile_args=["-std=c11", "-O3", "-ffp-contract=off", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,
         )

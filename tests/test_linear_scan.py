@@ -337,8 +337,28 @@ def test_long_sequences_chunked_over_time(dtype, rows, steps, gen) -> None:
         gates, tokens, -1, initial=initial, reverse=reverse, return_final=True, backend="cpu"
     )
     high = oracle_dtype(dtype)
-    want, want_final = loop_oracle(
-        gates.to(high), tokens.to(high), -1, initial.to(high), reverse
-    )
+    want, want_final = loop_oracle(gates.to(high), tokens.to(high), -1, initial.to(high), reverse)
     assert_matches(out, want, dtype)
     assert_matches(final, want_final, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_types_round_exactly_like_torch(backend, dtype, gen) -> None:
+    """A half-precision scan is the float32 scan rounded once, as torch rounds, and
+    a zero gate returns every token bit pattern unchanged (all 65536 of them)."""
+    for shape, dim in [((3, 70, 40), 1), ((5, 300), -1)]:
+        gates = random_gates(shape, dtype, gen)
+        tokens = (random_tokens(shape, torch.float32, gen) * 300).to(dtype)
+        out = ps.linear_scan(gates, tokens, dim, backend=backend)
+        want = ps.linear_scan(gates.float(), tokens.float(), dim, backend=backend).to(dtype)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    # x = -1 * 0 + b is b for every bit pattern, -0.0, infinities and NaN included.
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    for layout, dim in [(every.reshape(-1, 1), 1), (every.reshape(1, -1), 0)]:
+        out = ps.linear_scan(-1.0, layout, dim, backend=backend)
+        same = out.view(torch.int16) == layout.view(torch.int16)
+        assert (same | (out.isnan() & layout.isnan())).all()
+    big = torch.tensor([60000.0, 60000.0, -1e-7, 3e-8]).to(dtype)
+    out = ps.linear_scan(1.0, big, 0, backend=backend)
+    assert torch.equal(out, big.float().cumsum(0).to(dtype))

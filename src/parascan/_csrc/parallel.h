@@ -53,4 +53,49 @@ static inline ps_bf16 ps_f32_to_bf16(float f) {
     return (ps_bf16)(u >> 16);
 }
 
+/* IEEE half <-> float in plain integer and float arithmetic, with no branches the
+ * vectorizer cannot turn into selects (compilers do not vectorize _Float16
+ * casts without AVX-512 FP16). Round to nearest even; overflow gives infinity;
+ * subnormals are exact; NaN stays NaN (quiet). */
+typedef uint16_t ps_f16;
+
+static inline float ps_bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t ps_f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float ps_f16_to_f32(ps_f16 h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    /* Exponent and mantissa moved into place, rescaled by 2^112: exact for normal
+     * and subnormal halves alike. */
+    const float scaled = ps_bits_to_f32(em << 13) * 0x1p112f;
+    const uint32_t finite = ps_f32_to_bits(scaled);
+    const uint32_t special = (em << 13) | 0x7f800000u; /* inf and NaN */
+    const uint32_t is_special = 0u - (uint32_t)(em >= 0x7c00u); /* all ones or zero */
+    return ps_bits_to_f32(sign | (special & is_special) | (finite & ~is_special));
+}
+
+static inline ps_f16 ps_f32_to_f16(float f) {
+    const uint32_t bits = ps_f32_to_bits(f);
+    const uint32_t sign = (bits >> 16) & 0x8000u;
+    const uint32_t u = bits & 0x7fffffffu;
+    /* Normal results: rebias and round to nearest even on the dropped 13 bits. */
+    const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
+    /* Subnormal results: adding 0.5 makes the float unit do the rounding. */
+    const uint32_t sub = ps_f32_to_bits(ps_bits_to_f32(u) + 0.5f) - 0x3f000000u;
+    const uint32_t inf_nan = 0x7c00u | ((uint32_t)(u > 0x7f800000u) << 9);
+    const uint32_t is_sub = 0u - (uint32_t)(u < 0x38800000u); /* masks: all ones or zero */
+    const uint32_t is_big = 0u - (uint32_t)(u >= 0x47800000u);
+    const uint32_t h = (sub & is_sub) | (normal & ~is_sub);
+    return (ps_f16)(sign | (inf_nan & is_big) | (h & ~is_big));
+}
+
 #endif

@@ -56,8 +56,9 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "cpu_kernel_x86.h"
-#define PS_FWD_TC_FAST ps_fwd_tc_f32_fast
-#define PS_BWD_TC_FAST ps_bwd_tc_f32_fast
+#define PS_X86_TC
+#define PS_FWD_TC_FAST ps_fwd_tc_fast_f32
+#define PS_BWD_TC_FAST ps_bwd_tc_fast_f32
 #endif
 
 #define SFX f32
@@ -92,11 +93,15 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef ONE
 #undef PS_ACC_IS_STORAGE
 
+#ifdef PS_X86_TC
+#define PS_FWD_TC_FAST ps_fwd_tc_fast_f16
+#define PS_BWD_TC_FAST ps_bwd_tc_fast_f16
+#endif
 #define SFX f16
-#define ST _Float16
+#define ST ps_f16
 #define ACC float
-#define LD(p) ((float)*(p))
-#define STO(p, v) (*(p) = (_Float16)(v))
+#define LD(p) ps_f16_to_f32(*(p))
+#define STO(p, v) (*(p) = ps_f32_to_f16(v))
 #define ZERO 0.0f
 #define ONE 1.0f
 #include "cpu_kernel_impl.h"
@@ -105,7 +110,13 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef LD
 #undef STO
 #undef ZERO
+#undef PS_FWD_TC_FAST
+#undef PS_BWD_TC_FAST
 
+#ifdef PS_X86_TC
+#define PS_FWD_TC_FAST ps_fwd_tc_fast_bf16
+#define PS_BWD_TC_FAST ps_bwd_tc_fast_bf16
+#endif
 #define SFX bf16
 #define ST ps_bf16
 #define LD(p) ps_bf16_to_f32(*(p))
@@ -122,6 +133,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef FMA
 #undef CFMA
 #undef MULC
+#undef PS_FWD_TC_FAST
+#undef PS_BWD_TC_FAST
 
 /* Complex types: interleaved (re, im) pairs, the layout torch uses. */
 #define PS_COMPLEX_OPS(T)                                                         \

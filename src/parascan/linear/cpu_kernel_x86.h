@@ -1,7 +1,8 @@
-/* AVX2 + FMA paths for float32 time-contiguous data (inner == 1), chosen at run
- * time by cpu_kernel.c when the CPU has them and every operand steps through
- * time with stride +1 (or -1 when reversed). Everything else uses the portable
- * tiles in cpu_kernel_impl.h.
+/* AVX2 paths for float32, bfloat16 and float16 time-contiguous data (inner == 1),
+ * chosen at run time by cpu_kernel.c when the CPU has AVX2 (and F16C) and every
+ * operand steps through time with stride +1 (or -1 when reversed). Everything
+ * else uses the portable tiles in cpu_kernel_impl.h. Half types are widened to
+ * float32 on load and rounded (to nearest even) on store, 8 at a time.
  *
  * Summary of algorithm. A work unit is 8 rows. Eight steps of the 8 rows are
  * loaded as 8 vectors (one per row) and transposed in registers, so that vector
@@ -15,7 +16,7 @@
 
 #include <immintrin.h>
 
-#define PS_AVX2 __attribute__((target("avx2,fma")))
+#define PS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 PS_AVX2 static inline void ps_transpose8(__m256 r[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -40,141 +41,57 @@ PS_AVX2 static inline void ps_transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-/* Steps t .. t+7 of a row whose time stride is +1 (rev == 0) or -1 (rev != 0). */
-PS_AVX2 static inline __m256 ps_load8(const float *row, int64_t t, int rev) {
-    if (!rev) return _mm256_loadu_ps(row + t);
-    const __m256 v = _mm256_loadu_ps(row - t - 7);
+/* Reverse the 8 lanes: a row read backwards in time. */
+PS_AVX2 static inline __m256 ps_reverse8(__m256 v) {
     return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0));
 }
 
-PS_AVX2 static inline void ps_store8(float *row, int64_t t, int rev, __m256 v) {
-    if (!rev) {
-        _mm256_storeu_ps(row + t, v);
-    } else {
-        _mm256_storeu_ps(row - t - 7,
-                         _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0)));
-    }
+/* 8 storage elements <-> 8 floats, per type. */
+PS_AVX2 static inline __m256 ps_widen8_f32(const float *p) { return _mm256_loadu_ps(p); }
+PS_AVX2 static inline void ps_narrow8_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+PS_AVX2 static inline __m256 ps_widen8_bf16(const ps_bf16 *p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
+PS_AVX2 static inline void ps_narrow8_bf16(ps_bf16 *p, __m256 v) {
+    /* As ps_f32_to_bf16: round to nearest even, NaN made quiet. */
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i r = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+PS_AVX2 static inline __m256 ps_widen8_f16(const ps_f16 *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+PS_AVX2 static inline void ps_narrow8_f16(ps_f16 *p, __m256 v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+static int ps_unit_time_stride(int64_t s) { return s == 1 || s == -1; }
 
 /* Row pointers of the group at r0; lanes past nr repeat the last row (read only). */
-static inline void ps_rows(const float *base, int64_t stride, int64_t r0, int64_t nr,
-                           const float *rows[8]) {
-    for (int64_t r = 0; r < 8; ++r) rows[r] = base + (r0 + (r < nr ? r : nr - 1)) * stride;
-}
+static inline int64_t ps_row(int64_t r0, int64_t r, int64_t nr) { return r0 + (r < nr ? r : nr - 1); }
 
-PS_AVX2 static void ps_fwd_tc_f32_avx2(const void *vp, int64_t u0, int64_t u1) {
-    const ps_linear_fwd_args *p = (const ps_linear_fwd_args *)vp;
-    const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
-    const int rev = st < 0;
-    for (int64_t u = u0; u < u1; ++u) {
-        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
-        const float *a[8], *b[8], *x[8];
-        ps_rows((const float *)p->gates, p->gates_stride[0], r0, nr, a);
-        ps_rows((const float *)p->tokens, p->tokens_stride[0], r0, nr, b);
-        ps_rows((const float *)p->out, p->out_stride[0], r0, nr, x);
-        float s0[8];
-        for (int64_t r = 0; r < 8; ++r)
-            s0[r] = (r < nr && p->initial)
-                        ? ((const float *)p->initial)[(r0 + r) * p->initial_stride[0]] : 0.0f;
-        __m256 s = _mm256_loadu_ps(s0);
-        for (int64_t t0 = 0; t0 < whole; t0 += 8) {
-            __m256 va[8], vb[8];
-            for (int r = 0; r < 8; ++r) {
-                va[r] = ps_load8(a[r], t0, rev);
-                vb[r] = ps_load8(b[r], t0, rev);
-            }
-            ps_transpose8(va);
-            ps_transpose8(vb);
-            for (int k = 0; k < 8; ++k) va[k] = s = _mm256_fmadd_ps(va[k], s, vb[k]);
-            ps_transpose8(va);
-            for (int64_t r = 0; r < nr; ++r) ps_store8((float *)x[r], t0, rev, va[r]);
-        }
-        _mm256_storeu_ps(s0, s);
-        for (int64_t r = 0; r < nr; ++r) {
-            float v = s0[r];
-            for (int64_t t = whole; t < steps; ++t) {
-                v = a[r][t * st] * v + b[r][t * st];
-                ((float *)x[r])[t * st] = v;
-            }
-        }
-    }
-}
-
-PS_AVX2 static void ps_bwd_tc_f32_avx2(const void *vp, int64_t u0, int64_t u1) {
-    const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
-    const int64_t st = p->out_stride[1], steps = p->steps;
-    const int rev = st < 0;
-    for (int64_t u = u0; u < u1; ++u) {
-        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
-        const float *a[8], *x[8], *gx[8], *ga[8], *gb[8];
-        ps_rows((const float *)p->gates, p->gates_stride[0], r0, nr, a);
-        ps_rows((const float *)p->out, p->out_stride[0], r0, nr, x);
-        ps_rows((const float *)p->grad_out, p->grad_out_stride[0], r0, nr, gx);
-        ps_rows((const float *)p->grad_gates, p->grad_gates_stride[0], r0, nr, ga);
-        ps_rows((const float *)p->grad_tokens, p->grad_tokens_stride[0], r0, nr, gb);
-        __m256 g = _mm256_setzero_ps(), an = _mm256_setzero_ps();
-        /* Whole tiles from the end while out[t0 - 1] exists; the rest is scalar. */
-        int64_t t0 = steps - 8;
-        for (; t0 >= 1; t0 -= 8) {
-            __m256 va[8], vg[8], vx[8];
-            for (int r = 0; r < 8; ++r) {
-                va[r] = ps_load8(a[r], t0, rev);
-                vg[r] = ps_load8(gx[r], t0, rev);
-                vx[r] = ps_load8(x[r], t0 - 1, rev);
-            }
-            ps_transpose8(va);
-            ps_transpose8(vg);
-            ps_transpose8(vx);
-            for (int k = 7; k >= 0; --k) {
-                g = _mm256_fmadd_ps(an, g, vg[k]);
-                an = va[k];
-                vg[k] = g;
-                vx[k] = _mm256_mul_ps(g, vx[k]);
-            }
-            ps_transpose8(vg);
-            ps_transpose8(vx);
-            for (int64_t r = 0; r < nr; ++r) {
-                ps_store8((float *)gb[r], t0, rev, vg[r]);
-                ps_store8((float *)ga[r], t0, rev, vx[r]);
-            }
-        }
-        const int64_t rest = t0 + 8; /* steps [0, rest) remain */
-        float gs[8], as[8];
-        _mm256_storeu_ps(gs, g);
-        _mm256_storeu_ps(as, an);
-        for (int64_t r = 0; r < nr; ++r) {
-            float gv = gs[r], av = as[r];
-            const float x0 = p->initial
-                                 ? ((const float *)p->initial)[(r0 + r) * p->initial_stride[0]] : 0.0f;
-            for (int64_t t = rest - 1; t >= 0; --t) {
-                gv = av * gv + gx[r][t * st];
-                ((float *)gb[r])[t * st] = gv;
-                ((float *)ga[r])[t * st] = gv * (t > 0 ? x[r][(t - 1) * st] : x0);
-                av = a[r][t * st];
-            }
-            ((float *)p->grad_initial)[(r0 + r) * p->grad_initial_stride[0]] = av * gv;
-        }
-    }
-}
-
-static int ps_unit_time_stride(int64_t s, int64_t want) { return s == want && (s == 1 || s == -1); }
-
-/* The AVX2 worker when this CPU and these strides allow it, else NULL. */
-static ps_task_fn ps_fwd_tc_f32_fast(const ps_linear_fwd_args *p) {
-    const int64_t s = p->out_stride[1];
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
-    if (!ps_unit_time_stride(s, s) || p->gates_stride[1] != s || p->tokens_stride[1] != s)
-        return NULL;
-    return ps_fwd_tc_f32_avx2;
-}
-
-static ps_task_fn ps_bwd_tc_f32_fast(const ps_linear_bwd_args *p) {
-    const int64_t s = p->out_stride[1];
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
-    if (!ps_unit_time_stride(s, s) || p->gates_stride[1] != s || p->grad_out_stride[1] != s ||
-        p->grad_gates_stride[1] != s || p->grad_tokens_stride[1] != s)
-        return NULL;
-    return ps_bwd_tc_f32_avx2;
-}
+#define XS f32
+#define XT float
+#define XLD(p) (*(p))
+#define XST(p, v) (*(p) = (v))
+#include "cpu_kernel_x86_impl.h"
+#define XS bf16
+#define XT ps_bf16
+#define XLD(p) ps_bf16_to_f32(*(p))
+#define XST(p, v) (*(p) = ps_f32_to_bf16(v))
+#include "cpu_kernel_x86_impl.h"
+#define XS f16
+#define XT ps_f16
+#define XLD(p) ps_f16_to_f32(*(p))
+#define XST(p, v) (*(p) = ps_f32_to_f16(v))
+#include "cpu_kernel_x86_impl.h"
 
 #endif
