@@ -41,18 +41,26 @@ def test_check_passes_on_this_machine() -> None:
 
 def test_bench_quick_json_reports_ratios_and_errors() -> None:
     out = io.StringIO()
-    status = bench.run_bench(
-        workloads=bench.QUICK_WORKLOADS, backend_names=["torch"], repeat=1, as_json=True, out=out
-    )
+    status = bench.run_bench(cases=bench.QUICK_CASES, repeat=1, as_json=True, out=out)
     assert status == 0
     rows = json.loads(out.getvalue())["rows"]
-    assert {(r["workload"], r["direction"]) for r in rows} == {
-        (w.name, d) for w in bench.QUICK_WORKLOADS for d in ("forward", "backward")
+    ours = [r for r in rows if r["kind"] == "parascan"]
+    assert {(r["case"], r["impl"], r["direction"]) for r in ours} == {
+        (c.name, b, d)
+        for c in bench.QUICK_CASES
+        for b in ps.backends("cpu")
+        for d in ("forward", "backward")
     }
+    assert {r["impl"] for r in rows if r["kind"] == "peer"} >= {"heinsen", "torch assoc_scan"}
     for r in rows:
-        assert r["correct"] and r["max_error"] < 1e-4
+        if r["note"]:  # a peer that cannot run this case says why
+            continue
+        assert r["correct"]
         assert r["ratio"] == pytest.approx(r["time_ms"] / r["limit_ms"])
+        assert r["stream_ratio"] == pytest.approx(r["time_ms"] / r["stream_ms"])
         assert r["tensors"] == (3 if r["direction"] == "forward" else 5)
+    for r in ours:
+        assert r["max_error"] < 2e-5
 
 
 def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
@@ -62,7 +70,7 @@ def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
     monkeypatch.setitem(ops._FORWARD, "torch", lambda *a: real(*a) * 1.01)
     out = io.StringIO()
     status = bench.run_bench(
-        workloads=bench.QUICK_WORKLOADS[:1], backend_names=["torch"], repeat=1, out=out
+        cases=bench.QUICK_CASES[:1], backend_names=["torch"], repeat=1, out=out
     )
     assert status == 1
     assert "WRONG" in out.getvalue()

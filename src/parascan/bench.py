@@ -1,12 +1,18 @@
-"""``parascan bench``: the default workload, timed against the machine's memory
-bandwidth limit measured in the same run.
+"""``parascan bench``: parascan against its peers and the machine's memory bandwidth.
 
-The limit for a call that moves N tensors of a given size is the time of
-``torch.add(x, y)`` (reads 2, writes 1 freshly allocated tensor, like the scan's
-own output) scaled by N / 3. Each repetition times the limit and every
-implementation back to back, and the medians are reported, so the ratio is
-robust to the noise of a shared machine. A result whose error against the
-float64 loop exceeds the dtype's tolerance is reported as WRONG, with no speed.
+Summary of method. Every case (a shape, dim, dtype and thread count) is timed for
+each implementation: parascan's backends, and the peers of ``_peers.py``. Each
+repetition times, back to back, two bandwidth limits and the implementation; the
+medians are reported, so ratios stay meaningful on a noisy shared machine:
+  - ``limit``: ``torch.add(x, y)`` over tensors of the case's size, scaled to the
+    tensors the call moves (3 forward, 5 backward). It allocates its output, as the
+    scan does, so it includes the page faults of fresh memory;
+  - ``stream``: ``torch.add(x, y, out=o)`` into a warm buffer, scaled the same way:
+    the bare streaming bandwidth, the stricter yardstick.
+Every result is checked first against a float64 reference (the sequential loop;
+for more than 8192 steps the float64 chunked torch backend, itself tested against
+the loop): a parascan result beyond its dtype's tolerance, or a peer beyond 1e-3
+relative, is reported as WRONG, never with a speed.
 """
 
 from __future__ import annotations
@@ -16,54 +22,83 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import torch
 
+from parascan import _peers
 from parascan._backends import backends
 from parascan._sysinfo import summary
 from parascan._tolerance import TOLERANCE, relative_error
-from parascan.linear import linear_scan
+from parascan.linear import chunked, linear_scan
 from parascan.linear import reference as linear_reference
 from parascan.linear.ops import backward_via_scan
 
-__all__ = ["DEFAULT_WORKLOADS", "Row", "Workload", "run_bench"]
+__all__ = ["DEFAULT_CASES", "QUICK_CASES", "Case", "Row", "run_bench"]
+
+# Peers are judged by a sanity bound, not parascan's own tolerance: their accuracy is
+# part of what the table shows (the error column).
+_PEER_TOLERANCE = 1e-3
+_LOOP_REFERENCE_STEPS = 8192
 
 
 @dataclass(frozen=True)
-class Workload:
+class Case:
     name: str
     shape: tuple[int, ...]
     dim: int
     dtype: torch.dtype = torch.float32
+    backward: bool = True
+    backends: tuple[str, ...] | None = None  # None: every backend available
+    peers: bool = False
+    threads: int | None = None  # None: torch.get_num_threads()
 
 
 @dataclass
 class Row:
-    workload: str
+    case: str
     shape: tuple[int, ...]
     dim: int
     dtype: str
-    backend: str
+    threads: int
+    impl: str
+    kind: str  # "parascan" or "peer"
     direction: str  # "forward" or "backward"
-    tensors: int  # tensors of the problem's size moved: 3 forward, 5 backward
+    tensors: int
     time_ms: float | None
     limit_ms: float
-    ratio: float | None
-    max_error: float
+    stream_ms: float
+    ratio: float | None  # time / limit
+    stream_ratio: float | None  # time / stream
+    max_error: float | None
     correct: bool
+    note: str = ""
     times_ms: list[float] = field(default_factory=list)
 
 
-DEFAULT_WORKLOADS = [
-    Workload("linear_scan time-major", (8, 4096, 1536), 1),
-    Workload("linear_scan time-contiguous", (8, 1536, 4096), -1),
+_MAJOR, _CONTIG = (8, 4096, 1536), (8, 1536, 4096)
+DEFAULT_CASES = [
+    Case("float32 time-major", _MAJOR, 1, peers=True),
+    Case("float32 time-contiguous", _CONTIG, -1, peers=True),
+    Case("float32 time-contiguous", _CONTIG, -1, backends=("cpu",), threads=1),
+    Case("bfloat16 time-major", _MAJOR, 1, torch.bfloat16, backends=("cpu",)),
+    Case("bfloat16 time-contiguous", _CONTIG, -1, torch.bfloat16, backends=("cpu",)),
+    Case("float16 time-major", _MAJOR, 1, torch.float16, backends=("cpu",)),
+    Case("float16 time-contiguous", _CONTIG, -1, torch.float16, backends=("cpu",)),
+    Case("complex64 time-major", _MAJOR, 1, torch.complex64, backends=("cpu",)),
+    Case("complex64 time-contiguous", _CONTIG, -1, torch.complex64, backends=("cpu",)),
+    Case("float32 one long sequence", (1, 10_000_000), -1, backward=False, peers=True),
+    Case("float32 one long sequence", (1, 2**24), -1, backward=False, backends=("cpu",)),
+    Case("float32 four long sequences", (4, 10**6), -1, backward=False, backends=("cpu",)),
+    Case("float32 small", (1, 64, 128), 1, backward=False, backends=("cpu",)),
 ]
-QUICK_WORKLOADS = [
-    Workload("linear_scan time-major", (2, 256, 192), 1),
-    Workload("linear_scan time-contiguous", (2, 192, 256), -1),
+QUICK_CASES = [
+    Case("float32 time-major", (2, 256, 192), 1, peers=True),
+    Case("float32 time-contiguous", (2, 192, 256), -1, peers=True),
 ]
+SWEEP_STEPS = [2**10, 2**12, 2**14, 2**16]
+SWEEP_SHAPE = (4, 256)  # (batch, channels); time is the last dim
 
 
 class _Progress:
@@ -87,115 +122,188 @@ class _Progress:
         self.stream.flush()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+def _elapsed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
-    _sync(device)
     return time.perf_counter() - start
 
 
-def _bench_workload(
-    w: Workload, names: list[str], repeat: int, device: torch.device, progress: _Progress
-) -> list[Row]:
+def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gates in (0.9, 1) (long memory), positive tokens (so the real Heinsen formula
+    applies), and an upstream gradient."""
     gen = torch.Generator().manual_seed(0)
-    gates = (0.9 + 0.1 * torch.rand(w.shape, generator=gen)).to(w.dtype).to(device)
-    tokens = torch.randn(w.shape, generator=gen).to(w.dtype).to(device)
-    grad_out = torch.randn(w.shape, generator=gen).to(w.dtype).to(device)
+    mag = 0.9 + 0.1 * torch.rand(case.shape, generator=gen)
+    tokens = torch.rand(case.shape, generator=gen)
+    grad = torch.rand(case.shape, generator=gen)
+    if case.dtype.is_complex:
+        phase = 0.1 * torch.rand(case.shape, generator=gen)
+        gates = torch.polar(mag, phase)
+        tokens = torch.complex(tokens, torch.rand(case.shape, generator=gen))
+        grad = torch.complex(grad, grad.flip(-1))
+        return gates.to(case.dtype), tokens.to(case.dtype), grad.to(case.dtype)
+    return mag.to(case.dtype), tokens.to(case.dtype), grad.to(case.dtype)
 
-    # The float64 loop, forward and backward: the reference every result must match.
-    high = torch.float64
-    want = linear_reference.forward(gates.to(high), tokens.to(high), None, w.dim, False)
-    want_ga, want_gb, _ = backward_via_scan(
-        linear_reference.forward, gates.to(high), want, grad_out.to(high), None, w.dim, False
+
+def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+    high = torch.complex128 if case.dtype.is_complex else torch.float64
+    a, b, g = gates.to(high), tokens.to(high), grad.to(high)
+    scan = (
+        linear_reference.forward
+        if case.shape[case.dim] <= _LOOP_REFERENCE_STEPS
+        else chunked.forward
     )
+    out = scan(a, b, None, case.dim, False)
+    if not case.backward:
+        return out, None
+    ga, gb, _ = backward_via_scan(scan, a, out, g, None, case.dim, False)
+    return out, (ga, gb)
 
-    def limit() -> object:
-        return torch.add(gates, tokens)
 
+def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Tensor], str]]:
+    """(name, kind, scan(gates, tokens), reason it cannot run or "")."""
+    names = case.backends or tuple(backends("cpu"))
+    impls: list[tuple[str, str, Callable[..., torch.Tensor], str]] = []
+    for b in names:
+
+        def fn(a: torch.Tensor, x: torch.Tensor, b: str = b) -> torch.Tensor:
+            return linear_scan(a, x, case.dim, backend=b)
+
+        impls.append((b, "parascan", fn, ""))
+    if case.peers:
+        for name, peer in _peers.PEERS.items():
+            why = _peers.unsupported(name, torch.empty(case.shape, dtype=case.dtype), case.dim)
+
+            def pfn(a: torch.Tensor, x: torch.Tensor, peer: Any = peer) -> torch.Tensor:
+                return peer(a, x, case.dim)  # type: ignore[no-any-return]
+
+            impls.append((name, "peer", pfn, why or ""))
+    return impls
+
+
+def _bench_case(case: Case, repeat: int, progress: _Progress) -> list[Row]:
+    before = torch.get_num_threads()
+    if case.threads is not None:
+        torch.set_num_threads(case.threads)
+    try:
+        return _bench_case_threads(case, repeat, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Row]:
+    gates, tokens, grad = _inputs(case)
+    want, want_grads = _reference(case, gates, tokens, grad)
+    warm = torch.empty_like(tokens)
+    threads = torch.get_num_threads()
     rows: list[Row] = []
-    for backend in names:
-        a = gates.clone().requires_grad_()
-        b = tokens.clone().requires_grad_()
 
-        def forward(a: torch.Tensor = a, b: torch.Tensor = b, backend: str = backend) -> Any:
-            with torch.no_grad():
-                return linear_scan(a, b, w.dim, backend=backend)
+    def row(impl: str, kind: str, direction: str, **kw: Any) -> Row:
+        tensors = 3 if direction == "forward" else 5
+        return Row(
+            case=case.name, shape=case.shape, dim=case.dim,
+            dtype=str(case.dtype).removeprefix("torch."), threads=threads, impl=impl,
+            kind=kind, direction=direction, tensors=tensors, **kw,
+        )  # fmt: skip
 
-        out = linear_scan(a, b, w.dim, backend=backend)
-
-        def backward(out: torch.Tensor = out, a: torch.Tensor = a, b: torch.Tensor = b) -> Any:
-            return torch.autograd.grad(out, (a, b), grad_out, retain_graph=True)
-
-        fwd_err = relative_error(out.detach(), want)
-        ga, gb = backward()
-        bwd_err = max(relative_error(ga, want_ga), relative_error(gb, want_gb))
-        tol = TOLERANCE[w.dtype][1]
-
-        runs = max(1, repeat if backend not in ("loop",) else min(repeat, 2))
-        limits, fwd_times, bwd_times = [], [], []
-        for _ in range(2):  # warm up the allocator, the thread pool and the caches
-            limit()
-            forward()
-        for _ in range(runs):
-            limits.append(_time(limit, device))
-            fwd_times.append(_time(forward, device))
-            bwd_times.append(_time(backward, device))
-        progress.step(f"{w.name} {backend}")
-        lim = statistics.median(limits)
-        for direction, tensors, times, err in (
-            ("forward", 3, fwd_times, fwd_err),
-            ("backward", 5, bwd_times, bwd_err),
-        ):
-            correct = err <= tol
-            t = statistics.median(times) if correct else None
-            limit_ms = lim * 1e3 * tensors / 3
-            rows.append(
-                Row(
-                    workload=w.name,
-                    shape=w.shape,
-                    dim=w.dim,
-                    dtype=str(w.dtype).removeprefix("torch."),
-                    backend=backend,
-                    direction=direction,
-                    tensors=tensors,
-                    time_ms=None if t is None else t * 1e3,
-                    limit_ms=limit_ms,
-                    ratio=None if t is None else t * 1e3 / limit_ms,
-                    max_error=err,
-                    correct=correct,
-                    times_ms=[x * 1e3 for x in times] if correct else [],
-                )
+    for name, kind, fn, why in _implementations(case):
+        directions = ("forward", "backward") if case.backward else ("forward",)
+        if why:
+            for d in directions:
+                rows.append(
+                    row(name, kind, d, time_ms=None, limit_ms=0.0, stream_ms=0.0, ratio=None,
+                        stream_ratio=None, max_error=None, correct=True, note=why)
+                )  # fmt: skip
+            progress.step(f"{case.name} {name}")
+            continue
+        a = gates.clone().requires_grad_(case.backward)
+        b = tokens.clone().requires_grad_(case.backward)
+        out = fn(a, b)
+        errors = {"forward": relative_error(out.detach(), want)}
+        if case.backward and want_grads is not None:
+            got = torch.autograd.grad(out, (a, b), grad, retain_graph=True)
+            errors["backward"] = max(
+                relative_error(g, w) for g, w in zip(got, want_grads, strict=True)
             )
-        del out, ga, gb
+        tol = TOLERANCE[case.dtype][1] if kind == "parascan" else _PEER_TOLERANCE
+        fast = kind == "parascan" and name == "cpu"
+        runs = repeat if fast else 1
+
+        def forward(a: torch.Tensor = a, b: torch.Tensor = b, fn: Any = fn) -> object:
+            with torch.no_grad():
+                return fn(a, b)
+
+        def backward(out: torch.Tensor = out, a: torch.Tensor = a, b: torch.Tensor = b) -> object:
+            return torch.autograd.grad(out, (a, b), grad, retain_graph=True)
+
+        timed: dict[str, list[float]] = {d: [] for d in directions}
+        limits, streams = [], []
+        if fast:  # warm up the allocator, the thread pool and the caches
+            _elapsed(lambda: torch.add(gates, tokens))
+            _elapsed(forward)
+        for _ in range(runs):
+            limits.append(_elapsed(lambda: torch.add(gates, tokens)))
+            streams.append(_elapsed(lambda: torch.add(gates, tokens, out=warm)))
+            timed["forward"].append(_elapsed(forward))
+            if case.backward:
+                timed["backward"].append(_elapsed(backward))
+        limit, stream = statistics.median(limits), statistics.median(streams)
+        for d in directions:
+            scale = (3 if d == "forward" else 5) / 3
+            ok = errors[d] <= tol
+            t = statistics.median(timed[d]) if ok else None
+            rows.append(
+                row(name, kind, d,
+                    time_ms=None if t is None else t * 1e3,
+                    limit_ms=limit * scale * 1e3, stream_ms=stream * scale * 1e3,
+                    ratio=None if t is None else t / (limit * scale),
+                    stream_ratio=None if t is None else t / (stream * scale),
+                    max_error=errors[d], correct=ok,
+                    times_ms=[x * 1e3 for x in timed[d]] if ok else [])
+            )  # fmt: skip
+        progress.step(f"{case.name} {name}")
+        del out
+    return rows
+
+
+def _sweep(repeat: int, progress: _Progress) -> list[Row]:
+    rows: list[Row] = []
+    for steps in SWEEP_STEPS:
+        case = Case("sweep", (*SWEEP_SHAPE, steps), -1, backward=False, peers=True)
+        rows.extend(_bench_case(case, repeat, progress))
     return rows
 
 
 def format_table(rows: list[Row], info: dict[str, object]) -> str:
+    simd = ",".join(info["cpu_simd"]) or "none"  # type: ignore[arg-type]
     lines = [
         f"parascan {info['parascan']} | torch {info['torch']} | Python {info['python']}",
-        f"{info['cpu']} | {info['threads']} threads | SIMD {','.join(info['cpu_simd']) or 'none'}",  # type: ignore[arg-type]
-        "limit = torch.add over the same bytes (3 tensors forward, 5 backward), same run",
+        f"{info['cpu']} | {info['threads']} threads | SIMD {simd}",
+        "x limit: time / torch.add over the same bytes (allocating, as the scan does);",
+        "x stream: time / torch.add into a warm buffer (bare bandwidth);",
+        "both scaled to the tensors a call moves: 3 forward, 5 backward.",
         "",
-        f"{'workload':<30}{'shape':<18}{'dim':>4}  {'backend':<8}{'pass':<9}"
-        f"{'time ms':>10}{'limit ms':>10}{'x limit':>9}{'max rel err':>13}",
+        f"{'case':<29}{'shape':<19}{'dim':>3} {'thr':>3}  {'impl':<21}{'pass':<9}"
+        f"{'time ms':>10}{'x limit':>9}{'x stream':>9}{'max rel err':>12}",
     ]
     for r in rows:
-        time_s = f"{r.time_ms:10.2f}" if r.time_ms is not None else f"{'WRONG':>10}"
-        ratio_s = f"{r.ratio:9.2f}" if r.ratio is not None else f"{'-':>9}"
+        if r.note:
+            time_s, ratio_s, stream_s = f"{'n/a':>10}", f"{'-':>9}", f"{'-':>9}"
+        elif r.time_ms is None:
+            time_s, ratio_s, stream_s = f"{'WRONG':>10}", f"{'-':>9}", f"{'-':>9}"
+        else:
+            time_s = f"{r.time_ms:10.3f}" if r.time_ms < 1 else f"{r.time_ms:10.2f}"
+            ratio_s, stream_s = f"{r.ratio:9.2f}", f"{r.stream_ratio:9.2f}"
+        err = f"{r.max_error:12.1e}" if r.max_error is not None else f"{'':>12}"
+        note = f"  ({r.note})" if r.note else ""
         lines.append(
-            f"{r.workload:<30}{r.shape!s:<18}{r.dim:>4}  {r.backend:<8}{r.direction:<9}"
-            f"{time_s}{r.limit_ms:10.2f}{ratio_s}{r.max_error:13.1e}"
+            f"{r.case:<29}{r.shape!s:<19}{r.dim:>3} {r.threads:>3}  {r.impl:<21}"
+            f"{r.direction:<9}{time_s}{ratio_s}{stream_s}{err}{note}"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[Row], path: str) -> None:
+    """Time against T for every implementation (the sweep), with the limit."""
     try:
         import matplotlib
 
@@ -205,38 +313,58 @@ def plot(rows: list[Row], path: str) -> None:
         raise RuntimeError(
             "parascan bench --plot needs matplotlib: pip install 'parascan[bench]'"
         ) from exc
-    ok = [(r, r.ratio) for r in rows if r.ratio is not None]
-    labels = [
-        f"{r.workload.removeprefix('linear_scan ')}\n{r.backend} {r.direction}" for r, _ in ok
-    ]
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(ok)), 4))
-    ax.bar(range(len(ok)), [ratio for _, ratio in ok])
-    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="bandwidth limit (torch.add)")
-    ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
+    sweep = [r for r in rows if r.case == "sweep" and r.time_ms is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl in dict.fromkeys(r.impl for r in sweep):
+        pts = sorted((r.shape[-1], r.time_ms or 0.0) for r in sweep if r.impl == impl)
+        label = (
+            f"parascan {impl}"
+            if any(r.kind == "parascan" for r in sweep if r.impl == impl)
+            else impl
+        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    limit = sorted({(r.shape[-1], r.limit_ms) for r in sweep if r.impl == "cpu"})
+    stream = sorted({(r.shape[-1], r.stream_ms) for r in sweep if r.impl == "cpu"})
+    ax.plot([p[0] for p in limit], [p[1] for p in limit], "k--", label="limit (torch.add)")
+    ax.plot([p[0] for p in stream], [p[1] for p in stream], "k:", label="stream (add, warm out)")
+    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_ylabel("time / bandwidth limit")
-    ax.legend()
+    ax.set_xlabel(f"T (shape {(*SWEEP_SHAPE, 'T')}, float32, forward, last dim)")
+    ax.set_ylabel("time (ms)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def run_bench(
     *,
-    workloads: list[Workload] | None = None,
+    cases: list[Case] | None = None,
     backend_names: list[str] | None = None,
     repeat: int = 5,
-    device: str = "cpu",
     as_json: bool = False,
     plot_path: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    dev = torch.device(device)
-    names = backend_names or backends(dev)
-    workloads = workloads or DEFAULT_WORKLOADS
-    progress = _Progress(len(workloads) * len(names))
+    """Run the cases (and the sweep when plotting); print a table or JSON. Returns
+    1 when any result was wrong, else 0."""
+    cases = list(cases or DEFAULT_CASES)
+    if backend_names:
+        cases = [
+            replace(
+                c, backends=tuple(b for b in (c.backends or backend_names) if b in backend_names)
+            )
+            for c in cases
+        ]
+    steps = sum(len(_implementations(c)) for c in cases)
+    if plot_path:
+        steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
+    progress = _Progress(steps)
     rows: list[Row] = []
-    for w in workloads:
-        rows.extend(_bench_workload(w, names, repeat, dev, progress))
+    for case in cases:
+        rows.extend(_bench_case(case, repeat, progress))
+    if plot_path:
+        rows.extend(_sweep(repeat, progress))
     info = summary()
     if as_json:
         json.dump({"machine": info, "rows": [asdict(r) for r in rows]}, out, indent=2)

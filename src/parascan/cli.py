@@ -35,12 +35,13 @@ def _check(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from parascan import bench
 
-    workloads = bench.QUICK_WORKLOADS if args.quick else bench.DEFAULT_WORKLOADS
+    if args.device != "cpu":
+        print(f"parascan bench: no benchmark for device {args.device!r} yet", file=sys.stderr)
+        return 2
     return bench.run_bench(
-        workloads=workloads,
+        cases=bench.QUICK_CASES if args.quick else bench.DEFAULT_CASES,
         backend_names=args.backend,
         repeat=args.repeat,
-        device=args.device,
         as_json=args.json,
         plot_path=args.plot,
     )
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed runs per case (median)")
     p.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="save a plot (needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="also sweep T and plot time against T (matplotlib)"
+    )
     p.set_defaults(run=_bench)
 
     args = parser.parse_args(argv)

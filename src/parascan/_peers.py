@@ -1,0 +1,75 @@
+"""Other ways people compute x[t] = a[t] x[t-1] + b[t], for ``parascan bench``.
+
+Written here from their published math (the Heinsen log-space formula, a
+first-order combine for torch's associative_scan), or imported when installed
+(accelerated-scan's reference, ``pip install 'parascan[peers]'``). Each returns x
+for x[-1] = 0 and is differentiable with ordinary autograd; ``None`` means the
+peer does not handle that call (and says why in ``unsupported``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["PEERS", "unsupported"]
+
+Scan = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def heinsen(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    """Heinsen (arXiv 2311.06281), real form: with a* = cumsum(log a),
+    log x = a* + logcumsumexp(log b - a*). Needs positive gates and tokens."""
+    a_star = torch.cumsum(torch.log(gates), dim)
+    return torch.exp(a_star + torch.logcumsumexp(torch.log(tokens) - a_star, dim))
+
+
+def heinsen_complex(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    """The same formula on complex logarithms, which allows negative values."""
+    complex_dtype = torch.complex128 if gates.dtype == torch.float64 else torch.complex64
+    a_star = torch.cumsum(torch.log(gates.to(complex_dtype)), dim)
+    log_x = a_star + torch.logcumsumexp(torch.log(tokens.to(complex_dtype)) - a_star, dim)
+    return torch.exp(log_x).real.to(tokens.dtype)
+
+
+def torch_associative_scan(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch's own associative_scan over (a, b) pairs of affine maps."""
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def combine(
+        first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return first[0] * second[0], second[0] * first[1] + second[1]
+
+    result = associative_scan(combine, (gates, tokens), dim=dim, combine_mode="generic")
+    return result[1]
+
+
+def accelerated_scan_ref(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    from accelerated_scan.ref import scan
+
+    return scan(gates, tokens)  # type: ignore[no-any-return]
+
+
+def unsupported(name: str, gates: torch.Tensor, dim: int) -> str | None:
+    """Why peer ``name`` cannot compute this call, or None."""
+    if name.startswith("heinsen") and gates.dtype.is_complex:
+        return "complex inputs"
+    if name == "accelerated-scan ref":
+        try:
+            import accelerated_scan.ref  # noqa: F401
+        except ImportError:
+            return "not installed (pip install 'parascan[peers]')"
+        steps = gates.shape[dim]
+        if gates.dim() != 3 or dim % 3 != 2 or steps & (steps - 1):
+            return "needs (B, C, T) along the last dim with T a power of two"
+    return None
+
+
+PEERS: dict[str, Scan] = {
+    "accelerated-scan ref": accelerated_scan_ref,
+    "heinsen": heinsen,
+    "heinsen complex": heinsen_complex,
+    "torch assoc_scan": torch_associative_scan,
+}
