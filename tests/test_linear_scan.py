@@ -362,3 +362,51 @@ def test_half_types_round_exactly_like_torch(backend, dtype, gen) -> None:
     big = torch.tensor([60000.0, 60000.0, -1e-7, 3e-8]).to(dtype)
     out = ps.linear_scan(1.0, big, 0, backend=backend)
     assert torch.equal(out, big.float().cumsum(0).to(dtype))
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_cpu_path_gives_the_same_bits(dtype, gen) -> None:
+    """Time-major rows, transposed (AVX2 or tile) time-contiguous rows and strided
+    reads all multiply, then add, in the same order: bit-identical results, forward
+    and backward, on any CPU. Complex types are the exception: gcc's vectorizer
+    fuses a complex multiply-add (vfmaddsub) on the time-major path whatever
+    -ffp-contract says, so there they agree to rounding only."""
+    shape = (3, 77, 21)  # (batch, T, channels)
+    gates, tokens = random_gates(shape, dtype, gen), random_tokens(shape, dtype, gen)
+    upstream = random_tokens(shape, dtype, gen)
+    initial = random_tokens((3, 21), dtype, gen)
+
+    def run(a, b, g, dim):
+        a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+        out = ps.linear_scan(a, b, dim, initial=initial, reverse=True, backend="cpu")
+        return (out, *torch.autograd.grad(out, (a, b), g))
+
+    major = run(gates, tokens, upstream, 1)
+    contiguous = run(*(t.transpose(1, 2).contiguous() for t in (gates, tokens, upstream)), -1)
+    strided = run(
+        *(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (gates, tokens, upstream)), 1
+    )
+    for m, c, s in zip(major, contiguous, strided, strict=True):
+        if dtype.is_complex:
+            high = oracle_dtype(dtype)
+            assert_matches(m, c.transpose(1, 2).to(high), dtype)
+            assert_matches(m, s.to(high), dtype)
+        else:
+            assert torch.equal(m, c.transpose(1, 2))
+            assert torch.equal(m, s)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+def test_long_sequences_do_not_depend_on_thread_count(gen) -> None:
+    gates = random_gates((2, 2**17 + 5), torch.float32, gen)
+    tokens = random_tokens((2, 2**17 + 5), torch.float32, gen)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(ps.linear_scan(gates, tokens, -1, backend="cpu"))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

@@ -347,7 +347,8 @@ def run_bench(
     out: TextIO = sys.stdout,
 ) -> int:
     """Run the cases (and the sweep when plotting); print a table or JSON. Returns
-    1 when any result was wrong, else 0."""
+    1 when any parascan result was wrong, else 0 (a wrong peer is reported, not an
+    error of this program)."""
     cases = list(cases or DEFAULT_CASES)
     if backend_names:
         cases = [
@@ -373,4 +374,4 @@ def run_bench(
         print(format_table(rows, info), file=out)
     if plot_path:
         plot(rows, plot_path)
-    return 0 if all(r.correct for r in rows) else 1
+    return 0 if all(r.correct for r in rows if r.kind == "parascan") else 1

@@ -19,8 +19,12 @@
 
 enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
 
-/* Rows at least this long, with few rows, are cut into chunks scanned in parallel. */
+/* Rows at least this long, when there are at most PS_LONG_ROWS of them, are cut
+ * into chunks scanned in parallel. Neither choice depends on the thread count, so
+ * results are the same bits with any number of threads. */
 #define PS_LONG_STEPS (INT64_C(1) << 16)
+#define PS_LONG_ROWS 16
+#define PS_LONG_CHUNKS 128 /* chunks per problem, spread over its rows */
 
 /* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
  * blocks only when there are fewer rows than threads; multiples of 16 keep the

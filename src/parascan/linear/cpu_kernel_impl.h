@@ -198,7 +198,9 @@ PS_HOT static void FN(scan_chunks)(const void *vp, int64_t u0, int64_t u1) {
 
 /* Returns 0 when done, 1 when this problem is not worth (or able) to chunk. */
 static int FN(fwd_long)(const ps_linear_fwd_args *p, int64_t nthreads) {
-    int64_t chunks = (32 * nthreads + p->outer - 1) / p->outer;
+    /* A fixed number of chunks, whatever the thread count, so that the result (its
+     * rounding) does not depend on how many threads computed it. */
+    int64_t chunks = (PS_LONG_CHUNKS + p->outer - 1) / p->outer;
     chunks = (chunks + PS_ROWS - 1) / PS_ROWS * PS_ROWS;
     const int64_t len = p->steps / chunks; /* the tail, steps % chunks, runs last */
     if (len < 1024) return 1;
@@ -364,7 +366,7 @@ PS_API int FN(ps_linear_scan_fwd)(const ps_linear_fwd_args *args) {
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
 #ifdef PS_ACC_IS_STORAGE
-    if (p.inner == 1 && p.steps >= PS_LONG_STEPS && 2 * p.outer <= PS_ROWS * nthreads &&
+    if (p.inner == 1 && p.steps >= PS_LONG_STEPS && p.outer <= PS_LONG_ROWS &&
         FN(fwd_long)(&p, nthreads) == 0)
         return 0;
 #endif
