@@ -63,6 +63,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define PS_X86_TC
 #define PS_FWD_TC_FAST ps_fwd_tc_fast_f32
 #define PS_BWD_TC_FAST ps_bwd_tc_fast_f32
+#define PS_REDUCE8_FAST ps_reduce8_f32_fast
 #endif
 
 #define SFX f32
@@ -81,6 +82,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef ONE
 #undef PS_FWD_TC_FAST
 #undef PS_BWD_TC_FAST
+#undef PS_REDUCE8_FAST
 
 #define SFX f64
 #define ST double

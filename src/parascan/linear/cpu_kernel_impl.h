@@ -6,7 +6,8 @@
  *   MULC(g,x)  g * conj(x)                   ZERO  ACC zero      ONE  ACC one
  *   PS_ACC_IS_STORAGE  defined when ACC and ST are one type (enables long chunks)
  * and optionally PS_FWD_TC_FAST / PS_BWD_TC_FAST: functions that return a faster
- * time-contiguous worker for the given arguments, or NULL.
+ * time-contiguous worker for the given arguments, or NULL; PS_REDUCE8_FAST: a
+ * faster reduce of 8 long-sequence chunks, returning 0 when it did the work.
  *
  * Summary of algorithm. The recurrence is sequential in time and independent
  * across (outer, inner), so parallelism and SIMD come from the independent
@@ -165,6 +166,11 @@ PS_HOT static void FN(reduce_chunks)(const void *vp, int64_t u0, int64_t u1) {
         const int64_t *gs = p.gates_stride, *ts = p.tokens_stride;
         const ST *a = (const ST *)p.gates + r0 * gs[0];
         const ST *b = (const ST *)p.tokens + r0 * ts[0];
+#ifdef PS_REDUCE8_FAST
+        if (PS_REDUCE8_FAST(a, b, gs[0], ts[0], p.steps, gs[1], ts[1],
+                            job->state + o * chunks + r0, job->prod + o * chunks + r0) == 0)
+            continue;
+#endif
         for (int64_t r = 0; r < PS_ROWS; ++r) {
             s[r] = ZERO;
             q[r] = ONE;
@@ -245,6 +251,7 @@ static int FN(fwd_long)(const ps_linear_fwd_args *p, int64_t nthreads) {
     free(buf);
     return 0;
 }
+
 #endif
 
 /* One backward time step over n channels: g = grad_out + conj(a_next) * g,

@@ -83,6 +83,48 @@ static inline int64_t ps_row(int64_t r0, int64_t r, int64_t nr) { return r0 + (r
 #define XLD(p) (*(p))
 #define XST(p, v) (*(p) = (v))
 #include "cpu_kernel_x86_impl.h"
+/* The long-sequence reduce for float32: 8 chunks (rows of `steps` steps, time
+ * stride st = +1 or -1, rows `row_stride` apart) to their final state from zero
+ * and the product of their gates. */
+PS_AVX2 static void ps_reduce8_f32_avx2(const float *a0, const float *b0, int64_t row_a,
+                                        int64_t row_b, int64_t steps, int rev, float *state,
+                                        float *prod) {
+    const int64_t whole = steps / 8 * 8, st = rev ? -1 : 1;
+    __m256 s = _mm256_setzero_ps(), q = _mm256_set1_ps(1.0f);
+    for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+        __m256 va[8], vb[8];
+        for (int r = 0; r < 8; ++r) {
+            va[r] = ps_load8_f32(a0 + r * row_a, t0, rev);
+            vb[r] = ps_load8_f32(b0 + r * row_b, t0, rev);
+        }
+        ps_transpose8(va);
+        ps_transpose8(vb);
+        for (int k = 0; k < 8; ++k) {
+            s = _mm256_add_ps(_mm256_mul_ps(va[k], s), vb[k]);
+            q = _mm256_mul_ps(va[k], q);
+        }
+    }
+    _mm256_storeu_ps(state, s);
+    _mm256_storeu_ps(prod, q);
+    for (int r = 0; r < 8; ++r)
+        for (int64_t t = whole; t < steps; ++t) {
+            const float a = a0[r * row_a + t * st];
+            state[r] = a * state[r] + b0[r * row_b + t * st];
+            prod[r] = a * prod[r];
+        }
+}
+
+/* The same, when this CPU and these strides allow it: returns 0 when done, 1 when
+ * the portable code must do it. */
+static int ps_reduce8_f32_fast(const float *a0, const float *b0, int64_t row_a, int64_t row_b,
+                               int64_t steps, int64_t sa, int64_t sb, float *state,
+                               float *prod) {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return 1;
+    if (!ps_unit_time_stride(sa) || sb != sa) return 1;
+    ps_reduce8_f32_avx2(a0, b0, row_a, row_b, steps, sa < 0, state, prod);
+    return 0;
+}
+
 #define XS bf16
 #define XT ps_bf16
 #define XLD(p) ps_bf16_to_f32(*(p))
