@@ -155,9 +155,13 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
     }
 PS_COMPLEX_OPS(ps_c64)
 PS_COMPLEX_OPS(ps_c128)
+#define PS_LOAD_COMPLEX(p) ((ACC){(p)->re, (p)->im})
+#define PS_STORE_COMPLEX(p, v) \
+    do { const ACC v_ = (v); (p)->re = v_.re; (p)->im = v_.im; } while (0)
 
-#define LD(p) (*(p))
-#define STO(p, v) (*(p) = (v))
+/* Component by component: whole-struct copies keep gcc from vectorizing. */
+#define LD(p) PS_LOAD_COMPLEX(p)
+#define STO(p, v) PS_STORE_COMPLEX(p, v)
 #define PS_ACC_IS_STORAGE
 
 #define SFX c64
