@@ -102,6 +102,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #ifdef PS_X86_TC
 #define PS_FWD_TC_FAST ps_fwd_tc_fast_f16
 #define PS_BWD_TC_FAST ps_bwd_tc_fast_f16
+#define PS_FWD_ROW_FAST ps_fwd_row_f16_fast
+#define PS_BWD_ROW_FAST ps_bwd_row_f16_fast
 #endif
 #define SFX f16
 #define ST ps_f16
@@ -118,6 +120,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef ZERO
 #undef PS_FWD_TC_FAST
 #undef PS_BWD_TC_FAST
+#undef PS_FWD_ROW_FAST
+#undef PS_BWD_ROW_FAST
 
 #ifdef PS_X86_TC
 #define PS_FWD_TC_FAST ps_fwd_tc_fast_bf16

@@ -7,7 +7,8 @@
  *   PS_ACC_IS_STORAGE  defined when ACC and ST are one type (enables long chunks)
  * and optionally PS_FWD_TC_FAST / PS_BWD_TC_FAST: functions that return a faster
  * time-contiguous worker for the given arguments, or NULL; PS_REDUCE8_FAST: a
- * faster reduce of 8 long-sequence chunks, returning 0 when it did the work.
+ * faster reduce of 8 long-sequence chunks, returning 0 when it did the work;
+ * PS_FWD_ROW_FAST / PS_BWD_ROW_FAST: faster unit-stride time-major rows, the same.
  *
  * Summary of algorithm. The recurrence is sequential in time and independent
  * across (outer, inner), so parallelism and SIMD come from the independent
@@ -34,6 +35,9 @@ static inline void FN(fwd_row)(int64_t n, ACC *restrict s,
                                const ST *restrict b, int64_t bs,
                                ST *restrict x, int64_t xs) {
     if (as == 1 && bs == 1 && xs == 1) {
+#ifdef PS_FWD_ROW_FAST
+        if (PS_FWD_ROW_FAST(n, s, a, b, x) == 0) return;
+#endif
         for (int64_t c = 0; c < n; ++c) {
             const ACC v = FMA(LD(a + c), s[c], LD(b + c));
             s[c] = v;
@@ -264,6 +268,9 @@ static inline void FN(bwd_row)(int64_t n, ACC *restrict g, ACC *restrict an,
                                ST *restrict ga, int64_t gas,
                                ST *restrict gb, int64_t gbs) {
     if (as == 1 && gxs == 1 && xps == 1 && gas == 1 && gbs == 1 && xp) {
+#ifdef PS_BWD_ROW_FAST
+        if (PS_BWD_ROW_FAST(n, g, an, a, gx, xp, ga, gb) == 0) return;
+#endif
         for (int64_t c = 0; c < n; ++c) {
             const ACC v = CFMA(an[c], g[c], LD(gx + c));
             g[c] = v;
