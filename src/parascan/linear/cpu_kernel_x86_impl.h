@@ -38,7 +38,30 @@ PS_AVX2 static void XFN(ps_fwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
             s0[r] = (r < nr && H) ? XLD(H + row * p->initial_stride[0]) : 0.0f;
         }
         __m256 s = _mm256_loadu_ps(s0);
-        for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+        int64_t t0 = 0;
+        /* 16 steps per visit: each row's 64-byte line is used whole before the other
+         * rows' lines (which may share its cache set) can evict it. */
+        for (; t0 + 16 <= whole; t0 += 16) {
+            __m256 va[16], vb[16];
+            for (int r = 0; r < 8; ++r) {
+                va[r] = XFN(ps_load8)(a[r], t0, rev);
+                va[r + 8] = XFN(ps_load8)(a[r], t0 + 8, rev);
+                vb[r] = XFN(ps_load8)(b[r], t0, rev);
+                vb[r + 8] = XFN(ps_load8)(b[r], t0 + 8, rev);
+            }
+            ps_transpose8(va);
+            ps_transpose8(va + 8);
+            ps_transpose8(vb);
+            ps_transpose8(vb + 8);
+            for (int k = 0; k < 16; ++k) va[k] = s = _mm256_add_ps(_mm256_mul_ps(va[k], s), vb[k]);
+            ps_transpose8(va);
+            ps_transpose8(va + 8);
+            for (int64_t r = 0; r < nr; ++r) {
+                XFN(ps_store8)(x[r], t0, rev, va[r]);
+                XFN(ps_store8)(x[r], t0 + 8, rev, va[r + 8]);
+            }
+        }
+        for (; t0 < whole; t0 += 8) {
             __m256 va[8], vb[8];
             for (int r = 0; r < 8; ++r) {
                 va[r] = XFN(ps_load8)(a[r], t0, rev);
@@ -82,7 +105,41 @@ PS_AVX2 static void XFN(ps_bwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
         }
         __m256 g = _mm256_setzero_ps(), an = _mm256_setzero_ps();
         /* Whole tiles from the end while out[t0 - 1] exists; the rest is scalar. */
-        int64_t t0 = steps - 8;
+        int64_t t0 = steps - 16;
+        /* 16 steps per visit while they fit (see the forward), then 8 at a time. */
+        for (; t0 >= 1; t0 -= 16) {
+            __m256 va[16], vg[16], vx[16];
+            for (int r = 0; r < 8; ++r) {
+                va[r] = XFN(ps_load8)(a[r], t0, rev);
+                va[r + 8] = XFN(ps_load8)(a[r], t0 + 8, rev);
+                vg[r] = XFN(ps_load8)(gx[r], t0, rev);
+                vg[r + 8] = XFN(ps_load8)(gx[r], t0 + 8, rev);
+                vx[r] = XFN(ps_load8)(x[r], t0 - 1, rev);
+                vx[r + 8] = XFN(ps_load8)(x[r], t0 + 7, rev);
+            }
+            for (int h = 0; h < 16; h += 8) {
+                ps_transpose8(va + h);
+                ps_transpose8(vg + h);
+                ps_transpose8(vx + h);
+            }
+            for (int k = 15; k >= 0; --k) {
+                g = _mm256_add_ps(_mm256_mul_ps(an, g), vg[k]);
+                an = va[k];
+                vg[k] = g;
+                vx[k] = _mm256_mul_ps(g, vx[k]);
+            }
+            for (int h = 0; h < 16; h += 8) {
+                ps_transpose8(vg + h);
+                ps_transpose8(vx + h);
+            }
+            for (int64_t r = 0; r < nr; ++r) {
+                XFN(ps_store8)(gb[r], t0, rev, vg[r]);
+                XFN(ps_store8)(gb[r], t0 + 8, rev, vg[r + 8]);
+                XFN(ps_store8)(ga[r], t0, rev, vx[r]);
+                XFN(ps_store8)(ga[r], t0 + 8, rev, vx[r + 8]);
+            }
+        }
+        t0 += 8;
         for (; t0 >= 1; t0 -= 8) {
             __m256 va[8], vg[8], vx[8];
             for (int r = 0; r < 8; ++r) {
