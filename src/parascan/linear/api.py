@@ -102,14 +102,14 @@ def _apply(
     return out
 
 
-def _plain_eager(*tensors: Tensor | None) -> bool:
-    """True when the call runs eagerly on ordinary tensors: no torch.compile, no
-    torch.func transform, no dispatch mode, no tensor subclass (fake, functional)."""
+def _plain_eager() -> bool:
+    """True when the call runs eagerly: no torch.compile, no torch.func transform, no
+    dispatch mode. (Tensor subclasses, fake or functional, are ruled out by the
+    caller's exact type checks.)"""
     return (
         not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
         and torch._C._len_torch_dispatch_stack() == 0
-        and all(t is None or type(t) is torch.Tensor for t in tensors)
     )
 
 

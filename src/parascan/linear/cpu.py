@@ -42,7 +42,8 @@ _BackwardArgs = ctypes.c_int64 * 31
 
 
 @functools.cache
-def _kernel(direction: str, dtype: torch.dtype) -> Any:
+def _checked_library() -> ctypes.CDLL:
+    """The kernel library, once its argument structs are checked against ours."""
     lib = kernel_library()
     for name, args in (("fwd", _ForwardArgs), ("bwd", _BackwardArgs)):
         size = getattr(lib, f"ps_linear_{name}_args_size")
@@ -52,7 +53,12 @@ def _kernel(direction: str, dtype: torch.dtype) -> Any:
                 f"parascan: the kernel library's ps_linear_{name}_args has {size()} bytes, "
                 f"these bindings expect {ctypes.sizeof(args)}; rebuild it (pip install -e .)"
             )
-    fn = getattr(lib, f"ps_linear_scan_{direction}_{_SUFFIX[dtype]}")
+    return lib
+
+
+@functools.cache
+def _kernel(direction: str, dtype: torch.dtype) -> Any:
+    fn = getattr(_checked_library(), f"ps_linear_scan_{direction}_{_SUFFIX[dtype]}")
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p]
     return fn
