@@ -1,5 +1,6 @@
 #define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE under -std=c11 */
 #include "parallel.h"
+#include "scan_common.h"
 
 #include <pthread.h>
 #if defined(__linux__)
@@ -61,3 +62,11 @@ void ps_prefer_huge_pages(void *ptr, int64_t bytes) {
     (void)bytes;
 #endif
 }
+
+/* The library's ABI version, checked by Python before anything else is called
+ * (_native.py): bump it whenever an argument struct or entry point changes. */
+PS_API int64_t ps_abi_version(void) { return 2; }
+
+/* Python passes the argument structs as flat int64 arrays (every member is 64
+ * bits wide); it checks their sizes once against its own layout. */
+PS_API int64_t ps_scan_fwd_args_size(void) { return (int64_t)sizeof(ps_scan_fwd_args); }

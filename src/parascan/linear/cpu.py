@@ -32,7 +32,7 @@ _SUFFIX = {
     torch.complex128: "c128",
 }
 
-# ps_linear_fwd_args: outer, steps, inner, gates, gates_stride[3], tokens,
+# ps_scan_fwd_args: outer, steps, inner, gates, gates_stride[3], tokens,
 # tokens_stride[3], initial, initial_stride[2], out, out_stride[3], reverse, nthreads
 _ForwardArgs = ctypes.c_int64 * 20
 # ps_linear_bwd_args: outer, steps, inner, gates, stride[3], out, stride[3], grad_out,
@@ -45,12 +45,12 @@ _BackwardArgs = ctypes.c_int64 * 31
 def _checked_library() -> ctypes.CDLL:
     """The kernel library, once its argument structs are checked against ours."""
     lib = kernel_library()
-    for name, args in (("fwd", _ForwardArgs), ("bwd", _BackwardArgs)):
-        size = getattr(lib, f"ps_linear_{name}_args_size")
+    for name, args in (("scan_fwd", _ForwardArgs), ("linear_bwd", _BackwardArgs)):
+        size = getattr(lib, f"ps_{name}_args_size")
         size.restype = ctypes.c_int64
         if size() != ctypes.sizeof(args):
             raise RuntimeError(
-                f"parascan: the kernel library's ps_linear_{name}_args has {size()} bytes, "
+                f"parascan: the kernel library's ps_{name}_args has {size()} bytes, "
                 f"these bindings expect {ctypes.sizeof(args)}; rebuild it (pip install -e .)"
             )
     return lib

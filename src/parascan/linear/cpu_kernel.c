@@ -1,56 +1,11 @@
 /* linear_scan CPU kernels: x[t] = gates[t] * x[t-1] + tokens[t], forward and
  * fused backward, for float16, bfloat16, float32, float64, complex64 and
  * complex128. Half types accumulate in float32. See cpu_kernel.h for the ABI
- * and cpu_kernel_impl.h for the algorithm; this file only instantiates it.
- *
- * The hot loops are compiled twice (x86-64-v3: AVX2 + FMA + F16C, and the
- * baseline) and the CPU picks at load time, so one build runs on any x86-64. */
+ * and scan_forward_impl.h for the algorithm; this file only instantiates it and
+ * the backward (cpu_kernel_impl.h). */
 #include "cpu_kernel.h"
 
-#include "parallel.h"
-
-#include <stdlib.h>
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PS_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PS_HOT
-#endif
-
-enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
-
-/* Rows at least this long, when there are at most PS_LONG_ROWS of them, are cut
- * into chunks scanned in parallel. Neither choice depends on the thread count, so
- * results are the same bits with any number of threads. */
-#define PS_LONG_STEPS (INT64_C(1) << 16)
-#define PS_LONG_ROWS 16
-#define PS_LONG_CHUNKS 128 /* chunks per problem, spread over its rows */
-
-/* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
- * blocks only when there are fewer rows than threads; multiples of 16 keep the
- * blocks' starts aligned for SIMD. */
-static int64_t ps_channel_block(int64_t outer, int64_t inner, int64_t nthreads) {
-    int64_t nblk = (inner + PS_BLOCK - 1) / PS_BLOCK;
-    const int64_t want = outer > 0 ? (nthreads + outer - 1) / outer : 1;
-    const int64_t most = (inner + 63) / 64;
-    if (want > nblk) nblk = want < most ? want : most;
-    if (nblk < 1) nblk = 1;
-    int64_t block = (inner + nblk - 1) / nblk;
-    block = (block + 15) / 16 * 16;
-    return block < PS_BLOCK ? block : PS_BLOCK;
-}
-
-/* Below this many elements a kernel runs on the calling thread: starting
- * threads costs more than the work. */
-static int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
-    return elements < (INT64_C(1) << 16) ? 1 : nthreads;
-}
-
-PS_API int64_t ps_abi_version(void) { return 1; }
-
-/* Python passes the argument structs as flat int64 arrays (every member is 64
- * bits wide); it checks these sizes once against its own layout. */
-PS_API int64_t ps_linear_fwd_args_size(void) { return (int64_t)sizeof(ps_linear_fwd_args); }
+/* Python checks this size once against its own layout (scan_common.h). */
 PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_bwd_args); }
 
 /* Real types: ACC arithmetic is plain C. conj is the identity. */
@@ -66,6 +21,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define PS_REDUCE8_FAST ps_reduce8_f32_fast
 #endif
 
+#define PS_FWD_ENTRY ps_linear_scan_fwd
 #define SFX f32
 #define ST float
 #define ACC float
@@ -74,6 +30,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define ZERO 0.0f
 #define ONE 1.0f
 #define PS_ACC_IS_STORAGE
+#include "scan_forward_impl.h"
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -89,6 +46,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define ACC double
 #define ZERO 0.0
 #define ONE 1.0
+#include "scan_forward_impl.h"
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -112,6 +70,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define STO(p, v) (*(p) = ps_f32_to_f16(v))
 #define ZERO 0.0f
 #define ONE 1.0f
+#include "scan_forward_impl.h"
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -132,6 +91,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define LD(p) ps_bf16_to_f32(*(p))
 #define STO(p, v) (*(p) = ps_f32_to_bf16(v))
 #define ZERO 0.0f
+#include "scan_forward_impl.h"
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -176,6 +136,7 @@ PS_COMPLEX_OPS(ps_c128)
 #define MULC ps_c64_mulc
 #define ZERO ((ps_c64){0.0f, 0.0f})
 #define ONE ((ps_c64){1.0f, 0.0f})
+#include "scan_forward_impl.h"
 #include "cpu_kernel_impl.h"
 #undef SFX
 #undef ST
@@ -194,4 +155,5 @@ PS_COMPLEX_OPS(ps_c128)
 #define MULC ps_c128_mulc
 #define ZERO ((ps_c128){0.0, 0.0})
 #define ONE ((ps_c128){1.0, 0.0})
+#include "scan_forward_impl.h"
 #include "cpu_kernel_impl.h"

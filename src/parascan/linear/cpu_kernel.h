@@ -1,9 +1,6 @@
 /* C ABI of the linear_scan CPU kernels (mirrored by ctypes in cpu.py).
  *
- * Every tensor is seen as a 3-d strided view (outer, steps, inner) with the scan
- * running along `steps`; strides are in elements of the storage type (a complex
- * element counts as one), any sign, zero for broadcast dimensions.
- *
+ * The forward takes ps_scan_fwd_args (scan_common.h, which describes the views):
  * forward:  out[o, t, c] = gates[o, t, c] * out[o, t-1, c] + tokens[o, t, c],
  *           out[o, -1, c] = initial[o, c] (zero when initial is NULL).
  * backward: with g[t] = grad_out[t] + conj(gates[t+1]) * g[t+1] (g[steps] = 0),
@@ -14,16 +11,7 @@
 #ifndef PARASCAN_LINEAR_CPU_KERNEL_H
 #define PARASCAN_LINEAR_CPU_KERNEL_H
 
-#include <stdint.h>
-
-typedef struct {
-    int64_t outer, steps, inner;
-    const void *gates;   int64_t gates_stride[3];
-    const void *tokens;  int64_t tokens_stride[3];
-    const void *initial; int64_t initial_stride[2]; /* NULL: zeros */
-    void *out;           int64_t out_stride[3];
-    int64_t reverse, nthreads;
-} ps_linear_fwd_args;
+#include "scan_common.h"
 
 typedef struct {
     int64_t outer, steps, inner;

@@ -1,7 +1,7 @@
 /* AVX2 paths for float32, bfloat16 and float16 time-contiguous data (inner == 1),
  * chosen at run time by cpu_kernel.c when the CPU has AVX2 (and F16C) and every
  * operand steps through time with stride +1 (or -1 when reversed). Everything
- * else uses the portable tiles in cpu_kernel_impl.h. Half types are widened to
+ * else uses the portable tiles in scan_forward_impl.h. Half types are widened to
  * float32 on load and rounded (to nearest even) on store, 8 at a time.
  *
  * Summary of algorithm. A work unit is 8 rows. Eight steps of the 8 rows are

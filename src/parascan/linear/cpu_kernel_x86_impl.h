@@ -20,7 +20,7 @@ PS_AVX2 static inline void XFN(ps_store8)(XT *row, int64_t t, int rev, __m256 v)
 }
 
 PS_AVX2 static void XFN(ps_fwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) {
-    const ps_linear_fwd_args *p = (const ps_linear_fwd_args *)vp;
+    const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
     const int rev = st < 0;
     const XT *A = (const XT *)p->gates, *B = (const XT *)p->tokens, *H = (const XT *)p->initial;
@@ -182,7 +182,7 @@ PS_AVX2 static void XFN(ps_bwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
 }
 
 /* The AVX2 worker when this CPU and these strides allow it, else NULL. */
-static ps_task_fn XFN(ps_fwd_tc_fast)(const ps_linear_fwd_args *p) {
+static ps_task_fn XFN(ps_fwd_tc_fast)(const ps_scan_fwd_args *p) {
     const int64_t s = p->out_stride[1];
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
         !__builtin_cpu_supports("f16c"))

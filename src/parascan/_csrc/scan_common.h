@@ -1,0 +1,78 @@
+/* What the first-order scan kernels (linear_scan, log_linear_scan) share: the
+ * forward ABI, the work-unit sizes, and the naming macros of the per-dtype
+ * templates (scan_forward_impl.h and each op's backward).
+ *
+ * Every tensor is seen as a 3-d strided view (outer, steps, inner) with the scan
+ * running along `steps`; strides are in elements of the storage type (a complex
+ * element counts as one), any sign, zero for broadcast dimensions. Python passes
+ * the argument structs as flat int64 arrays (every member is 64 bits wide) and
+ * checks their sizes once against its own layout.
+ */
+#ifndef PARASCAN_SCAN_COMMON_H
+#define PARASCAN_SCAN_COMMON_H
+
+#include "parallel.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+/* forward: out[o, t, c] = STEP(gates[o, t, c], out[o, t-1, c], tokens[o, t, c]),
+ * out[o, -1, c] = initial[o, c] (the op's empty state when initial is NULL);
+ * reverse != 0 runs time backwards (out[t+1] feeds out[t]). */
+typedef struct {
+    int64_t outer, steps, inner;
+    const void *gates;   int64_t gates_stride[3];
+    const void *tokens;  int64_t tokens_stride[3];
+    const void *initial; int64_t initial_stride[2]; /* NULL: the empty state */
+    void *out;           int64_t out_stride[3];
+    int64_t reverse, nthreads;
+} ps_scan_fwd_args;
+
+/* The hot loops are compiled twice (x86-64-v3: AVX2 + FMA + F16C, and the
+ * baseline) and the CPU picks at load time, so one build runs on any x86-64. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PS_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PS_HOT
+#endif
+
+enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
+
+/* Rows at least this long, when there are at most PS_LONG_ROWS of them, are cut
+ * into chunks scanned in parallel. Neither choice depends on the thread count, so
+ * results are the same bits with any number of threads. */
+#define PS_LONG_STEPS (INT64_C(1) << 16)
+#define PS_LONG_ROWS 16
+#define PS_LONG_CHUNKS 128 /* chunks per problem, spread over its rows */
+
+/* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
+ * blocks only when there are fewer rows than threads; multiples of 16 keep the
+ * blocks' starts aligned for SIMD. */
+static inline int64_t ps_channel_block(int64_t outer, int64_t inner, int64_t nthreads) {
+    int64_t nblk = (inner + PS_BLOCK - 1) / PS_BLOCK;
+    const int64_t want = outer > 0 ? (nthreads + outer - 1) / outer : 1;
+    const int64_t most = (inner + 63) / 64;
+    if (want > nblk) nblk = want < most ? want : most;
+    if (nblk < 1) nblk = 1;
+    int64_t block = (inner + nblk - 1) / nblk;
+    block = (block + 15) / 16 * 16;
+    return block < PS_BLOCK ? block : PS_BLOCK;
+}
+
+/* Below this many elements a kernel runs on the calling thread: starting
+ * threads costs more than the work. */
+static inline int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
+    return elements < (INT64_C(1) << 16) ? 1 : nthreads;
+}
+
+/* Template naming: FN(name) is name_SFX for the dtype being instantiated. */
+#define PS_CAT2(a, b) a##_##b
+#define PS_CAT(a, b) PS_CAT2(a, b)
+#define FN(name) PS_CAT(name, SFX)
+
+/* Point a time-indexed operand at its last step and negate its time stride
+ * (needs `steps` and ST in scope). */
+#define PS_FLIP(ptr, stride) \
+    do { (ptr) = (ST *)(ptr) + (steps - 1) * (stride)[1]; (stride)[1] = -(stride)[1]; } while (0)
+
+#endif
