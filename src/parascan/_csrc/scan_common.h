@@ -75,4 +75,24 @@ static inline int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
 #define PS_FLIP(ptr, stride) \
     do { (ptr) = (ST *)(ptr) + (steps - 1) * (stride)[1]; (stride)[1] = -(stride)[1]; } while (0)
 
+/* Complex arithmetic on interleaved (re, im) pairs, the layout torch uses:
+ * T_fma(a, s, b) = a s + b, T_cfma(a, s, b) = conj(a) s + b, T_mulc(g, x) = g conj(x);
+ * loads and stores component by component (whole-struct copies keep gcc from
+ * vectorizing). */
+#define PS_COMPLEX_OPS(T)                                                         \
+    static inline T T##_fma(T a, T s, T b) {                                      \
+        return (T){a.re * s.re - a.im * s.im + b.re, a.re * s.im + a.im * s.re + b.im}; \
+    }                                                                             \
+    static inline T T##_cfma(T a, T s, T b) {                                     \
+        return (T){a.re * s.re + a.im * s.im + b.re, a.re * s.im - a.im * s.re + b.im}; \
+    }                                                                             \
+    static inline T T##_mulc(T g, T x) {                                          \
+        return (T){g.re * x.re + g.im * x.im, g.im * x.re - g.re * x.im};         \
+    }
+PS_COMPLEX_OPS(ps_c64)
+PS_COMPLEX_OPS(ps_c128)
+#define PS_LOAD_COMPLEX(p) ((ACC){(p)->re, (p)->im})
+#define PS_STORE_COMPLEX(p, v) \
+    do { const ACC v_ = (v); (p)->re = v_.re; (p)->im = v_.im; } while (0)
+
 #endif

@@ -106,24 +106,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef PS_FWD_TC_FAST
 #undef PS_BWD_TC_FAST
 
-/* Complex types: interleaved (re, im) pairs, the layout torch uses. */
-#define PS_COMPLEX_OPS(T)                                                         \
-    static inline T T##_fma(T a, T s, T b) {                                      \
-        return (T){a.re * s.re - a.im * s.im + b.re, a.re * s.im + a.im * s.re + b.im}; \
-    }                                                                             \
-    static inline T T##_cfma(T a, T s, T b) {                                     \
-        return (T){a.re * s.re + a.im * s.im + b.re, a.re * s.im - a.im * s.re + b.im}; \
-    }                                                                             \
-    static inline T T##_mulc(T g, T x) {                                          \
-        return (T){g.re * x.re + g.im * x.im, g.im * x.re - g.re * x.im};         \
-    }
-PS_COMPLEX_OPS(ps_c64)
-PS_COMPLEX_OPS(ps_c128)
-#define PS_LOAD_COMPLEX(p) ((ACC){(p)->re, (p)->im})
-#define PS_STORE_COMPLEX(p, v) \
-    do { const ACC v_ = (v); (p)->re = v_.re; (p)->im = v_.im; } while (0)
-
-/* Component by component: whole-struct copies keep gcc from vectorizing. */
+/* Complex types: interleaved (re, im) pairs (arithmetic in scan_common.h). */
 #define LD(p) PS_LOAD_COMPLEX(p)
 #define STO(p, v) PS_STORE_COMPLEX(p, v)
 #define PS_ACC_IS_STORAGE

@@ -1,0 +1,123 @@
+"""ctypes bindings shared by the C scan kernels (linear_scan, log_linear_scan).
+
+Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
+scan dim, without copying when its strides allow it (contiguous, transposed,
+sliced and broadcast inputs all do). Outputs are new contiguous tensors. Inputs
+arrive with lazy conj/neg views resolved (each op's ops.py).
+
+The argument structs of the C headers are passed as flat int64 arrays, in the
+structs' member order (every member is 64 bits wide): building one array is a
+single call, which keeps a small scan's Python overhead to a few microseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from typing import Any
+
+import torch
+
+from parascan._native import kernel_library
+
+__all__ = ["ARG_STRUCTS", "dims3", "forward", "kernel", "state2", "view3"]
+
+_SUFFIX = {
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
+
+# Struct name -> flat int64 array type; the sizes are checked against the library.
+ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
+    # outer, steps, inner, gates, stride[3], tokens, stride[3], initial, stride[2],
+    # out, stride[3], reverse, nthreads
+    "scan_fwd": ctypes.c_int64 * 20,
+    # outer, steps, inner, gates, stride[3], out, stride[3], grad_out, stride[3],
+    # initial, stride[2], grad_gates, stride[3], grad_tokens, stride[3],
+    # grad_initial, stride[2], reverse, nthreads
+    "linear_bwd": ctypes.c_int64 * 31,
+    # as linear_bwd, with tokens (pointer, stride[3]) after gates
+    "log_bwd": ctypes.c_int64 * 35,
+}
+
+
+@functools.cache
+def _checked_library() -> ctypes.CDLL:
+    """The kernel library, once its argument structs are checked against ours."""
+    lib = kernel_library()
+    for name, args in ARG_STRUCTS.items():
+        size = getattr(lib, f"ps_{name}_args_size")
+        size.restype = ctypes.c_int64
+        if size() != ctypes.sizeof(args):
+            raise RuntimeError(
+                f"parascan: the kernel library's ps_{name}_args has {size()} bytes, "
+                f"these bindings expect {ctypes.sizeof(args)}; rebuild it (pip install -e .)"
+            )
+    return lib
+
+
+@functools.cache
+def kernel(name: str, dtype: torch.dtype) -> Any:
+    """The C entry ``ps_<name>_<dtype suffix>``, e.g. ``kernel("linear_scan_fwd", f32)``."""
+    fn = getattr(_checked_library(), f"ps_{name}_{_SUFFIX[dtype]}")
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p]
+    return fn
+
+
+def dims3(shape: torch.Size, dim: int) -> tuple[int, int, int]:
+    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+
+
+def view3(
+    t: torch.Tensor, dims: tuple[int, int, int]
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``t`` seen as (outer, T, inner): the tensor to read (a copy only when no view
+    exists; the caller holds it while the kernel runs) and its three strides.
+    Contiguous tensors, the common case, need no view object at all."""
+    if t.is_contiguous():
+        return t, (dims[1] * dims[2], dims[2], 1)
+    v = t.reshape(dims)
+    return v, v.stride()  # type: ignore[return-value]
+
+
+def state2(
+    t: torch.Tensor | None, outer: int, inner: int
+) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
+    """A state tensor as (outer, inner), and its (data pointer, strides) for the
+    kernel (NULL for None). The caller holds the tensor while the kernel runs: it
+    may be a copy that nothing else references."""
+    if t is None:
+        return None, (0, 0, 0)
+    t2 = t.reshape(outer, inner)
+    return t2, (t2.data_ptr(), t2.stride(0), t2.stride(1))
+
+
+def forward(
+    name: str,
+    gates: torch.Tensor,
+    tokens: torch.Tensor,
+    initial: torch.Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> torch.Tensor:
+    """Run the forward kernel ``name`` (``"linear_scan"`` or ``"log_scan"``): CPU
+    tensors of one shape and dtype, ``initial`` of that shape without ``dim``."""
+    dim %= tokens.dim()
+    dims = dims3(tokens.shape, dim)
+    out = torch.empty(tokens.shape, dtype=tokens.dtype)
+    (a, a_s), (b, b_s), (x, x_s) = view3(gates, dims), view3(tokens, dims), view3(out, dims)
+    h_keep, h = state2(initial, dims[0], dims[2])
+    args = ARG_STRUCTS["scan_fwd"](
+        *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
+        x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel(f"{name}_fwd", tokens.dtype)(args) != 0:
+        raise RuntimeError(f"parascan: {name} CPU kernel rejected shape {dims}")
+    del h_keep
+    return out
