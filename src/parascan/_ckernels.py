@@ -74,9 +74,7 @@ def dims3(shape: torch.Size, dim: int) -> tuple[int, int, int]:
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
 
-def view3(
-    t: torch.Tensor, dims: tuple[int, int, int]
-) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def view3(t: torch.Tensor, dims: tuple[int, int, int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``t`` seen as (outer, T, inner): the tensor to read (a copy only when no view
     exists; the caller holds it while the kernel runs) and its three strides.
     Contiguous tensors, the common case, need no view object at all."""

@@ -7,18 +7,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from parascan._backends import resolve_backend
-from parascan._checks import (
-    FLOAT_DTYPES,
-    as_operand,
-    broadcast_shape,
-    check_dtype,
-    check_same_device,
-    describe,
-    normalize_dim,
-    result_dtype,
-)
-from parascan._native import kernel_library_error
+from parascan._scan_api import cpu_fast_path, prepare, with_final
 from parascan.linear import cpu
 from parascan.linear.ops import (
     backward_via_scan,
@@ -102,63 +91,10 @@ def _apply(
     return out
 
 
-def _plain_eager() -> bool:
-    """True when the call runs eagerly: no torch.compile, no torch.func transform, no
-    dispatch mode. (Tensor subclasses, fake or functional, are ruled out by the
-    caller's exact type checks.)"""
-    return (
-        not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and torch._C._len_torch_dispatch_stack() == 0
-    )
-
-
 def _cpu_fast_path(
     gates: object, tokens: object, dim: object, initial: object, reverse: object, backend: object
 ) -> Tensor | None:
-    """The cpu kernel called directly, for the common call that needs nothing of the
-    op machinery: plain CPU tensors of one shape and dtype that need no gradient.
-    Returns None (take the general path, which validates everything and owns every
-    error message) for anything else. A small scan costs microseconds in the
-    kernel, so the tens of microseconds of dispatch are what this path saves."""
-    if not (
-        type(gates) is torch.Tensor
-        and type(tokens) is torch.Tensor
-        and (initial is None or type(initial) is torch.Tensor)
-        and type(dim) is int
-        and type(reverse) is bool
-        and backend in ("auto", "cpu")
-    ):
-        return None
-    dtype, shape = tokens.dtype, tokens.shape
-    if (
-        gates.dtype != dtype
-        or gates.shape != shape
-        or dtype not in FLOAT_DTYPES
-        or tokens.device.type != "cpu"
-        or gates.device.type != "cpu"
-        or not -len(shape) <= dim < len(shape)
-        or gates.is_conj()
-        or tokens.is_conj()
-        or gates.is_neg()
-        or tokens.is_neg()
-        or (torch.is_grad_enabled() and (gates.requires_grad or tokens.requires_grad))
-        or not _plain_eager()
-        or kernel_library_error() is not None
-    ):
-        return None
-    if initial is not None:
-        d = dim % len(shape)
-        if (
-            initial.dtype != dtype
-            or initial.device.type != "cpu"
-            or initial.shape != shape[:d] + shape[d + 1 :]
-            or initial.is_conj()
-            or initial.is_neg()
-            or (torch.is_grad_enabled() and initial.requires_grad)
-        ):
-            return None
-    return cpu.forward(gates, tokens, initial, dim, reverse)
+    return cpu_fast_path(cpu.forward, gates, tokens, dim, initial, reverse, backend)
 
 
 @overload
@@ -244,57 +180,6 @@ def linear_scan(
         fast = _cpu_fast_path(gates, tokens, dim, initial, reverse, backend)
         if fast is not None:
             return fast
-    tokens = as_operand(_NAME, "tokens", tokens, allow_number=False)
-    gates = as_operand(_NAME, "gates", gates, allow_number=True, like=tokens)
-    check_dtype(_NAME, "gates", gates)
-    check_dtype(_NAME, "tokens", tokens)
-    named = [("gates", gates), ("tokens", tokens)]
-    if initial is not None:
-        initial = as_operand(_NAME, "initial", initial, allow_number=True, like=tokens)
-        check_dtype(_NAME, "initial", initial)
-        named.append(("initial", initial))
-    check_same_device(_NAME, named)
-    shape = broadcast_shape(_NAME, [("gates", gates.shape), ("tokens", tokens.shape)])
-    scalar = len(shape) == 0
-    if scalar:  # like torch.cumsum, a 0-d input is a sequence of length 1
-        shape = (1,)
-    d = normalize_dim(_NAME, dim, len(shape))
-    dtype = result_dtype(_NAME, gates, tokens)
-    state_shape = shape[:d] + shape[d + 1 :]
-    if initial is not None:
-        if initial.is_complex() and not dtype.is_complex:
-            raise TypeError(
-                f"{_NAME}: expected a real initial for a real result ({dtype}), "
-                f"but got {initial.dtype}"
-            )
-        if len(initial.shape) > len(state_shape) or (
-            broadcast_shape(
-                _NAME, [("result without dim", state_shape), ("initial", initial.shape)]
-            )
-            != state_shape
-        ):
-            raise ValueError(
-                f"{_NAME}: expected initial broadcastable to the result's shape without dim "
-                f"{state_shape}, but got {describe(initial)}"
-            )
-        initial = initial.to(dtype).expand(state_shape)
-    if not isinstance(reverse, bool) or not isinstance(return_final, bool):
-        raise TypeError(
-            f"{_NAME}: expected bool reverse and return_final, but got "
-            f"{describe(reverse)} and {describe(return_final)}"
-        )
-    chosen = resolve_backend(_NAME, backend, tokens.device)
-
-    a = gates.to(dtype).expand(shape)
-    b = tokens.to(dtype).expand(shape)
-    out = _apply(a, b, initial, d - len(shape), reverse, chosen)
-    if not return_final:
-        return out.reshape(()) if scalar else out
-    steps = shape[d]
-    if steps == 0:
-        final = out.new_zeros(state_shape) if initial is None else initial.clone()
-    else:
-        final = out.select(d, 0 if reverse else steps - 1).clone()
-    if scalar:
-        return out.reshape(()), final.reshape(())
-    return out, final
+    p = prepare(_NAME, gates, tokens, dim, initial, reverse, return_final, backend)
+    out = _apply(p.gates, p.tokens, p.initial, p.dim, reverse, p.backend)
+    return with_final(out, p, reverse, return_final, 0.0)

@@ -1,7 +1,8 @@
 """The ``torch`` backend for linear_scan: a parallel chunked scan in pure PyTorch.
 
 Summary of algorithm. The pair (a, b) stands for the affine map x -> a*x + b, and
-maps compose associatively, so time can be cut into K chunks of L ~ sqrt(T) steps:
+maps compose associatively (as they do in any semiring: log_linear_scan runs this
+same code with logaddexp and +), so time can be cut into K chunks of L ~ sqrt(T) steps:
   1. inside all chunks at once, walk the L positions: each chunk's local state
      (from a zero start) and the running product of its gates. That is L batched
      tensor ops, each over all K chunks and all channels;
@@ -16,33 +17,56 @@ The initial state is folded into the first token; reverse flips time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from parascan._checks import accumulate_dtype
 
-__all__ = ["forward"]
+__all__ = ["LINEAR", "Semiring", "forward", "scan"]
 
 # Below this many steps one batched op per step is cheapest.
 SEQUENTIAL_STEPS = 32
 
 
-def _scan_time_first(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """x[t] = a[t] x[t-1] + b[t] along dim 0 from a zero state; a new tensor."""
+class Semiring(NamedTuple):
+    """The algebra of a first-order scan: ``step(a, s, b, out)`` writes the next
+    state from gate a, state s and token b into ``out``; ``compose(p, a, out)``
+    writes the gate of two steps in a row; ``one`` is the identity gate, ``zero``
+    the empty state (padding and the state before the first chunk)."""
+
+    step: Callable[[Tensor, Tensor, Tensor, Tensor], object]
+    compose: Callable[[Tensor, Tensor, Tensor], object]
+    one: float
+    zero: float
+
+
+LINEAR = Semiring(
+    step=lambda a, s, b, out: torch.addcmul(b, a, s, out=out),
+    compose=lambda p, a, out: torch.mul(p, a, out=out),
+    one=1.0,
+    zero=0.0,
+)
+
+
+def _scan_time_first(a: Tensor, b: Tensor, ring: Semiring) -> Tensor:
+    """x[t] = step(a[t], x[t-1], b[t]) along dim 0 from the empty state; a new tensor."""
     steps, rest = a.shape[0], a.shape[1:]
     x = torch.empty((steps, *rest), dtype=b.dtype, device=b.device)
     if steps <= SEQUENTIAL_STEPS:
         if steps:
             x[0] = b[0]
         for t in range(1, steps):
-            torch.addcmul(b[t], a[t], x[t - 1], out=x[t])
+            ring.step(a[t], x[t - 1], b[t], x[t])
         return x
     length = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
     chunks = -(-steps // length)
     pad = chunks * length - steps
     if pad:
-        a = torch.cat([a, a.new_ones((pad, *rest))])
-        b = torch.cat([b, b.new_zeros((pad, *rest))])
+        a = torch.cat([a, a.new_full((pad, *rest), ring.one)])
+        b = torch.cat([b, b.new_full((pad, *rest), ring.zero)])
     a = a.reshape(chunks, length, *rest)
     b = b.reshape(chunks, length, *rest)
     local = torch.empty_like(b)
@@ -50,16 +74,16 @@ def _scan_time_first(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     local[:, 0] = b[:, 0]
     prod[:, 0] = a[:, 0]
     for j in range(1, length):
-        torch.addcmul(b[:, j], a[:, j], local[:, j - 1], out=local[:, j])
-        torch.mul(prod[:, j - 1], a[:, j], out=prod[:, j])
-    ends = _scan_time_first(prod[:, -1], local[:, -1])
-    entering = torch.cat([ends.new_zeros((1, *rest)), ends[:-1]])
-    local.addcmul_(prod, entering.unsqueeze(1))
+        ring.step(a[:, j], local[:, j - 1], b[:, j], local[:, j])
+        ring.compose(prod[:, j - 1], a[:, j], prod[:, j])
+    ends = _scan_time_first(prod[:, -1], local[:, -1], ring)
+    entering = torch.cat([ends.new_full((1, *rest), ring.zero), ends[:-1]])
+    ring.step(prod, entering.unsqueeze(1).expand_as(prod), local, local)
     x.copy_(local.reshape(chunks * length, *rest)[:steps])
     return x
 
 
-def _time_first(t: torch.Tensor, dim: int, acc: torch.dtype, reverse: bool) -> torch.Tensor:
+def _time_first(t: Tensor, dim: int, acc: torch.dtype, reverse: bool) -> Tensor:
     """``t`` with time moved to dim 0, in ``acc``, channels unit-stride when there are
     channels (each batched op then reads whole cache lines)."""
     t = t.movedim(dim, 0).to(acc)
@@ -70,14 +94,15 @@ def _time_first(t: torch.Tensor, dim: int, acc: torch.dtype, reverse: bool) -> t
     return t
 
 
-def forward(
-    gates: torch.Tensor,
-    tokens: torch.Tensor,
-    initial: torch.Tensor | None,
+def scan(
+    gates: Tensor,
+    tokens: Tensor,
+    initial: Tensor | None,
     dim: int,
     reverse: bool,
-) -> torch.Tensor:
-    """Same contract as ``reference.forward``."""
+    ring: Semiring,
+) -> Tensor:
+    """The chunked scan of ``ring``, with the contract of ``reference.forward``."""
     acc = accumulate_dtype(tokens.dtype)
     out = torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
     if tokens.shape[dim] == 0:
@@ -85,8 +110,21 @@ def forward(
     a = _time_first(gates, dim, acc, reverse)
     b = _time_first(tokens, dim, acc, reverse)
     if initial is not None:
-        b = torch.cat([(b[0] + a[0] * initial.to(acc)).unsqueeze(0), b[1:]])
-    x = _scan_time_first(a, b)
+        first = torch.empty_like(b[0])
+        ring.step(a[0], initial.to(acc), b[0], first)
+        b = torch.cat([first.unsqueeze(0), b[1:]])
+    x = _scan_time_first(a, b, ring)
     if reverse:
         x = x.flip(0)
     return out.copy_(x.movedim(0, dim))
+
+
+def forward(
+    gates: Tensor,
+    tokens: Tensor,
+    initial: Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> Tensor:
+    """Same contract as ``reference.forward``."""
+    return scan(gates, tokens, initial, dim, reverse, LINEAR)

@@ -16,10 +16,18 @@ import torch
 from torch import Tensor
 
 from parascan._checks import accumulate_dtype
+from parascan._op_utils import (
+    conj,
+    register_batch_first_vmap,
+    resolved,
+    resolved_optional,
+    state_shape,
+)
 from parascan.linear import chunked, cpu, reference
 
 __all__ = [
     "backward_via_scan",
+    "gradient_chain",
     "linear_scan_backward_op",
     "linear_scan_op",
     "previous_states",
@@ -53,49 +61,45 @@ def backward_via_scan(
     """
     steps = out.shape[dim]
     if steps == 0:
-        return torch.zeros_like(out), torch.zeros_like(out), out.new_zeros(_state_shape(out, dim))
+        return torch.zeros_like(out), torch.zeros_like(out), out.new_zeros(state_shape(out, dim))
+    g = gradient_chain(scan, gates, grad_out, dim, reverse)
+    first = steps - 1 if reverse else 0
+    grad_initial = conj(gates.select(dim, first)) * g.select(dim, first)
+    return g * conj(previous_states(out, initial, dim, reverse)), g, grad_initial
+
+
+def gradient_chain(
+    scan: ScanFn, gates: Tensor, grad_out: Tensor, dim: int, reverse: bool
+) -> Tensor:
+    """g[t] = grad_out[t] + conj(gates[t+1]) g[t+1] (t-1 when reversed), g past the
+    end 0: the total gradient reaching each state of a recurrence whose step
+    multiplies the previous state by ``gates``. One scan run the other way."""
+    steps = grad_out.shape[dim]
+    if steps == 0:
+        return torch.zeros_like(grad_out)
     no_gate = torch.zeros_like(gates.narrow(dim, 0, 1))
     if reverse:
         a_next = torch.cat([no_gate, gates.narrow(dim, 0, steps - 1)], dim)
     else:
         a_next = torch.cat([gates.narrow(dim, 1, steps - 1), no_gate], dim)
-    first = steps - 1 if reverse else 0
-    g = scan(_conj(a_next), grad_out, None, dim, not reverse)
-    grad_initial = _conj(gates.select(dim, first)) * g.select(dim, first)
-    return g * _conj(previous_states(out, initial, dim, reverse)), g, grad_initial
+    return scan(conj(a_next), grad_out, None, dim, not reverse)
 
 
-def previous_states(out: Tensor, initial: Tensor | None, dim: int, reverse: bool) -> Tensor:
-    """x[t-1] for every t (x[t+1] when reversed), the initial state (or zeros) at
-    the start: the states each step's gate multiplies."""
+def previous_states(
+    out: Tensor, initial: Tensor | None, dim: int, reverse: bool, empty: float = 0.0
+) -> Tensor:
+    """x[t-1] for every t (x[t+1] when reversed), the initial state (or ``empty``,
+    the state before any step) at the start: the states each step's gate acts on."""
     steps = out.shape[dim]
     if steps == 0:
         return out
-    x0 = torch.zeros_like(out.narrow(dim, 0, 1)) if initial is None else initial.unsqueeze(dim)
+    if initial is None:
+        x0 = torch.full_like(out.narrow(dim, 0, 1), empty)
+    else:
+        x0 = initial.unsqueeze(dim)
     if reverse:
         return torch.cat([out.narrow(dim, 1, steps - 1), x0], dim)
     return torch.cat([x0, out.narrow(dim, 0, steps - 1)], dim)
-
-
-def _conj(t: Tensor) -> Tensor:
-    # conj_physical, not the lazy conj view: see _resolved.
-    return t.conj_physical() if t.is_complex() else t
-
-
-def _resolved(t: Tensor) -> Tensor:
-    """Materialize lazy conjugate/negative views before backend code sees them.
-    Under AOT dispatch (torch.compile) a custom op's body can run with the
-    Conjugate key excluded, so a conj view would silently read as unconjugated."""
-    return t.resolve_conj().resolve_neg()
-
-
-def _resolved_optional(t: Tensor | None) -> Tensor | None:
-    return None if t is None else _resolved(t)
-
-
-def _state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
-    dim %= t.dim()
-    return (*t.shape[:dim], *t.shape[dim + 1 :])
 
 
 @torch.library.custom_op("parascan::linear_scan", mutates_args=())
@@ -104,7 +108,7 @@ def linear_scan_op(
 ) -> Tensor:
     """x[t] = gates[t] * x[t-1] + tokens[t] along ``dim``; a new contiguous tensor."""
     return _FORWARD[backend](
-        _resolved(gates), _resolved(tokens), _resolved_optional(initial), dim, reverse
+        resolved(gates), resolved(tokens), resolved_optional(initial), dim, reverse
     )
 
 
@@ -128,8 +132,8 @@ def linear_scan_backward_op(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_gates, grad_tokens, grad_initial) of linear_scan, given its output."""
-    gates, out, grad_out = _resolved(gates), _resolved(out), _resolved(grad_out)
-    initial = _resolved_optional(initial)
+    gates, out, grad_out = resolved(gates), resolved(out), resolved(grad_out)
+    initial = resolved_optional(initial)
     if backend == "cpu":
         return cpu.backward(gates, out, grad_out, initial, dim, reverse)
     # Backends without a fused backward: one reverse scan, accumulating half types
@@ -162,51 +166,11 @@ def _(
     return (
         torch.empty(out.shape, dtype=out.dtype, device=out.device),
         torch.empty(out.shape, dtype=out.dtype, device=out.device),
-        torch.empty(_state_shape(out, dim), dtype=out.dtype, device=out.device),
+        torch.empty(state_shape(out, dim), dtype=out.dtype, device=out.device),
     )
 
 
-# vmap: every operand of one call has the same logical shape (initial: without
-# ``dim``), so a vmapped dimension becomes a new leading batch dimension of all of
-# them; unbatched operands are expanded (no copy). ``dim`` is shifted when it counts
-# from the front; negative dims are unaffected by a leading dimension.
-
-
-def _batch_first(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
-    if t is None:
-        return None
-    return t.expand(size, *t.shape) if bdim is None else t.movedim(bdim, 0)
-
-
-def _shift(dim: int) -> int:
-    return dim + 1 if dim >= 0 else dim
-
-
-@torch.library.register_vmap("parascan::linear_scan")
-def _(info, in_dims, gates, tokens, initial, dim, reverse, backend):  # type: ignore[no-untyped-def]
-    n = info.batch_size
-    gd, td, id_ = in_dims[:3]
-    out = linear_scan_op(
-        _batch_first(gates, gd, n),
-        _batch_first(tokens, td, n),
-        _batch_first(initial, id_, n),
-        _shift(dim),
-        reverse,
-        backend,
-    )
-    return out, 0
-
-
-@torch.library.register_vmap("parascan::linear_scan_backward")
-def _(info, in_dims, gates, out, grad_out, initial, dim, reverse, backend):  # type: ignore[no-untyped-def]
-    n = info.batch_size
-    grads = linear_scan_backward_op(
-        _batch_first(gates, in_dims[0], n),
-        _batch_first(out, in_dims[1], n),
-        _batch_first(grad_out, in_dims[2], n),
-        _batch_first(initial, in_dims[3], n),
-        _shift(dim),
-        reverse,
-        backend,
-    )
-    return grads, (0, 0, 0)
+register_batch_first_vmap("parascan::linear_scan", linear_scan_op, tensors=3, outputs=1)
+register_batch_first_vmap(
+    "parascan::linear_scan_backward", linear_scan_backward_op, tensors=4, outputs=3
+)

@@ -1,0 +1,59 @@
+"""Helpers for the raw torch.library ops of the first-order scans."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["conj", "register_batch_first_vmap", "resolved", "resolved_optional", "state_shape"]
+
+
+def conj(t: Tensor) -> Tensor:
+    # conj_physical, not the lazy conj view: see resolved.
+    return t.conj_physical() if t.is_complex() else t
+
+
+def resolved(t: Tensor) -> Tensor:
+    """Materialize lazy conjugate/negative views before backend code sees them.
+    Under AOT dispatch (torch.compile) a custom op's body can run with the
+    Conjugate key excluded, so a conj view would silently read as unconjugated."""
+    return t.resolve_conj().resolve_neg()
+
+
+def resolved_optional(t: Tensor | None) -> Tensor | None:
+    return None if t is None else resolved(t)
+
+
+def state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
+    dim %= t.dim()
+    return (*t.shape[:dim], *t.shape[dim + 1 :])
+
+
+def _batch_first(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
+    if t is None:
+        return None
+    return t.expand(size, *t.shape) if bdim is None else t.movedim(bdim, 0)
+
+
+def register_batch_first_vmap(
+    name: str, op: Callable[..., Any], tensors: int, outputs: int
+) -> None:
+    """A vmap rule for an op whose first ``tensors`` arguments are tensors (or None)
+    of one logical shape (states: without ``dim``), followed by ``dim`` and plain
+    arguments. A vmapped dimension becomes a new leading batch dimension of all of
+    them (unbatched operands are expanded, no copy), ``dim`` shifts when it counts
+    from the front, and every output is batched at 0."""
+
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        n = info.batch_size
+        batched = [
+            _batch_first(t, d, n) for t, d in zip(args[:tensors], in_dims[:tensors], strict=True)
+        ]
+        dim = args[tensors]
+        result = op(*batched, dim + 1 if dim >= 0 else dim, *args[tensors + 1 :])
+        return result, 0 if outputs == 1 else (0,) * outputs
+
+    torch.library.register_vmap(name, rule)

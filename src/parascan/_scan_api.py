@@ -1,0 +1,199 @@
+"""Argument handling shared by the public first-order scans (linear_scan,
+log_linear_scan): validation with the caller's name in every message, broadcasting,
+the final state, and the eager fast path that calls a C kernel directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from parascan._backends import resolve_backend
+from parascan._checks import (
+    FLOAT_DTYPES,
+    as_operand,
+    broadcast_shape,
+    check_dtype,
+    check_same_device,
+    describe,
+    normalize_dim,
+    result_dtype,
+)
+from parascan._native import kernel_library_error
+
+__all__ = ["Prepared", "cpu_fast_path", "final_state", "prepare", "with_final"]
+
+ForwardFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Validated operands: ``gates`` and ``tokens`` expanded to one shape and dtype,
+    ``initial`` expanded to the state shape (or None), ``dim`` negative (it then
+    survives new leading batch dims), and the backend resolved."""
+
+    gates: Tensor
+    tokens: Tensor
+    initial: Tensor | None
+    dim: int
+    backend: str
+    scalar: bool  # a 0-d call, computed as length 1 and returned 0-d
+
+
+def prepare(
+    name: str,
+    gates: object,
+    tokens: object,
+    dim: object,
+    initial: object,
+    reverse: object,
+    return_final: object,
+    backend: object,
+    names: tuple[str, str] = ("gates", "tokens"),
+) -> Prepared:
+    """Validate a scan call; raises TypeError/ValueError/IndexError/RuntimeError
+    naming ``name`` and the offending argument before any kernel runs."""
+    gname, tname = names
+    tokens = as_operand(name, tname, tokens, allow_number=False)
+    gates = as_operand(name, gname, gates, allow_number=True, like=tokens)
+    check_dtype(name, gname, gates)
+    check_dtype(name, tname, tokens)
+    named = [(gname, gates), (tname, tokens)]
+    if initial is not None:
+        initial = as_operand(name, "initial", initial, allow_number=True, like=tokens)
+        check_dtype(name, "initial", initial)
+        named.append(("initial", initial))
+    check_same_device(name, named)
+    shape = broadcast_shape(name, [(gname, gates.shape), (tname, tokens.shape)])
+    scalar = len(shape) == 0
+    if scalar:  # like torch.cumsum, a 0-d input is a sequence of length 1
+        shape = (1,)
+    d = normalize_dim(name, dim, len(shape))
+    dtype = result_dtype(name, gates, tokens)
+    state_shape = shape[:d] + shape[d + 1 :]
+    if initial is not None:
+        assert isinstance(initial, Tensor)
+        if initial.is_complex() and not dtype.is_complex:
+            raise TypeError(
+                f"{name}: expected a real initial for a real result ({dtype}), "
+                f"but got {initial.dtype}"
+            )
+        if len(initial.shape) > len(state_shape) or (
+            broadcast_shape(name, [("result without dim", state_shape), ("initial", initial.shape)])
+            != state_shape
+        ):
+            raise ValueError(
+                f"{name}: expected initial broadcastable to the result's shape without dim "
+                f"{state_shape}, but got {describe(initial)}"
+            )
+        initial = initial.to(dtype).expand(state_shape)
+    if not isinstance(reverse, bool) or not isinstance(return_final, bool):
+        raise TypeError(
+            f"{name}: expected bool reverse and return_final, but got "
+            f"{describe(reverse)} and {describe(return_final)}"
+        )
+    chosen = resolve_backend(name, backend, tokens.device)
+    return Prepared(
+        gates.to(dtype).expand(shape),
+        tokens.to(dtype).expand(shape),
+        initial,
+        d - len(shape),
+        chosen,
+        scalar,
+    )
+
+
+def final_state(out: Tensor, p: Prepared, reverse: bool, empty: float) -> Tensor:
+    """The last state (``out[T-1]``, or ``out[0]`` reversed) as a new tensor; for
+    T == 0 the initial state, or ``empty`` (the state of no steps) without one."""
+    steps = out.shape[p.dim]
+    if steps == 0:
+        if p.initial is None:
+            return out.new_full(_state_shape(out, p.dim), empty)
+        return p.initial.clone()
+    return out.select(p.dim, 0 if reverse else steps - 1).clone()
+
+
+def _state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
+    dim %= t.dim()
+    return (*t.shape[:dim], *t.shape[dim + 1 :])
+
+
+def with_final(
+    out: Tensor, p: Prepared, reverse: bool, return_final: bool, empty: float
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The public return value: ``out`` (0-d for a 0-d call), with the final state
+    when asked for."""
+    result = out.reshape(()) if p.scalar else out
+    if not return_final:
+        return result
+    final = final_state(out, p, reverse, empty)
+    return result, final.reshape(()) if p.scalar else final
+
+
+def _plain_eager() -> bool:
+    """True when the call runs eagerly: no torch.compile, no torch.func transform, no
+    dispatch mode. (Tensor subclasses, fake or functional, are ruled out by the
+    caller's exact type checks.)"""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+def cpu_fast_path(
+    forward: ForwardFn,
+    gates: object,
+    tokens: object,
+    dim: object,
+    initial: object,
+    reverse: object,
+    backend: object,
+) -> Tensor | None:
+    """``forward`` (a cpu kernel) called directly, for the common call that needs
+    nothing of the op machinery: plain CPU tensors of one shape and dtype that need
+    no gradient. Returns None (take the general path, which validates everything
+    and owns every error message) for anything else. A small scan costs
+    microseconds in the kernel, so the tens of microseconds of dispatch are what
+    this path saves."""
+    if not (
+        type(gates) is torch.Tensor
+        and type(tokens) is torch.Tensor
+        and (initial is None or type(initial) is torch.Tensor)
+        and type(dim) is int
+        and type(reverse) is bool
+        and backend in ("auto", "cpu")
+    ):
+        return None
+    dtype, shape = tokens.dtype, tokens.shape
+    if (
+        gates.dtype != dtype
+        or gates.shape != shape
+        or dtype not in FLOAT_DTYPES
+        or tokens.device.type != "cpu"
+        or gates.device.type != "cpu"
+        or not -len(shape) <= dim < len(shape)
+        or gates.is_conj()
+        or tokens.is_conj()
+        or gates.is_neg()
+        or tokens.is_neg()
+        or (torch.is_grad_enabled() and (gates.requires_grad or tokens.requires_grad))
+        or not _plain_eager()
+        or kernel_library_error() is not None
+    ):
+        return None
+    if initial is not None:
+        d = dim % len(shape)
+        if (
+            initial.dtype != dtype
+            or initial.device.type != "cpu"
+            or initial.shape != shape[:d] + shape[d + 1 :]
+            or initial.is_conj()
+            or initial.is_neg()
+            or (torch.is_grad_enabled() and initial.requires_grad)
+        ):
+            return None
+    return forward(gates, tokens, initial, dim, reverse)
