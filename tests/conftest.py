@@ -84,3 +84,26 @@ def random_tokens(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+def log_loop_oracle(
+    log_gates: torch.Tensor,
+    log_tokens: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None = None,
+    reverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t]) one step at a time with
+    torch.logaddexp (real inputs; use it in float64); returns (h, final).
+    Differentiable where no step adds -inf to -inf."""
+    a, b = torch.broadcast_tensors(log_gates, log_tokens)
+    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
+    steps = b.shape[0]
+    state = torch.full_like(b.sum(0), -float("inf")) if initial is None else initial
+    state = state.expand(b.shape[1:])
+    out: list[torch.Tensor] = [state] * steps
+    for t in reversed(range(steps)) if reverse else range(steps):
+        state = torch.logaddexp(a[t] + state, b[t])
+        out[t] = state
+    h = torch.stack(out).movedim(0, dim) if steps else (a + b).movedim(0, dim)
+    return h, state

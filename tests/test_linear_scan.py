@@ -410,3 +410,10 @@ def test_long_sequences_do_not_depend_on_thread_count(gen) -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_python_number_keeps_the_precision_of_the_result_dtype() -> None:
+    """A Python float next to float64 tokens is float64's value, not float32's
+    rounding of it (0.1 differs in the 9th digit)."""
+    out = ps.linear_scan(0.1, torch.ones(2, dtype=torch.float64), 0, initial=0.1)
+    assert out.tolist() == [0.1 * 0.1 + 1.0, 0.1 * (0.1 * 0.1 + 1.0) + 1.0]

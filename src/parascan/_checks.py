@@ -82,7 +82,15 @@ def as_operand(
         return value
     if allow_number and isinstance(value, numbers.Number) and not isinstance(value, bool):
         # A 0-d floating tensor promotes like the Python scalar it came from: it
-        # never widens the dtype of a dimensioned tensor of the same kind.
+        # never widens the dtype of a dimensioned tensor of the same kind. It is
+        # made in the dtype of ``like`` (complex when the number is), so that
+        # 0.1 next to float64 tokens is float64's 0.1, not float32's.
+        if like is not None and (like.is_floating_point() or like.is_complex()):
+            dtype = like.dtype
+            if isinstance(value, complex) and not dtype.is_complex:
+                dtype = _COMPLEX_OF[dtype]
+            if dtype in FLOAT_DTYPES:  # else (complex32) result_dtype reports it
+                return torch.tensor(value, dtype=dtype, device=like.device)
         number = torch.tensor(value, device=like.device if like is not None else None)
         if not (number.is_floating_point() or number.is_complex()):
             number = number.to(torch.get_default_dtype())

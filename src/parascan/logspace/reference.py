@@ -31,10 +31,17 @@ def logaddexp(u: Tensor, v: Tensor) -> Tensor:
     hi, lo = torch.where(first, u, v), torch.where(first, v, u)
     usable = hi.real.isfinite() & (lo.real != -math.inf)
     w = torch.exp(torch.where(usable, lo - hi, torch.zeros_like(hi)))
-    out = hi + torch.where(usable, torch.log1p(w), torch.zeros_like(hi))
+    out = hi + torch.where(usable, _log1p_unit_disk(w), torch.zeros_like(hi))
     phase = torch.remainder(out.imag + math.pi, 2 * math.pi) - math.pi
     phase = torch.where(out.real == -math.inf, torch.zeros_like(phase), phase)
     return torch.complex(out.real, phase)
+
+
+def _log1p_unit_disk(w: Tensor) -> Tensor:
+    """log(1 + w) for complex |w| <= 1, from real functions: torch's vectorized
+    complex log1p returns NaN for subnormal inputs (torch 2.13, CPU)."""
+    re, im = w.real, w.imag
+    return torch.complex(0.5 * torch.log1p(re * (2 + re) + im * im), torch.atan2(im, 1 + re))
 
 
 def log_weight(x: Tensor, h: Tensor) -> Tensor:
