@@ -26,7 +26,7 @@ def _log_inputs(shape, dtype, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("layout", [((3, 7, 4), 1), ((4, 9), -1)])
+@pytest.mark.parametrize("layout", [((2, 6, 3), 1), ((3, 9), -1)])
 def test_gradcheck_and_gradgradcheck(backend, dtype, reverse, layout, gen) -> None:
     shape, dim = layout
     d = dim % len(shape)
@@ -61,20 +61,20 @@ def test_gradcheck_with_a_log_zero_prefix(backend, gen) -> None:
 
 def test_opcheck_raw_ops(gen) -> None:
     for backend in BACKENDS:
-        for dtype in [torch.float32, torch.float64, torch.complex64, torch.bfloat16]:
+        for dtype in [torch.float64, torch.complex64, torch.bfloat16]:
             for shape, dim in [((2, 5, 3), -2), ((4, 6), -1), ((3, 0, 2), -2)]:
                 la, lb = _log_inputs(shape, dtype, gen)
                 state = shape[:dim] + shape[dim + 1 :] if dim != -1 else shape[:-1]
-                for initial in (None, _log_inputs(state, dtype, gen)[1]):
-                    for reverse in (False, True):
-                        args = (la, lb, initial, dim, reverse, backend)
-                        torch.library.opcheck(log_linear_scan_op, args)
-                        out = log_linear_scan_op(*args)
-                        grad_out = torch.randn(out.shape, generator=gen).to(dtype)
-                        torch.library.opcheck(
-                            log_linear_scan_backward_op,
-                            (la, lb, out, grad_out, initial, dim, reverse, backend),
-                        )
+                h0 = _log_inputs(state, dtype, gen)[1]
+                for initial, reverse in ((None, False), (h0, True)):
+                    args = (la, lb, initial, dim, reverse, backend)
+                    torch.library.opcheck(log_linear_scan_op, args)
+                    out = log_linear_scan_op(*args)
+                    grad_out = torch.randn(out.shape, generator=gen).to(dtype)
+                    torch.library.opcheck(
+                        log_linear_scan_backward_op,
+                        (la, lb, out, grad_out, initial, dim, reverse, backend),
+                    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
