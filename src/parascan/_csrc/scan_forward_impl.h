@@ -36,6 +36,7 @@ static inline void FN(fwd_row)(int64_t n, ACC *restrict s,
 #ifdef PS_FWD_ROW_FAST
         if (PS_FWD_ROW_FAST(n, s, a, b, x) == 0) return;
 #endif
+        PS_SIMD
         for (int64_t c = 0; c < n; ++c) {
             const ACC v = FMA(LD(a + c), s[c], LD(b + c));
             s[c] = v;

@@ -39,6 +39,7 @@ static inline void FN(bwd_row_unit)(int64_t n, ACC *restrict g, ACC *restrict wn
                                     const ST *restrict h, const ST *restrict hp,
                                     const ST *restrict gx, ST *restrict ga,
                                     ST *restrict gb) {
+    PS_SIMD
     for (int64_t c = 0; c < n; ++c) {
         const ACC hc = LD(h + c);
         const ACC v = CFMA(wn[c], g[c], LD(gx + c));

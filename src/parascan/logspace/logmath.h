@@ -22,9 +22,17 @@
 
 #define PS_LN2_F 0.693147180559945309f
 
+/* Always inlined: a call left in a loop stops it from vectorizing, and gcc's
+ * heuristics decline to inline these once they have many callers. */
+#if defined(__GNUC__)
+#define PS_MATH static inline __attribute__((always_inline))
+#else
+#define PS_MATH static inline
+#endif
+
 /* exp(x) for x <= 88 (+inf above; 0 below -87, where the exact value is under
  * 1.7e-38); NaN stays NaN. */
-static inline float ps_exp_f32(float x) {
+PS_MATH float ps_exp_f32(float x) {
     const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* NaN passes */
     const float shifter = 12582912.0f;                               /* 1.5 * 2^23 */
     const float t = xc * 1.44269504088896341f + shifter;              /* round(x / ln 2) */
@@ -45,7 +53,7 @@ static inline float ps_exp_f32(float x) {
 }
 
 /* log(1 + e) for e in [0, 1] (NaN stays NaN). */
-static inline float ps_log1p_unit_f32(float e) {
+PS_MATH float ps_log1p_unit_f32(float e) {
     const int big = e > 0.41421356f; /* 1 + e > sqrt(2): use (1 + e) / 2 */
     const float f = big ? (e - 1.0f) * 0.5f : e;
     const float s = f / (2.0f + f);
@@ -58,14 +66,15 @@ static inline float ps_log1p_unit_f32(float e) {
     return (big ? PS_LN2_F : 0.0f) + s * p;
 }
 
-static inline float ps_logaddexp_f32(float u, float v) {
+PS_MATH float ps_logaddexp_f32(float u, float v) {
     const float hi = u > v ? u : v, lo = u > v ? v : u; /* NaN u: lo; NaN v: hi */
     const float d = lo == hi ? 0.0f : lo - hi;        /* equal infinities: 0 */
     return hi + ps_log1p_unit_f32(ps_exp_f32(d));
 }
 
-static inline float ps_log_weight_f32(float x, float h) {
-    return h == -INFINITY ? 0.0f : ps_exp_f32(x - h);
+PS_MATH float ps_log_weight_f32(float x, float h) {
+    const float e = ps_exp_f32(x - h); /* computed unconditionally: a select, no branch */
+    return h == -INFINITY ? 0.0f : e;
 }
 
 static inline double ps_logaddexp_f64(double u, double v) {
