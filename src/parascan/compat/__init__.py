@@ -1,0 +1,6 @@
+"""Drop-in replacements for functions of other projects: the same call signatures
+and results, computed by parascan, so switching is an import.
+
+heinsen_sequence   compute_in_parallel, compute_in_parallel_special_case
+                   (Heinsen 2023, arXiv 2311.06281, as in the paper's README)
+"""
