@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["PEERS", "unsupported"]
+__all__ = ["LOG_PEERS", "PEERS", "unsupported"]
 
 Scan = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -31,6 +31,13 @@ def heinsen_complex(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torc
     a_star = torch.cumsum(torch.log(gates.to(complex_dtype)), dim)
     log_x = a_star + torch.logcumsumexp(torch.log(tokens.to(complex_dtype)) - a_star, dim)
     return torch.exp(log_x).real.to(tokens.dtype)
+
+
+def heinsen_log(log_gates: torch.Tensor, log_tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    """Heinsen's formula kept in log space (what log-space users such as minGRU
+    implementations compute): log x = a* + logcumsumexp(log b - a*)."""
+    a_star = torch.cumsum(log_gates, dim)
+    return a_star + torch.logcumsumexp(log_tokens - a_star, dim)
 
 
 def torch_associative_scan(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
@@ -66,6 +73,9 @@ def unsupported(name: str, gates: torch.Tensor, dim: int) -> str | None:
             return "needs (B, C, T) along the last dim with T a power of two"
     return None
 
+
+# Peers of log_linear_scan: (log_gates, log_tokens, dim) -> log x.
+LOG_PEERS: dict[str, Scan] = {"heinsen (log)": heinsen_log}
 
 PEERS: dict[str, Scan] = {
     "accelerated-scan ref": accelerated_scan_ref,

@@ -12,7 +12,8 @@ medians are reported, so ratios stay meaningful on a noisy shared machine:
 Every result is checked first against a float64 reference (the sequential loop;
 for more than 8192 steps the float64 chunked torch backend, itself tested against
 the loop): a parascan result beyond its dtype's tolerance, or a peer beyond 1e-3
-relative, is reported as WRONG, never with a speed.
+relative, is reported as WRONG, never with a speed. log_linear_scan cases ("log"
+in the name) scan log a and log b and report the absolute error in log x.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from parascan._tolerance import TOLERANCE, relative_error
 from parascan.linear import chunked, linear_scan
 from parascan.linear import reference as linear_reference
 from parascan.linear.ops import backward_via_scan
+from parascan.logspace import log_linear_scan
+from parascan.logspace.ops import backward_from_weights
 
 __all__ = ["DEFAULT_CASES", "QUICK_CASES", "Case", "Row", "run_bench"]
 
@@ -53,6 +56,7 @@ class Case:
     backends: tuple[str, ...] | None = None  # None: every backend available
     peers: bool = False
     threads: int | None = None  # None: torch.get_num_threads()
+    op: str = "linear"  # "linear" (linear_scan) or "log" (log_linear_scan)
 
 
 @dataclass
@@ -99,10 +103,22 @@ DEFAULT_CASES = [
     Case("float32 one long sequence", (1, 2**24), -1, backward=False, backends=("cpu",)),
     Case("float32 four long sequences", (4, 10**6), -1, backward=False, backends=("cpu",)),
     Case("float32 small", (1, 64, 128), 1, backward=False, backends=("cpu",)),
+    Case("log float32 time-major", _MAJOR, 1, backends=("cpu",), peers=True, op="log"),
+    Case("log float32 time-contiguous", _CONTIG, -1, backends=("cpu",), peers=True, op="log"),
+    Case(
+        "log float32 long sequences",
+        (4, 100_000),
+        -1,
+        backward=False,
+        backends=("cpu",),
+        peers=True,
+        op="log",
+    ),
 ]
 QUICK_CASES = [
     Case("float32 time-major", (2, 256, 192), 1, peers=True),
     Case("float32 time-contiguous", (2, 192, 256), -1, peers=True),
+    Case("log float32 time-contiguous", (2, 192, 256), -1, peers=True, op="log"),
 ]
 SWEEP_STEPS = [2**10, 2**12, 2**14, 2**16]
 SWEEP_SHAPE = (4, 256)  # (batch, channels); time is the last dim
@@ -139,11 +155,13 @@ def _elapsed(fn: Callable[[], object], calls: int = 1) -> float:
 
 def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gates in (0.9, 1) (long memory), positive tokens (so the real Heinsen formula
-    applies), and an upstream gradient."""
+    applies), and an upstream gradient; for log cases, the logs of gates and tokens."""
     gen = torch.Generator().manual_seed(0)
     mag = 0.9 + 0.1 * torch.rand(case.shape, generator=gen)
     tokens = torch.rand(case.shape, generator=gen)
     grad = torch.rand(case.shape, generator=gen)
+    if case.op == "log":
+        return mag.log().to(case.dtype), tokens.log().to(case.dtype), grad.to(case.dtype)
     if case.dtype.is_complex:
         phase = 0.1 * torch.rand(case.shape, generator=gen)
         gates = torch.polar(mag, phase)
@@ -161,6 +179,12 @@ def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torc
         if case.shape[case.dim] <= _LOOP_REFERENCE_STEPS
         else chunked.forward
     )
+    if case.op == "log":  # log of the linear recurrence on exp(inputs), in float64
+        out = scan(a.exp(), b.exp(), None, case.dim, False).log()
+        if not case.backward:
+            return out, None
+        ga, gb, _ = backward_from_weights(scan, a, b, out, g, None, case.dim, False)
+        return out, (ga, gb)
     out = scan(a, b, None, case.dim, False)
     if not case.backward:
         return out, None
@@ -168,18 +192,28 @@ def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torc
     return out, (ga, gb)
 
 
+def _error(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error (see relative_error); for log cases the absolute error in log x,
+    the accuracy a log-space user sees."""
+    if case.op == "log":
+        return (got.to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
+    return relative_error(got, want)
+
+
 def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Tensor], str]]:
     """(name, kind, scan(gates, tokens), reason it cannot run or "")."""
     names = case.backends or tuple(backends("cpu"))
     impls: list[tuple[str, str, Callable[..., torch.Tensor], str]] = []
+    scan = log_linear_scan if case.op == "log" else linear_scan
     for b in names:
 
         def fn(a: torch.Tensor, x: torch.Tensor, b: str = b) -> torch.Tensor:
-            return linear_scan(a, x, case.dim, backend=b)
+            return scan(a, x, case.dim, backend=b)
 
         impls.append((b, "parascan", fn, ""))
     if case.peers:
-        for name, peer in _peers.PEERS.items():
+        peers = _peers.LOG_PEERS if case.op == "log" else _peers.PEERS
+        for name, peer in peers.items():
             why = _peers.unsupported(name, torch.empty(case.shape, dtype=case.dtype), case.dim)
 
             def pfn(a: torch.Tensor, x: torch.Tensor, peer: Any = peer) -> torch.Tensor:
@@ -227,7 +261,7 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
         a = gates.clone().requires_grad_(case.backward)
         b = tokens.clone().requires_grad_(case.backward)
         out = fn(a, b)
-        errors = {"forward": relative_error(out.detach(), want)}
+        errors = {"forward": _error(case, out.detach(), want)}
         if case.backward and want_grads is not None:
             got = torch.autograd.grad(out, (a, b), grad, retain_graph=True)
             errors["backward"] = max(
@@ -291,6 +325,7 @@ def format_table(rows: list[Row], info: dict[str, object]) -> str:
         "x limit: time / torch.add over the same bytes (allocating, as the scan does);",
         "x stream: time / torch.add into a warm buffer (bare bandwidth);",
         "both scaled to the tensors a call moves: 3 forward, 5 backward.",
+        "log rows: log_linear_scan on log a, log b; forward error is absolute, in log x.",
         "",
         f"{'case':<29}{'shape':<19}{'dim':>3} {'thr':>3}  {'impl':<21}{'pass':<9}"
         f"{'time ms':>10}{'x limit':>9}{'x stream':>9}{'max rel err':>12}",

@@ -5,6 +5,7 @@
  *   SFX        name suffix (f32, ...)        ST   storage type     ACC  accumulation type
  *   LD(p)      load *p as ACC                STO(p, v)  store ACC v to *p
  *   FMA(a,s,b) one step                      ZERO  the empty state  ONE  the identity gate
+ *   COMPOSE(a, q)  optional: the gate of two steps, a after q (default FMA(a, q, ZERO))
  *   PS_FWD_ENTRY  the exported entry's name, without the dtype suffix
  *   PS_ACC_IS_STORAGE  defined when ACC and ST are one type (enables long chunks)
  * and optionally PS_FWD_TC_FAST: a function that returns a faster time-contiguous
@@ -129,6 +130,11 @@ PS_HOT static void FN(fwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
     }
 }
 
+#ifndef COMPOSE
+#define COMPOSE(a, q) FMA((a), (q), ZERO)
+#define PS_COMPOSE_IS_DEFAULT
+#endif
+
 #ifdef PS_ACC_IS_STORAGE
 /* Long sequences with few chains (inner == 1, few rows): the time axis of each row
  * is cut into chunks that run in parallel, in three phases:
@@ -185,7 +191,7 @@ PS_HOT static void FN(reduce_chunks)(const void *vp, int64_t u0, int64_t u1) {
             for (int64_t k = 0; k < n; ++k)
                 for (int64_t r = 0; r < PS_ROWS; ++r) {
                     s[r] = FMA(ta[k][r], s[r], tb[k][r]);
-                    q[r] = FMA(ta[k][r], q[r], ZERO);
+                    q[r] = COMPOSE(ta[k][r], q[r]);
                 }
         }
         for (int64_t r = 0; r < PS_ROWS; ++r) {
@@ -288,3 +294,8 @@ PS_API int FN(PS_FWD_ENTRY)(const ps_scan_fwd_args *args) {
     }
     return 0;
 }
+
+#ifdef PS_COMPOSE_IS_DEFAULT
+#undef COMPOSE
+#undef PS_COMPOSE_IS_DEFAULT
+#endif

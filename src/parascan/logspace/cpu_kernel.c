@@ -14,6 +14,7 @@ PS_API int64_t ps_log_bwd_args_size(void) { return (int64_t)sizeof(ps_log_bwd_ar
 
 /* Real types. In the log semiring the empty state is -inf and the identity 0. */
 #define ADD(a, b) ((a) + (b))
+#define COMPOSE(a, q) ((a) + (q)) /* gates compose by adding their logs */
 #define CFMA(a, s, b) ((a) * (s) + (b))
 #define MULC(g, x) ((g) * (x))
 
@@ -92,6 +93,7 @@ PS_API int64_t ps_log_bwd_args_size(void) { return (int64_t)sizeof(ps_log_bwd_ar
 #undef FMA
 #undef WEIGHT
 #undef ADD
+#undef COMPOSE
 #undef CFMA
 #undef MULC
 
@@ -119,6 +121,7 @@ PS_LOG_COMPLEX_OPS(ps_c128, double)
 #define ST ps_c64
 #define ACC ps_c64
 #define ADD ps_c64_add
+#define COMPOSE ps_c64_add
 #define FMA ps_c64_logstep
 #define WEIGHT ps_c64_weight
 #define CFMA ps_c64_cfma
@@ -132,6 +135,7 @@ PS_LOG_COMPLEX_OPS(ps_c128, double)
 #undef ST
 #undef ACC
 #undef ADD
+#undef COMPOSE
 #undef FMA
 #undef WEIGHT
 #undef CFMA
@@ -144,6 +148,7 @@ PS_LOG_COMPLEX_OPS(ps_c128, double)
 #define ST ps_c128
 #define ACC ps_c128
 #define ADD ps_c128_add
+#define COMPOSE ps_c128_add
 #define FMA ps_c128_logstep
 #define WEIGHT ps_c128_weight
 #define CFMA ps_c128_cfma
