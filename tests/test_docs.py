@@ -8,9 +8,10 @@ import pytest
 
 import parascan._backends
 import parascan.linear.api
+import parascan.logspace.api
 
 
-@pytest.mark.parametrize("module", [parascan.linear.api, parascan._backends])
+@pytest.mark.parametrize("module", [parascan.linear.api, parascan.logspace.api, parascan._backends])
 def test_docstring_examples(module) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0
