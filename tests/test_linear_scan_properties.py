@@ -107,3 +107,33 @@ def test_all_backends_agree(problem) -> None:
     ]
     for r in results[1:]:
         assert_matches(r, results[0], torch.float64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(), st.integers(0, 70))
+def test_log_scan_is_the_log_of_the_linear_scan(problem, cut) -> None:
+    """log_linear_scan on the (complex) logs of any recurrence is the log of
+    linear_scan's result, on every backend, and a concatenation continues from the
+    final state."""
+    gates, tokens, initial, dim, reverse, backend = problem
+    c = torch.complex128
+    la, lb, h0 = (t.to(c).log() for t in (gates, tokens, initial))
+    h, final = ps.log_linear_scan(
+        la, lb, dim, initial=h0, reverse=reverse, return_final=True, backend=backend
+    )
+    x, x_final = ps.linear_scan(
+        gates.to(c), tokens.to(c), dim, initial=initial.to(c), reverse=reverse,
+        return_final=True, backend=backend,
+    )  # fmt: skip
+    assert_matches(h.exp(), x, torch.complex128)
+    assert_matches(final.exp(), x_final, torch.complex128)
+    steps = la.shape[dim]
+    cut = min(cut, steps)
+    first, rest = (slice(0, cut), slice(cut, steps))
+    if reverse:
+        first, rest = rest, first
+    part = [t.narrow(dim, first.start, first.stop - first.start) for t in (la, lb)]
+    other = [t.narrow(dim, rest.start, rest.stop - rest.start) for t in (la, lb)]
+    _, mid = ps.log_linear_scan(*part, dim, initial=h0, reverse=reverse, return_final=True)
+    _, end = ps.log_linear_scan(*other, dim, initial=mid, reverse=reverse, return_final=True)
+    assert_matches(end.exp(), x_final, torch.complex128)
