@@ -21,7 +21,7 @@ import torch
 
 from parascan._native import kernel_library
 
-__all__ = ["ARG_STRUCTS", "dims3", "forward", "kernel", "state2", "view3"]
+__all__ = ["ARG_STRUCTS", "backward", "dims3", "forward", "kernel", "state2", "view3"]
 
 _SUFFIX = {
     torch.float16: "f16",
@@ -119,3 +119,34 @@ def forward(
         raise RuntimeError(f"parascan: {name} CPU kernel rejected shape {dims}")
     del h_keep
     return out
+
+
+def backward(
+    name: str,
+    struct: str,
+    inputs: tuple[torch.Tensor, ...],
+    initial: torch.Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the fused backward kernel ``name`` (``"linear_scan"`` or ``"log_scan"``),
+    whose argument struct ``struct`` lists the ``inputs`` (all of the output's shape,
+    the forward's output and grad_out among them), then initial, then the gradients
+    of gates, tokens and initial, which are returned as new tensors."""
+    out = inputs[0]  # every input has the shape and dtype of the gradients
+    dim %= out.dim()
+    dims = dims3(out.shape, dim)
+    grad_gates = torch.empty(out.shape, dtype=out.dtype)
+    grad_tokens = torch.empty(out.shape, dtype=out.dtype)
+    grad_initial = torch.empty((*out.shape[:dim], *out.shape[dim + 1 :]), dtype=out.dtype)
+    views = [view3(t, dims) for t in (*inputs, grad_gates, grad_tokens)]
+    fields = [(v.data_ptr(), *strides) for v, strides in views]
+    h_keep, h = state2(initial, dims[0], dims[2])
+    args = ARG_STRUCTS[struct](
+        *dims, *(x for f in fields[:-2] for x in f), *h, *(x for f in fields[-2:] for x in f),
+        grad_initial.data_ptr(), dims[2], 1, reverse, torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel(f"{name}_bwd", out.dtype)(args) != 0:
+        raise RuntimeError(f"parascan: {name} CPU kernel rejected shape {dims}")
+    del h_keep, views
+    return grad_gates, grad_tokens, grad_initial

@@ -22,6 +22,7 @@ from parascan._checks import (
     result_dtype,
 )
 from parascan._native import kernel_library_error
+from parascan._op_utils import state_shape
 
 __all__ = ["Prepared", "cpu_fast_path", "final_state", "prepare", "with_final"]
 
@@ -111,14 +112,9 @@ def final_state(out: Tensor, p: Prepared, reverse: bool, empty: float) -> Tensor
     steps = out.shape[p.dim]
     if steps == 0:
         if p.initial is None:
-            return out.new_full(_state_shape(out, p.dim), empty)
+            return out.new_full(state_shape(out, p.dim), empty)
         return p.initial.clone()
     return out.select(p.dim, 0 if reverse else steps - 1).clone()
-
-
-def _state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
-    dim %= t.dim()
-    return (*t.shape[:dim], *t.shape[dim + 1 :])
 
 
 def with_final(

@@ -73,6 +73,19 @@ static inline int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
     return elements < (INT64_C(1) << 16) ? 1 : nthreads;
 }
 
+/* Run a kernel's work units: groups of PS_ROWS rows (`tc`) when time is
+ * contiguous (inner == 1), else (outer index, channel block) pairs (`tm`), whose
+ * workers recompute the block from the nthreads stored in their arguments. */
+static inline void ps_run_units(int64_t outer, int64_t inner, int64_t nthreads, ps_task_fn tc,
+                                ps_task_fn tm, const void *args) {
+    if (inner == 1) {
+        ps_parallel_for((outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, args);
+    } else {
+        const int64_t block = ps_channel_block(outer, inner, nthreads);
+        ps_parallel_for(outer * ((inner + block - 1) / block), nthreads, tm, args);
+    }
+}
+
 /* Template naming: FN(name) is name_SFX for the dtype being instantiated. */
 #define PS_CAT2(a, b) a##_##b
 #define PS_CAT(a, b) PS_CAT2(a, b)

@@ -280,18 +280,13 @@ PS_API int FN(PS_FWD_ENTRY)(const ps_scan_fwd_args *args) {
         FN(fwd_long)(&p, nthreads) == 0)
         return 0;
 #endif
-    if (p.inner == 1) {
-        ps_task_fn tc = NULL;
+    ps_task_fn tc = NULL;
 #ifdef PS_FWD_TC_FAST
-        tc = PS_FWD_TC_FAST(&p);
+    if (p.inner == 1) tc = PS_FWD_TC_FAST(&p);
 #endif
-        if (!tc) tc = FN(fwd_time_contiguous);
-        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, &p);
-    } else {
-        p.nthreads = nthreads;
-        const int64_t block = ps_channel_block(p.outer, p.inner, nthreads);
-        ps_parallel_for(p.outer * ((p.inner + block - 1) / block), nthreads, FN(fwd_time_major), &p);
-    }
+    if (!tc) tc = FN(fwd_time_contiguous);
+    p.nthreads = nthreads;
+    ps_run_units(p.outer, p.inner, nthreads, tc, FN(fwd_time_major), &p);
     return 0;
 }
 

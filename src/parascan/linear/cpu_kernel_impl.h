@@ -132,17 +132,12 @@ PS_API int FN(ps_linear_scan_bwd)(const ps_linear_bwd_args *args) {
         PS_FLIP(p.grad_tokens, p.grad_tokens_stride);
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
-    if (p.inner == 1) {
-        ps_task_fn tc = NULL;
+    ps_task_fn tc = NULL;
 #ifdef PS_BWD_TC_FAST
-        tc = PS_BWD_TC_FAST(&p);
+    if (p.inner == 1) tc = PS_BWD_TC_FAST(&p);
 #endif
-        if (!tc) tc = FN(bwd_time_contiguous);
-        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, &p);
-    } else {
-        p.nthreads = nthreads;
-        const int64_t block = ps_channel_block(p.outer, p.inner, nthreads);
-        ps_parallel_for(p.outer * ((p.inner + block - 1) / block), nthreads, FN(bwd_time_major), &p);
-    }
+    if (!tc) tc = FN(bwd_time_contiguous);
+    p.nthreads = nthreads;
+    ps_run_units(p.outer, p.inner, nthreads, tc, FN(bwd_time_major), &p);
     return 0;
 }

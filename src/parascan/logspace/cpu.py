@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from parascan import _ckernels
-from parascan._ckernels import ARG_STRUCTS, dims3, kernel, state2, view3
 
 __all__ = ["backward", "forward"]
 
@@ -33,22 +32,6 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward: reads both inputs, out and grad_out once; writes the
     gradients of both inputs and of initial once (equations in cpu_kernel.h)."""
-    dim %= out.dim()
-    dims = dims3(out.shape, dim)
-    grad_gates = torch.empty(out.shape, dtype=out.dtype)
-    grad_tokens = torch.empty(out.shape, dtype=out.dtype)
-    grad_initial = torch.empty((*out.shape[:dim], *out.shape[dim + 1 :]), dtype=out.dtype)
-    (a, a_s), (b, b_s), (x, x_s), (gx, gx_s) = (
-        view3(t, dims) for t in (log_gates, log_tokens, out, grad_out)
+    return _ckernels.backward(
+        "log_scan", "log_bwd", (log_gates, log_tokens, out, grad_out), initial, dim, reverse
     )
-    (ga, ga_s), (gb, gb_s) = view3(grad_gates, dims), view3(grad_tokens, dims)
-    h_keep, h = state2(initial, dims[0], dims[2])
-    args = ARG_STRUCTS["log_bwd"](
-        *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, x.data_ptr(), *x_s,
-        gx.data_ptr(), *gx_s, *h, ga.data_ptr(), *ga_s, gb.data_ptr(), *gb_s,
-        grad_initial.data_ptr(), dims[2], 1, reverse, torch.get_num_threads(),
-    )  # fmt: skip
-    if kernel("log_scan_bwd", out.dtype)(args) != 0:
-        raise RuntimeError(f"parascan: log_linear_scan CPU kernel rejected shape {dims}")
-    del h_keep
-    return grad_gates, grad_tokens, grad_initial

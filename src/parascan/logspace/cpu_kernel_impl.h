@@ -168,12 +168,7 @@ PS_API int FN(ps_log_scan_bwd)(const ps_log_bwd_args *args) {
         PS_FLIP(p.grad_tokens, p.grad_tokens_stride);
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
-    if (p.inner == 1) {
-        ps_parallel_for((p.outer + PS_ROWS - 1) / PS_ROWS, nthreads, FN(bwd_time_contiguous), &p);
-    } else {
-        p.nthreads = nthreads;
-        const int64_t block = ps_channel_block(p.outer, p.inner, nthreads);
-        ps_parallel_for(p.outer * ((p.inner + block - 1) / block), nthreads, FN(bwd_time_major), &p);
-    }
+    p.nthreads = nthreads;
+    ps_run_units(p.outer, p.inner, nthreads, FN(bwd_time_contiguous), FN(bwd_time_major), &p);
     return 0;
 }
