@@ -7,11 +7,15 @@ import doctest
 import pytest
 
 import parascan._backends
+import parascan.generic.api
 import parascan.linear.api
 import parascan.logspace.api
 
 
-@pytest.mark.parametrize("module", [parascan.linear.api, parascan.logspace.api, parascan._backends])
+@pytest.mark.parametrize(
+    "module",
+    [parascan.linear.api, parascan.logspace.api, parascan.generic.api, parascan._backends],
+)
 def test_docstring_examples(module) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0

@@ -7,9 +7,17 @@ The public API is listed in ``__all__``; see the README for the tour.
 """
 
 from parascan._backends import backends
+from parascan.generic import associative_reduce, associative_scan
 from parascan.linear import linear_scan
 from parascan.logspace import log_linear_scan
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "backends", "linear_scan", "log_linear_scan"]
+__all__ = [
+    "__version__",
+    "associative_reduce",
+    "associative_scan",
+    "backends",
+    "linear_scan",
+    "log_linear_scan",
+]
