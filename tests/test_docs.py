@@ -7,6 +7,8 @@ import doctest
 import pytest
 
 import parascan._backends
+import parascan.compat.accelerated_scan
+import parascan.compat.torch_parallel_scan
 import parascan.generic.api
 import parascan.linear.api
 import parascan.logspace.api
@@ -14,7 +16,14 @@ import parascan.logspace.api
 
 @pytest.mark.parametrize(
     "module",
-    [parascan.linear.api, parascan.logspace.api, parascan.generic.api, parascan._backends],
+    [
+        parascan.linear.api,
+        parascan.logspace.api,
+        parascan.generic.api,
+        parascan.compat.accelerated_scan,
+        parascan.compat.torch_parallel_scan,
+        parascan._backends,
+    ],
 )
 def test_docstring_examples(module) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
