@@ -10,6 +10,7 @@ KERNEL_SOURCES = [
     "src/parascan/_csrc/parallel.c",
     "src/parascan/linear/cpu_kernel.c",
     "src/parascan/logspace/cpu_kernel.c",
+    "src/parascan/matrix/cpu_kernel.c",
 ]
 
 setup(

@@ -12,6 +12,7 @@ import parascan.compat.torch_parallel_scan
 import parascan.generic.api
 import parascan.linear.api
 import parascan.logspace.api
+import parascan.matrix.api
 
 
 @pytest.mark.parametrize(
@@ -20,6 +21,7 @@ import parascan.logspace.api
         parascan.linear.api,
         parascan.logspace.api,
         parascan.generic.api,
+        parascan.matrix.api,
         parascan.compat.accelerated_scan,
         parascan.compat.torch_parallel_scan,
         parascan._backends,

@@ -10,6 +10,7 @@ from parascan._backends import backends
 from parascan.generic import associative_reduce, associative_scan
 from parascan.linear import linear_scan
 from parascan.logspace import log_linear_scan
+from parascan.matrix import matrix_linear_scan
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,5 @@ __all__ = [
     "backends",
     "linear_scan",
     "log_linear_scan",
+    "matrix_linear_scan",
 ]

@@ -1,4 +1,5 @@
-"""ctypes bindings shared by the C scan kernels (linear_scan, log_linear_scan).
+"""ctypes bindings shared by the C kernels (linear_scan, log_linear_scan,
+matrix_linear_scan).
 
 Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
 scan dim, without copying when its strides allow it (contiguous, transposed,
@@ -43,6 +44,9 @@ ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     "linear_bwd": ctypes.c_int64 * 31,
     # as linear_bwd, with tokens (pointer, stride[3]) after gates
     "log_bwd": ctypes.c_int64 * 35,
+    # batch, steps, d, weights, stride[4], biases, stride[2], initial, stride,
+    # out, reverse, nthreads
+    "matrix": ctypes.c_int64 * 16,
 }
 
 

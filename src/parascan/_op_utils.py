@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["conj", "register_batch_first_vmap", "resolved", "resolved_optional", "state_shape"]
+__all__ = [
+    "batch_first",
+    "conj",
+    "register_batch_first_vmap",
+    "resolved",
+    "resolved_optional",
+    "state_shape",
+]
 
 
 def conj(t: Tensor) -> Tensor:
@@ -32,7 +39,8 @@ def state_shape(t: Tensor, dim: int) -> tuple[int, ...]:
     return (*t.shape[:dim], *t.shape[dim + 1 :])
 
 
-def _batch_first(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
+def batch_first(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
+    """``t`` with its vmapped dim (or a new, expanded one) in front."""
     if t is None:
         return None
     return t.expand(size, *t.shape) if bdim is None else t.movedim(bdim, 0)
@@ -50,7 +58,7 @@ def register_batch_first_vmap(
     def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
         n = info.batch_size
         batched = [
-            _batch_first(t, d, n) for t, d in zip(args[:tensors], in_dims[:tensors], strict=True)
+            batch_first(t, d, n) for t, d in zip(args[:tensors], in_dims[:tensors], strict=True)
         ]
         dim = args[tensors]
         result = op(*batched, dim + 1 if dim >= 0 else dim, *args[tensors + 1 :])

@@ -1,0 +1,47 @@
+"""The ``cpu`` backend of matrix_linear_scan: ctypes bindings to cpu_kernel.c."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from parascan._ckernels import ARG_STRUCTS, kernel
+
+__all__ = ["DTYPES", "forward"]
+
+DTYPES = (torch.float32, torch.float64)
+
+
+def _flat_batch(t: Tensor, batch: tuple[int, ...], own: int) -> Tensor:
+    """``t`` expanded to ``batch`` and its batch dims flattened to one: a view when
+    the expanded strides allow it (shared or contiguous batches), else a copy."""
+    t = t.expand(*batch, *t.shape[len(t.shape) - own :])
+    return t.reshape(math.prod(batch), *t.shape[len(batch) :])
+
+
+def forward(weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bool) -> Tensor:
+    """x[t] = W[t] @ x[t-1] + b[t] over ``(*batch, T, d, d)`` weights, ``(*batch, T, d)``
+    biases and ``(*batch, d)`` initial (batch dims broadcast; None is zeros), one
+    dtype of ``DTYPES``, CPU tensors."""
+    steps, d = biases.shape[-2], biases.shape[-1]
+    if initial is None:
+        initial = biases.new_zeros(d)
+    batch = torch.broadcast_shapes(weights.shape[:-3], biases.shape[:-2], initial.shape[:-1])
+    w = _flat_batch(weights, batch, 3)
+    b = _flat_batch(biases, batch, 2)
+    h = _flat_batch(initial, batch, 1)
+    if b.stride(-1) != 1:
+        b = b.contiguous()
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    nbatch = w.shape[0]
+    out = torch.empty((nbatch, steps, d), dtype=biases.dtype)
+    args = ARG_STRUCTS["matrix"](
+        nbatch, steps, d, w.data_ptr(), *w.stride(), b.data_ptr(), b.stride(0), b.stride(1),
+        h.data_ptr(), h.stride(0), out.data_ptr(), reverse, torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel("matrix_scan_fwd", biases.dtype)(args) != 0:
+        raise RuntimeError(f"parascan: matrix_linear_scan CPU kernel rejected {tuple(w.shape)}")
+    return out.view(*batch, steps, d)
