@@ -41,9 +41,21 @@ def test_check_passes_on_this_machine() -> None:
 
 def test_bench_quick_json_reports_ratios_and_errors() -> None:
     out = io.StringIO()
-    status = bench.run_bench(cases=bench.QUICK_CASES, repeat=1, as_json=True, out=out)
+    status = bench.run_bench(
+        cases=bench.QUICK_CASES,
+        generic_cases=bench.QUICK_GENERIC_CASES,
+        repeat=1,
+        as_json=True,
+        out=out,
+    )
     assert status == 0
-    rows = json.loads(out.getvalue())["rows"]
+    result = json.loads(out.getvalue())
+    generic = result["generic_rows"]
+    assert {r["kind"] for r in generic} == {"cumprod", "reduce", "matrix", "first-order"}
+    for r in generic:
+        assert r["correct"], r
+        assert r["ratio"] == pytest.approx(r["time_ms"] / r["limit_ms"])
+    rows = result["rows"]
     ours = [r for r in rows if r["kind"] == "parascan"]
     assert {(r["case"], r["impl"], r["direction"]) for r in ours} == {
         (c.name, b, d)
@@ -76,11 +88,31 @@ def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
     assert "WRONG" in out.getvalue()
 
 
+def test_bench_never_reports_a_speed_for_a_wrong_generic_result(monkeypatch) -> None:
+    from parascan import bench_generic
+
+    real = bench_generic.associative_reduce
+    monkeypatch.setattr(bench_generic, "associative_reduce", lambda *a: real(*a) * 1.01)
+    out = io.StringIO()
+    status = bench.run_bench(
+        cases=bench.QUICK_CASES[:1],
+        generic_cases=bench.QUICK_GENERIC_CASES[1:2],
+        backend_names=["cpu"],
+        repeat=1,
+        out=out,
+    )
+    assert status == 1
+    wrong = [line for line in out.getvalue().splitlines() if "WRONG" in line]
+    assert len(wrong) == 1 and "associative_reduce" in wrong[0]
+
+
 @pytest.mark.slow
 def test_default_bench_workload_is_correct_for_every_backend() -> None:
     """The full default workload (minutes): every parascan result matches the float64
     reference."""
     out = io.StringIO()
-    assert bench.run_bench(repeat=1, as_json=True, out=out) == 0
-    rows = json.loads(out.getvalue())["rows"]
-    assert all(r["correct"] for r in rows if r["kind"] == "parascan")
+    status = bench.run_bench(generic_cases=bench.GENERIC_CASES, repeat=1, as_json=True, out=out)
+    assert status == 0
+    result = json.loads(out.getvalue())
+    assert all(r["correct"] for r in result["rows"] if r["kind"] == "parascan")
+    assert all(r["correct"] for r in result["generic_rows"] if r["source"] == "parascan")

@@ -32,13 +32,29 @@ from parascan import _peers
 from parascan._backends import backends
 from parascan._sysinfo import summary
 from parascan._tolerance import TOLERANCE, relative_error
+from parascan.bench_generic import (
+    GENERIC_CASES,
+    QUICK_GENERIC_CASES,
+    GenericCase,
+    format_generic,
+    implementation_names,
+    run_generic,
+)
 from parascan.linear import chunked, linear_scan
 from parascan.linear import reference as linear_reference
 from parascan.linear.ops import backward_via_scan
 from parascan.logspace import log_linear_scan
 from parascan.logspace.ops import backward_from_weights
 
-__all__ = ["DEFAULT_CASES", "QUICK_CASES", "Case", "Row", "run_bench"]
+__all__ = [
+    "DEFAULT_CASES",
+    "GENERIC_CASES",
+    "QUICK_CASES",
+    "QUICK_GENERIC_CASES",
+    "Case",
+    "Row",
+    "run_bench",
+]
 
 # Peers are judged by a sanity bound, not parascan's own tolerance: their accuracy is
 # part of what the table shows (the error column).
@@ -385,16 +401,18 @@ def plot(rows: list[Row], path: str) -> None:
 def run_bench(
     *,
     cases: list[Case] | None = None,
+    generic_cases: list[GenericCase] | None = None,
     backend_names: list[str] | None = None,
     repeat: int = 5,
     as_json: bool = False,
     plot_path: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Run the cases (and the sweep when plotting); print a table or JSON. Returns
-    1 when any parascan result was wrong, else 0 (a wrong peer is reported, not an
-    error of this program)."""
+    """Run the cases, the generic-scan cases (bench_generic.py) and the sweep when
+    plotting; print tables or JSON. Returns 1 when any parascan result was wrong,
+    else 0 (a wrong peer is reported, not an error of this program)."""
     cases = list(cases or DEFAULT_CASES)
+    generic = list(generic_cases or [])
     if backend_names:
         cases = [
             replace(
@@ -405,18 +423,29 @@ def run_bench(
     steps = sum(len(_implementations(c)) for c in cases)
     if plot_path:
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
+    steps += sum(len(implementation_names(c)) for c in generic)
     progress = _Progress(steps)
     rows: list[Row] = []
     for case in cases:
         rows.extend(_bench_case(case, repeat, progress))
+    generic_rows = run_generic(generic, repeat, progress.step)
     if plot_path:
         rows.extend(_sweep(repeat, progress))
     info = summary()
     if as_json:
-        json.dump({"machine": info, "rows": [asdict(r) for r in rows]}, out, indent=2)
+        result = {
+            "machine": info,
+            "rows": [asdict(r) for r in rows],
+            "generic_rows": [asdict(r) for r in generic_rows],
+        }
+        json.dump(result, out, indent=2)
         out.write("\n")
     else:
         print(format_table(rows, info), file=out)
+        if generic_rows:
+            print("\n" + format_generic(generic_rows), file=out)
     if plot_path:
         plot(rows, plot_path)
-    return 0 if all(r.correct for r in rows if r.kind == "parascan") else 1
+    ours = [r.correct for r in rows if r.kind == "parascan"]
+    ours += [r.correct for r in generic_rows if r.source == "parascan"]
+    return 0 if all(ours) else 1

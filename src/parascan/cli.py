@@ -40,6 +40,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     return bench.run_bench(
         cases=bench.QUICK_CASES if args.quick else bench.DEFAULT_CASES,
+        generic_cases=bench.QUICK_GENERIC_CASES if args.quick else bench.GENERIC_CASES,
         backend_names=args.backend,
         repeat=args.repeat,
         as_json=args.json,

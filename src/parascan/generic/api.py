@@ -24,14 +24,17 @@ class _Combine:
         self.loose_spec = _loose_spec(spec)
 
     def __call__(self, lhs: list[Tensor], rhs: list[Tensor]) -> list[Tensor]:
-        unflatten = pytree.tree_unflatten
-        out = self.combine_fn(unflatten(lhs, self.spec), unflatten(rhs, self.spec))
-        leaves, spec = pytree.tree_flatten(out)
-        if spec != self.spec and _loose_spec(spec) != self.loose_spec:
-            raise TypeError(
-                f"{self.fn}: expected combine_fn to return the structure of its inputs "
-                f"({self.spec}), but got {spec}"
-            )
+        if self.spec.is_leaf():  # a single tensor: no pytree round trip (small calls)
+            leaves = [self.combine_fn(lhs[0], rhs[0])]
+        else:
+            unflatten = pytree.tree_unflatten
+            out = self.combine_fn(unflatten(lhs, self.spec), unflatten(rhs, self.spec))
+            leaves, spec = pytree.tree_flatten(out)
+            if spec != self.spec and _loose_spec(spec) != self.loose_spec:
+                raise TypeError(
+                    f"{self.fn}: expected combine_fn to return the structure of its inputs "
+                    f"({self.spec}), but got {spec}"
+                )
         for leaf, like in zip(leaves, rhs, strict=True):
             if not isinstance(leaf, Tensor) or leaf.shape != like.shape:
                 raise ValueError(
