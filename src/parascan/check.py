@@ -12,9 +12,12 @@ import torch
 from parascan._backends import backends
 from parascan._checks import FLOAT_DTYPES
 from parascan._tolerance import TOLERANCE, relative_error
+from parascan.generic import associative_reduce, associative_scan
 from parascan.linear import linear_scan
 from parascan.linear import reference as linear_reference
 from parascan.logspace import log_linear_scan
+from parascan.matrix import matrix_linear_scan
+from parascan.matrix import reference as matrix_reference
 
 __all__ = ["run_check"]
 
@@ -121,16 +124,77 @@ def _log_checks(backend: str, device: str) -> Iterator[CheckResult]:
     yield CheckResult("log gradients float64", backend, ok, detail)
 
 
+def _gradcheck(fn, args) -> tuple[bool, str]:  # type: ignore[no-untyped-def]
+    try:
+        ok = torch.autograd.gradcheck(fn, args) and torch.autograd.gradgradcheck(fn, args)
+        return ok, "gradcheck + gradgradcheck"
+    except Exception as exc:  # gradcheck raises on mismatch: report it, do not crash
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
+def _matrix_checks(backend: str, device: str) -> Iterator[CheckResult]:
+    """matrix_linear_scan against the float64 loop, broadcast batch dims, both
+    directions; and gradcheck."""
+    if backend not in ("cpu", "torch", "loop"):
+        return
+    dtypes = [torch.float32, torch.float64] + ([] if backend == "cpu" else [torch.complex128])
+    for dtype in dtypes:
+        gen = torch.Generator().manual_seed(13)
+        w = torch.randn(2, 1, 67, 6, 6, generator=gen, dtype=torch.float64) / 3
+        b = torch.randn(3, 67, 6, generator=gen, dtype=torch.float64)
+        h = torch.randn(6, generator=gen, dtype=torch.float64)
+        worst = 0.0
+        for reverse in (False, True):
+            want = matrix_reference.forward(w, b, h, reverse)
+            wd, bd, hd = (t.to(dtype).to(device) for t in (w, b, h))
+            got = matrix_linear_scan(wd, bd, initial=hd, reverse=reverse, backend=backend)
+            worst = max(worst, relative_error(got.cpu(), want))
+        ok = worst <= TOLERANCE[dtype][1]
+        name = f"matrix forward {str(dtype).removeprefix('torch.')}"
+        yield CheckResult(name, backend, ok, f"max rel err {worst:.1e}")
+    gen = torch.Generator().manual_seed(14)
+    operands = tuple(
+        (torch.randn(shape, generator=gen, dtype=torch.float64) / 2).to(device).requires_grad_()
+        for shape in ((5, 3, 3), (2, 5, 3), (3,))
+    )
+    ok, detail = _gradcheck(
+        lambda w, b, h: matrix_linear_scan(w, b, initial=h, backend=backend), operands
+    )
+    yield CheckResult("matrix gradients float64", backend, ok, detail)
+
+
+def _generic_checks(device: str) -> Iterator[CheckResult]:
+    """associative_scan / associative_reduce of matrix products against a loop."""
+    gen = torch.Generator().manual_seed(15)
+    x = (torch.randn(300, 4, 4, generator=gen, dtype=torch.float64) / 2).to(device)
+    prefix = [x[0]]
+    for m in x[1:]:
+        prefix.append(prefix[-1] @ m)
+    want = torch.stack(prefix)
+    err = max(
+        relative_error(associative_scan(torch.matmul, x, 0), want),
+        relative_error(associative_reduce(torch.matmul, x, 0), want[-1]),
+    )
+    yield CheckResult("associative scan/reduce", "-", err <= 1e-10, f"max rel err {err:.1e}")
+    args = ((x[:7] * 1.0).requires_grad_(),)
+    ok, detail = _gradcheck(lambda m: associative_scan(torch.matmul, m, 0, reverse=True), args)
+    yield CheckResult("associative gradients", "-", ok, detail)
+
+
 def run_check(devices: list[str] | None = None, out=sys.stdout) -> int:  # type: ignore[no-untyped-def]
     devices = devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     failures = 0
     print(f"{'check':<32}{'device':<8}{'backend':<9}{'result':<8}detail", file=out)
     for device in devices:
-        for backend in backends(device):
-            checks = (_forward_checks, _gradchecks, _log_checks)
-            for r in (r for check in checks for r in check(backend, device)):
-                failures += not r.passed
-                status = "ok" if r.passed else "FAILED"
-                print(f"{r.what:<32}{device:<8}{r.backend:<9}{status:<8}{r.detail}", file=out)
+        results = [
+            r
+            for backend in backends(device)
+            for check in (_forward_checks, _gradchecks, _log_checks, _matrix_checks)
+            for r in check(backend, device)
+        ]
+        for r in [*results, *_generic_checks(device)]:
+            failures += not r.passed
+            status = "ok" if r.passed else "FAILED"
+            print(f"{r.what:<32}{device:<8}{r.backend:<9}{status:<8}{r.detail}", file=out)
     print(f"\n{'all checks passed' if failures == 0 else f'{failures} checks FAILED'}", file=out)
     return 1 if failures else 0
