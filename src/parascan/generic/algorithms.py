@@ -37,6 +37,8 @@ _MAX_CHUNK = 64
 
 
 def _slice(x: Tensor, dim: int, start: int, stop: int, step: int = 1) -> Tensor:
+    if dim == 0:
+        return x[start:stop:step]
     index: list[slice] = [slice(None)] * x.dim()
     index[dim] = slice(start, stop, step)
     return x[tuple(index)]

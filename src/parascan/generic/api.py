@@ -21,7 +21,6 @@ class _Combine:
 
     def __init__(self, fn: str, combine_fn: Callable[[Any, Any], Any], spec: Any) -> None:
         self.fn, self.combine_fn, self.spec = fn, combine_fn, spec
-        self.loose_spec = _loose_spec(spec)
 
     def __call__(self, lhs: list[Tensor], rhs: list[Tensor]) -> list[Tensor]:
         if self.spec.is_leaf():  # a single tensor: no pytree round trip (small calls)
@@ -30,7 +29,7 @@ class _Combine:
             unflatten = pytree.tree_unflatten
             out = self.combine_fn(unflatten(lhs, self.spec), unflatten(rhs, self.spec))
             leaves, spec = pytree.tree_flatten(out)
-            if spec != self.spec and _loose_spec(spec) != self.loose_spec:
+            if spec != self.spec and _loose_spec(spec) != _loose_spec(self.spec):
                 raise TypeError(
                     f"{self.fn}: expected combine_fn to return the structure of its inputs "
                     f"({self.spec}), but got {spec}"
