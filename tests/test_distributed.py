@@ -1,0 +1,131 @@
+"""parascan.distributed.linear_scan on real gloo process groups (2 and 4 ranks,
+torch.multiprocessing): outputs, the global final state and every gradient against
+parascan.linear_scan of the whole sequence in one process."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import parascan as ps
+import parascan.distributed as psd
+
+# (shape of the whole sequence, dim, shard lengths per world size)
+CASES = [
+    ((2, 13, 3), 1, {2: [7, 6], 4: [5, 0, 7, 1]}),
+    ((3, 9), -1, {2: [0, 9], 4: [2, 2, 2, 3]}),
+    ((4, 2, 5), 0, {2: [4, 0], 4: [1, 1, 1, 1]}),
+]
+
+
+def _inputs(shape, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gates = torch.rand(shape, generator=g, dtype=torch.float64) * 1.6 - 0.8
+    tokens = torch.randn(shape, generator=g, dtype=torch.float64)
+    d = dim % len(shape)
+    initial = torch.randn(shape[:d] + shape[d + 1 :], generator=g, dtype=torch.float64)
+    if dtype.is_complex:
+        gates = torch.polar(gates.abs(), torch.rand(shape, generator=g, dtype=torch.float64))
+        tokens = torch.complex(tokens, torch.randn(shape, generator=g, dtype=torch.float64))
+        initial = initial.to(dtype)
+    return gates.to(dtype), tokens.to(dtype), initial
+
+
+def _check_case(rank, world, shape, dim, lengths, dtype, reverse, with_initial, shared_gates):
+    d = dim % len(shape)
+    gates, tokens, initial = _inputs(shape, dim, dtype, seed=sum(lengths) + world)
+    if shared_gates:  # one gate per channel, the same tensor on every rank
+        gates = gates.narrow(d, 0, 1).clone()
+    g = torch.Generator().manual_seed(99)
+    weights = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    final_weights = torch.randn((world, *initial.shape), generator=g, dtype=torch.float64)
+    final_weights = final_weights.to(dtype)
+
+    # One process, the whole sequence: the expected shard, final and gradients.
+    leaves = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
+    out, final = ps.linear_scan(
+        leaves[0], leaves[1], dim, initial=leaves[2] if with_initial else None,
+        reverse=reverse, return_final=True,
+    )  # fmt: skip
+    loss = (out * weights).real.sum() + (final * final_weights.sum(0)).real.sum()
+    want_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    start = sum(lengths[:rank])
+    n = lengths[rank]
+    mine = [
+        gates if shared_gates else gates.narrow(d, start, n),
+        tokens.narrow(d, start, n),
+        initial,
+    ]
+    mine = [t.clone().requires_grad_() for t in mine]
+    got, got_final = psd.linear_scan(
+        mine[0], mine[1], dim, initial=mine[2] if with_initial else None,
+        reverse=reverse, return_final=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got, out.detach().narrow(d, start, n))
+    torch.testing.assert_close(got_final, final.detach())
+    local = (got * weights.narrow(d, start, n)).real.sum()
+    local = local + (got_final * final_weights[rank]).real.sum()
+    grads = torch.autograd.grad(local, mine, allow_unused=True)
+
+    # gates: a shard's gradient is its own, unless shared: then the ranks' sum
+    grad_gates = grads[0]
+    if shared_gates:
+        grad_gates = grad_gates.clone()
+        dist.all_reduce(grad_gates)
+        torch.testing.assert_close(grad_gates, want_grads[0])
+    else:
+        torch.testing.assert_close(grad_gates, want_grads[0].narrow(d, start, n))
+    torch.testing.assert_close(grads[1], want_grads[1].narrow(d, start, n))
+    first = (world - 1) if reverse else 0
+    if with_initial and rank == first:
+        torch.testing.assert_close(grads[2], want_grads[2])
+    else:
+        assert grads[2] is None or not grads[2].abs().any()
+
+
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for shape, dim, splits in CASES:
+            for dtype in (torch.float64, torch.complex128):
+                for reverse in (False, True):
+                    for with_initial in (False, True):
+                        for shared in (False, True):
+                            _check_case(
+                                rank, world, shape, dim, splits[world], dtype, reverse,
+                                with_initial, shared,
+                            )  # fmt: skip
+        # a sub-group: ranks 0 and 1 only; the others do not call
+        if world == 4:
+            sub = dist.new_group([0, 1])
+            if rank < 2:
+                x = torch.arange(1.0, 5.0).reshape(1, 4)
+                shard = x[:, 2 * rank : 2 * rank + 2]
+                out = psd.linear_scan(0.5, shard, -1, group=sub)
+                want = ps.linear_scan(0.5, x, -1)[:, 2 * rank : 2 * rank + 2]
+                torch.testing.assert_close(out, want)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_one_process(world) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init")), nprocs=world, join=True)
+
+
+def test_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match=r"distributed\.linear_scan: expected an initialized"):
+        psd.linear_scan(0.5, torch.ones(2, 3), -1)
+
+
+def test_checks_inputs_first() -> None:
+    with pytest.raises(TypeError, match=r"distributed\.linear_scan: expected tokens"):
+        psd.linear_scan(0.5, [1.0, 2.0], 0)
