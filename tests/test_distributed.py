@@ -23,6 +23,16 @@ CASES = [
 ]
 
 
+def _log_inputs(shape, dim, dtype, seed):
+    """Logs of gates in (0.05, 1) and of tokens with some zeros (log 0 = -inf)."""
+    gates, tokens, initial = _inputs(shape, dim, dtype, seed)
+    if dtype.is_complex:
+        gates = gates / gates.abs() * (0.05 + 0.95 * gates.abs())
+        return gates.log(), tokens.log(), initial.log()
+    tokens = torch.where(tokens.abs() < 0.3, 0.0, tokens.abs())
+    return (0.05 + 0.95 * gates.abs()).log(), tokens.log(), initial.abs().log()
+
+
 def _inputs(shape, dim, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     gates = torch.rand(shape, generator=g, dtype=torch.float64) * 1.6 - 0.8
@@ -36,9 +46,15 @@ def _inputs(shape, dim, dtype, seed):
     return gates.to(dtype), tokens.to(dtype), initial
 
 
-def _check_case(rank, world, shape, dim, lengths, dtype, reverse, with_initial, shared_gates):
+def _check_case(
+    rank, world, shape, dim, lengths, dtype, reverse, with_initial, shared_gates, log=False
+):
     d = dim % len(shape)
-    gates, tokens, initial = _inputs(shape, dim, dtype, seed=sum(lengths) + world)
+    make = _log_inputs if log else _inputs
+    scan, shard_scan = (
+        (ps.log_linear_scan, psd.log_linear_scan) if log else (ps.linear_scan, psd.linear_scan)
+    )
+    gates, tokens, initial = make(shape, dim, dtype, seed=sum(lengths) + world)
     if shared_gates:  # one gate per channel, the same tensor on every rank
         gates = gates.narrow(d, 0, 1).clone()
     g = torch.Generator().manual_seed(99)
@@ -48,11 +64,17 @@ def _check_case(rank, world, shape, dim, lengths, dtype, reverse, with_initial, 
 
     # One process, the whole sequence: the expected shard, final and gradients.
     leaves = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
-    out, final = ps.linear_scan(
+    out, final = scan(
         leaves[0], leaves[1], dim, initial=leaves[2] if with_initial else None,
         reverse=reverse, return_final=True,
     )  # fmt: skip
-    loss = (out * weights).real.sum() + (final * final_weights.sum(0)).real.sum()
+    finite = torch.isfinite(out.real) if log else torch.ones_like(out.real, dtype=torch.bool)
+    weights = torch.where(finite, weights, 0)  # log 0 results: no gradient through them
+    final_weights = torch.where(torch.isfinite(final.real), final_weights, 0)
+    loss = (torch.where(finite, out, 0) * weights).real.sum()
+    loss = (
+        loss + (torch.where(torch.isfinite(final.real), final, 0) * final_weights.sum(0)).real.sum()
+    )
     want_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
 
     start = sum(lengths[:rank])
@@ -63,14 +85,16 @@ def _check_case(rank, world, shape, dim, lengths, dtype, reverse, with_initial, 
         initial,
     ]
     mine = [t.clone().requires_grad_() for t in mine]
-    got, got_final = psd.linear_scan(
+    got, got_final = shard_scan(
         mine[0], mine[1], dim, initial=mine[2] if with_initial else None,
         reverse=reverse, return_final=True,
     )  # fmt: skip
     torch.testing.assert_close(got, out.detach().narrow(d, start, n))
     torch.testing.assert_close(got_final, final.detach())
-    local = (got * weights.narrow(d, start, n)).real.sum()
-    local = local + (got_final * final_weights[rank]).real.sum()
+    local = torch.where(finite.narrow(d, start, n), got, 0) * weights.narrow(d, start, n)
+    local = local.real.sum()
+    final_finite = torch.where(torch.isfinite(got_final.real), got_final, 0)
+    local = local + (final_finite * final_weights[rank]).real.sum()
     grads = torch.autograd.grad(local, mine, allow_unused=True)
 
     # gates: a shard's gradient is its own, unless shared: then the ranks' sum
@@ -96,10 +120,10 @@ def _worker(rank, world, init_file):
             for dtype in (torch.float64, torch.complex128):
                 for reverse in (False, True):
                     for with_initial in (False, True):
-                        for shared in (False, True):
+                        for shared, log in ((False, False), (True, False), (False, True)):
                             _check_case(
                                 rank, world, shape, dim, splits[world], dtype, reverse,
-                                with_initial, shared,
+                                with_initial, shared, log,
                             )  # fmt: skip
         # a sub-group: ranks 0 and 1 only; the others do not call
         if world == 4:

@@ -20,6 +20,9 @@ lambda_{r+1}, which enters its local backward as a gradient of its last state.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
@@ -28,12 +31,82 @@ from torch import Tensor
 
 from parascan._op_utils import conj
 from parascan._scan_api import prepare
-from parascan.linear import linear_scan as local_scan
+from parascan.linear import linear_scan as local_linear_scan
 from parascan.linear.ops import backward_via_scan
+from parascan.logspace import log_linear_scan as local_log_linear_scan
+from parascan.logspace import reference as log_reference
+from parascan.logspace.ops import backward_from_weights
 
-__all__ = ["linear_scan"]
+__all__ = ["linear_scan", "log_linear_scan"]
 
-_NAME = "parascan.distributed.linear_scan"
+Grads = tuple[Tensor, Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class _Semiring:
+    """What the distributed algorithm needs of a scan: the local scan, a shard's
+    map h -> A (x) h (+) F (its total A, how it applies), the state of no steps, the
+    local backward, and d(last state)/d(entering state) of a shard."""
+
+    name: str
+    scan: Callable[..., Any]
+    total: Callable[[Tensor, int], Tensor]
+    apply: Callable[[Tensor, Tensor, Tensor], Tensor]  # (A, F, h) -> A (x) h (+) F
+    empty: float
+    backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, int, bool, str], Grads]
+    multiplier: Callable[[Tensor, Tensor | None, Tensor, int, bool], Tensor]
+
+
+def _linear_backward(
+    gates: Tensor, tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None, dim: int,
+    reverse: bool, backend: str,
+) -> Grads:  # fmt: skip
+    return backward_via_scan(_plain_scan(backend), gates, out, grad, start, dim, reverse)
+
+
+def _log_backward(
+    log_gates: Tensor, log_tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None,
+    dim: int, reverse: bool, backend: str,
+) -> Grads:  # fmt: skip
+    return backward_from_weights(
+        _plain_scan(backend), log_gates, log_tokens, out, grad, start, dim, reverse
+    )
+
+
+def _plain_scan(backend: str) -> Callable[[Tensor, Tensor, Tensor | None, int, bool], Tensor]:
+    def scan(a: Tensor, b: Tensor, h: Tensor | None, d: int, rev: bool) -> Tensor:
+        return local_linear_scan(a, b, d, initial=h, reverse=rev, backend=backend)
+
+    return scan
+
+
+def _log_multiplier(
+    total: Tensor, start: Tensor | None, out: Tensor, dim: int, reverse: bool
+) -> Tensor:
+    # The product of the step weights exp(log a[t] + h[t-1] - h[t]) telescopes.
+    last = out.select(dim, 0 if reverse else out.shape[dim] - 1)
+    entering = torch.full_like(last, -math.inf) if start is None else start
+    return log_reference.log_weight(total + entering, last)
+
+
+_LINEAR = _Semiring(
+    name="parascan.distributed.linear_scan",
+    scan=local_linear_scan,
+    total=torch.prod,
+    apply=lambda a, f, h: a * h + f,
+    empty=0.0,
+    backward=_linear_backward,
+    multiplier=lambda total, start, out, dim, reverse: total,
+)
+_LOG = _Semiring(
+    name="parascan.distributed.log_linear_scan",
+    scan=local_log_linear_scan,
+    total=torch.sum,
+    apply=lambda a, f, h: log_reference.logaddexp(a + h, f),
+    empty=-math.inf,
+    backward=_log_backward,
+    multiplier=_log_multiplier,
+)
 
 
 def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
@@ -55,79 +128,95 @@ def _order(group: Any, reverse: bool) -> tuple[int, int]:
     return (world - 1 - rank if reverse else rank), world
 
 
-def _compose(maps: Tensor, upto: int, start: Tensor) -> Tensor:
-    """h = A_q h + F_q for q in scan positions [0, upto), from ``start``."""
+def _compose(semiring: _Semiring, maps: Tensor, upto: int, start: Tensor) -> Tensor:
+    """h = A_q (x) h (+) F_q for q in scan positions [0, upto), from ``start``."""
     h = start
     for q in range(upto):
-        h = maps[q, 0] * h + maps[q, 1]
+        h = semiring.apply(maps[q, 0], maps[q, 1], h)
     return h
 
 
 class _ShardScan(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int,
-        reverse: bool, backend: str, group: Any,
+        ctx: Any, semiring: _Semiring, gates: Tensor, tokens: Tensor, initial: Tensor | None,
+        dim: int, reverse: bool, backend: str, group: Any,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         position, world = _order(group, reverse)
         first = position == 0
         own_initial = initial if first else None
-        # 1. the shard's map h -> A h + F (scan positions are ranks in scan order)
-        _, local_final = local_scan(
+        # 1. the shard's map (scan positions are ranks in scan order)
+        _, local_final = semiring.scan(
             gates, tokens, dim, initial=own_initial, reverse=reverse, return_final=True,
             backend=backend,
         )  # fmt: skip
-        product = torch.prod(gates, dim)
-        gathered = _all_gather_stacked([product, local_final], group)
+        total = semiring.total(gates, dim)
+        gathered = _all_gather_stacked([total, local_final], group)
         if reverse:  # ranks to scan positions
             gathered = gathered.flip(0)
         # 3. the entering state, and the global final state
-        zero = torch.zeros_like(local_final)
-        entering = _compose(gathered, position, zero)
-        final = _compose(gathered[position:], world - position, entering)
-        # 4. the shard from its entering state (rank 0: from initial)
+        nothing = torch.full_like(local_final, semiring.empty)
+        entering = _compose(semiring, gathered, position, nothing)
+        final = _compose(semiring, gathered[position:], world - position, entering)
+        # 4. the shard from its entering state (the first rank: from initial)
         start = own_initial if first else entering
-        out = local_scan(gates, tokens, dim, initial=start, reverse=reverse, backend=backend)
-        ctx.save_for_backward(gates, out, start)
-        ctx.products = gathered[:, 0]
-        ctx.dim, ctx.reverse, ctx.backend, ctx.group = dim, reverse, backend, group
-        ctx.position, ctx.world, ctx.had_initial = position, world, initial is not None
+        out = semiring.scan(gates, tokens, dim, initial=start, reverse=reverse, backend=backend)
+        ctx.save_for_backward(gates, tokens, out, start, total)
+        ctx.semiring, ctx.dim, ctx.reverse, ctx.backend = semiring, dim, reverse, backend
+        ctx.group, ctx.position, ctx.world = group, position, world
+        ctx.had_initial = initial is not None
         return out, final
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, grad_final: Tensor) -> tuple[Tensor | None, ...]:
-        gates, out, start = ctx.saved_tensors
-        dim, reverse, backend = ctx.dim, ctx.reverse, ctx.backend
-
-        def scan(a: Tensor, b: Tensor, h: Tensor | None, d: int, rev: bool) -> Tensor:
-            return local_scan(a, b, d, initial=h, reverse=rev, backend=backend)
-
-        # mu: the gradient of the entering state with nothing arriving from later ranks
-        _, _, mu = backward_via_scan(scan, gates, out, grad_out, start, dim, reverse)
-        gathered = _all_gather_stacked([mu, grad_final], ctx.group)
+        gates, tokens, out, start, total = ctx.saved_tensors
+        semiring, dim, reverse, backend = ctx.semiring, ctx.dim, ctx.reverse, ctx.backend
+        steps = out.shape[dim]
+        # mu: the gradient of the entering state with nothing arriving from later
+        # ranks; m: d(last state)/d(entering state) across this shard (1 if empty).
+        _, _, mu = semiring.backward(gates, tokens, out, grad_out, start, dim, reverse, backend)
+        m = semiring.multiplier(total, start, out, dim, reverse) if steps else torch.ones_like(mu)
+        gathered = _all_gather_stacked([mu, grad_final, m], ctx.group)
         if reverse:
             gathered = gathered.flip(0)
-        # lambda after this shard: the final state's total gradient, carried back
-        # through the maps of the later ranks (their A^H, their mu).
+        # The gradient arriving after this shard: the final state's total gradient,
+        # carried back through the later ranks (lambda = conj(m) lambda + mu).
         carry = gathered[:, 1].sum(0)
         for q in range(ctx.world - 1, ctx.position, -1):
-            carry = conj(ctx.products[q]) * carry + gathered[q, 0]
-        steps = out.shape[dim]
+            carry = conj(gathered[q, 2]) * carry + gathered[q, 0]
         if steps:
-            last = 0 if reverse else steps - 1
             arriving = torch.zeros_like(grad_out)
-            arriving.select(dim, last).copy_(carry)
-            grad_gates, grad_tokens, grad_start = backward_via_scan(
-                scan, gates, out, grad_out + arriving, start, dim, reverse
+            arriving.select(dim, 0 if reverse else steps - 1).copy_(carry)
+            grad_gates, grad_tokens, grad_start = semiring.backward(
+                gates, tokens, out, grad_out + arriving, start, dim, reverse, backend
             )
         else:
-            grad_gates, grad_tokens, grad_start = (
-                torch.zeros_like(gates),
-                torch.zeros_like(out),
-                carry,
-            )
+            grad_gates, grad_tokens = torch.zeros_like(gates), torch.zeros_like(tokens)
+            grad_start = carry
         grad_initial = grad_start if ctx.position == 0 and ctx.had_initial else None
-        return grad_gates, grad_tokens, grad_initial, None, None, None, None
+        return None, grad_gates, grad_tokens, grad_initial, None, None, None, None
+
+
+def _distributed(
+    semiring: _Semiring, gates: object, tokens: object, dim: object, group: Any,
+    initial: object, reverse: bool, return_final: bool, backend: str, names: tuple[str, str],
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    name = semiring.name
+    p = prepare(name, gates, tokens, dim, initial, reverse, True, backend, names=names)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{name}: expected an initialized torch.distributed process group "
+            "(torch.distributed.init_process_group), but there is none"
+        )
+    if p.scalar:
+        raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
+    out, final = _ShardScan.apply(
+        semiring, p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend,
+        group,
+    )  # type: ignore[no-untyped-call]  # fmt: skip
+    if not return_final:
+        return out  # type: ignore[no-any-return]
+    return out, final
 
 
 @overload
@@ -181,17 +270,46 @@ def linear_scan(
         sends one all-gather of 2 states per rank forward and one backward,
         whatever the length: O(state) bytes, not O(T).
     """
-    p = prepare(_NAME, gates, tokens, dim, initial, reverse, True, backend)
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{_NAME}: expected an initialized torch.distributed process group "
-            "(torch.distributed.init_process_group), but there is none"
-        )
-    if p.scalar:
-        raise ValueError(f"{_NAME}: expected tensors with a time dim, but got 0-d inputs")
-    out, final = _ShardScan.apply(
-        p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend, group
-    )  # type: ignore[no-untyped-call]
-    if not return_final:
-        return out  # type: ignore[no-any-return]
-    return out, final
+    return _distributed(
+        _LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend,
+        ("gates", "tokens"),
+    )  # fmt: skip
+
+
+@overload
+def log_linear_scan(
+    log_gates: Tensor | float, log_tokens: Tensor, dim: int, *, group: Any = ...,
+    initial: Tensor | float | None = ..., reverse: bool = ...,
+    return_final: Literal[False] = ..., backend: str = ...,
+) -> Tensor: ...  # fmt: skip
+@overload
+def log_linear_scan(
+    log_gates: Tensor | float, log_tokens: Tensor, dim: int, *, group: Any = ...,
+    initial: Tensor | float | None = ..., reverse: bool = ...,
+    return_final: Literal[True], backend: str = ...,
+) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+
+
+def log_linear_scan(
+    log_gates: Tensor | float,
+    log_tokens: Tensor,
+    dim: int,
+    *,
+    group: Any = None,
+    initial: Tensor | float | None = None,
+    reverse: bool = False,
+    return_final: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    r""":func:`parascan.log_linear_scan` over a time dim sharded across ranks.
+
+    The same contract as :func:`linear_scan` of this module, in log space:
+    ``h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t])``, ``initial`` (log of
+    the state before the first step, default ``-inf``) read on the first rank. A
+    shard's map is ``h -> logaddexp(sum(log_gates) + h, F)``; the all-gathers carry
+    O(state) elements per rank, forward and backward.
+    """
+    return _distributed(
+        _LOG, log_gates, log_tokens, dim, group, initial, reverse, return_final, backend,
+        ("log_gates", "log_tokens"),
+    )  # fmt: skip
