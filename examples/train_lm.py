@@ -141,6 +141,9 @@ def main() -> None:
                     f"{rate:,.0f} tokens/s",
                     flush=True,
                 )
+    # Release DDP (and its pending gradient hooks) while the groups still exist.
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 

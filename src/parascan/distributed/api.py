@@ -32,10 +32,10 @@ from torch import Tensor
 from parascan._op_utils import conj
 from parascan._scan_api import prepare
 from parascan.linear import linear_scan as local_linear_scan
-from parascan.linear.ops import backward_via_scan
+from parascan.linear.ops import linear_scan_backward_op
 from parascan.logspace import log_linear_scan as local_log_linear_scan
 from parascan.logspace import reference as log_reference
-from parascan.logspace.ops import backward_from_weights
+from parascan.logspace.ops import log_linear_scan_backward_op
 
 __all__ = ["linear_scan", "log_linear_scan"]
 
@@ -61,23 +61,17 @@ def _linear_backward(
     gates: Tensor, tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None, dim: int,
     reverse: bool, backend: str,
 ) -> Grads:  # fmt: skip
-    return backward_via_scan(_plain_scan(backend), gates, out, grad, start, dim, reverse)
+    # The fused backward (one pass on CPU); not differentiable again (once_differentiable).
+    return linear_scan_backward_op(gates, out, grad, start, dim, reverse, backend)  # type: ignore[no-any-return]
 
 
 def _log_backward(
     log_gates: Tensor, log_tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None,
     dim: int, reverse: bool, backend: str,
 ) -> Grads:  # fmt: skip
-    return backward_from_weights(
-        _plain_scan(backend), log_gates, log_tokens, out, grad, start, dim, reverse
+    return log_linear_scan_backward_op(  # type: ignore[no-any-return]
+        log_gates, log_tokens, out, grad, start, dim, reverse, backend
     )
-
-
-def _plain_scan(backend: str) -> Callable[[Tensor, Tensor, Tensor | None, int, bool], Tensor]:
-    def scan(a: Tensor, b: Tensor, h: Tensor | None, d: int, rev: bool) -> Tensor:
-        return local_linear_scan(a, b, d, initial=h, reverse=rev, backend=backend)
-
-    return scan
 
 
 def _log_multiplier(
@@ -168,6 +162,7 @@ class _ShardScan(torch.autograd.Function):
         return out, final
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor, grad_final: Tensor) -> tuple[Tensor | None, ...]:
         gates, tokens, out, start, total = ctx.saved_tensors
         semiring, dim, reverse, backend = ctx.semiring, ctx.dim, ctx.reverse, ctx.backend

@@ -1,0 +1,165 @@
+"""``python -m parascan.distributed.bench``: sequence parallelism against one process.
+
+For each world size (gloo on this machine, one torch thread per rank) and each T, the
+sequence (batch, channels, T) float32 is split evenly along T; every rank times
+``parascan.distributed.linear_scan`` on its shard, forward and forward + backward
+(medians over repetitions; the slowest rank's median is reported, since a call ends
+for everyone when the last rank is done). Also reported: the bytes each rank sends
+per call (its part of the all-gathers: 2 states forward, 3 backward, whatever T), the
+time of those all-gathers alone, and ``parascan.linear_scan`` of the whole sequence in
+one process (1 thread, and all threads) for the overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
+
+__all__ = ["main"]
+
+
+def _median_time(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _inputs(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return 0.9 + 0.1 * torch.rand(shape, generator=gen), torch.rand(shape, generator=gen)
+
+
+def _worker(rank: int, world: int, init: str, shape: tuple[int, int], steps: list[int],
+            repeat: int, results: Any) -> None:  # fmt: skip
+    import parascan.distributed as psd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    rows = []
+    for t in steps:
+        n = t // world
+        gates, tokens = _inputs((*shape, n))
+        a, b = gates.clone().requires_grad_(), tokens.clone().requires_grad_()
+
+        def forward(gates: torch.Tensor = gates, tokens: torch.Tensor = tokens) -> object:
+            with torch.no_grad():
+                return psd.linear_scan(gates, tokens, -1)
+
+        def both(a: torch.Tensor = a, b: torch.Tensor = b) -> object:
+            out = psd.linear_scan(a, b, -1)
+            return torch.autograd.grad(out.sum(), (a, b))
+
+        payload = torch.empty(2, *shape)  # what each rank sends forward
+        received = list(torch.empty(world, 2, *shape).unbind(0))
+
+        def gather(
+            payload: torch.Tensor = payload, received: list[torch.Tensor] = received
+        ) -> object:
+            return dist.all_gather(received, payload)
+
+        dist.barrier()
+        fwd = _median_time(forward, repeat)
+        dist.barrier()
+        fwd_bwd = _median_time(both, repeat)
+        dist.barrier()
+        comm = _median_time(gather, repeat)
+        times = torch.tensor([fwd, fwd_bwd, comm], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        rows.append(
+            {
+                "world": world, "T": t, "forward_ms": times[0].item() * 1e3,
+                "forward_backward_ms": times[1].item() * 1e3,
+                "allgather_ms": times[2].item() * 1e3,
+                "bytes_sent_forward": payload.numel() * 4,
+                "bytes_sent_backward": payload.numel() // 2 * 3 * 4,
+            }
+        )  # fmt: skip
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def _one_process(shape: tuple[int, int], steps: list[int], repeat: int) -> list[dict[str, Any]]:
+    import parascan as ps
+
+    rows = []
+    before = torch.get_num_threads()
+    for threads in sorted({1, before}):
+        torch.set_num_threads(threads)
+        for t in steps:
+            gates, tokens = _inputs((*shape, t))
+            a, b = gates.clone().requires_grad_(), tokens.clone().requires_grad_()
+
+            def forward(gates: torch.Tensor = gates, tokens: torch.Tensor = tokens) -> object:
+                with torch.no_grad():
+                    return ps.linear_scan(gates, tokens, -1)
+
+            def both(a: torch.Tensor = a, b: torch.Tensor = b) -> object:
+                return torch.autograd.grad(ps.linear_scan(a, b, -1).sum(), (a, b))
+
+            rows.append(
+                {
+                    "world": 1, "threads": threads, "T": t,
+                    "forward_ms": _median_time(forward, repeat) * 1e3,
+                    "forward_backward_ms": _median_time(both, repeat) * 1e3,
+                }
+            )  # fmt: skip
+    torch.set_num_threads(before)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parascan.distributed.bench")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, nargs="+", default=[2**12, 2**14, 2**16, 2**18])
+    parser.add_argument("--shape", type=int, nargs=2, default=[4, 64], help="batch channels")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    shape = (args.shape[0], args.shape[1])
+    rows = _one_process(shape, args.steps, args.repeat)
+    ctx = multiprocessing.get_context("spawn")
+    for world in args.worlds:
+        results = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            spawn(
+                _worker, args=(world, os.path.join(tmp, "init"), shape, args.steps, args.repeat,
+                               results),
+                nprocs=world, join=True,
+            )  # fmt: skip
+        rows.extend(results.get())
+    if args.json:
+        json.dump({"shape": shape, "rows": rows}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"shape ({shape[0]}, {shape[1]}, T) float32, time along the last dim; ms per call")
+    print(f"{'ranks':>5} {'thr':>4} {'T':>8} {'forward':>9} {'fwd+bwd':>9} {'all-gather':>11}"
+          f" {'bytes sent fwd/bwd':>19}")  # fmt: skip
+    for r in rows:
+        threads = r.get("threads", 1)
+        gather = f"{r['allgather_ms']:11.3f}" if "allgather_ms" in r else f"{'-':>11}"
+        sent = (f"{r['bytes_sent_forward']:>9,}/{r['bytes_sent_backward']:<9,}"
+                if "bytes_sent_forward" in r else f"{'-':>19}")  # fmt: skip
+        print(f"{r['world']:>5} {threads:>4} {r['T']:>8} {r['forward_ms']:9.3f}"
+              f" {r['forward_backward_ms']:9.3f} {gather} {sent:>19}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
