@@ -9,6 +9,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels (the ``triton`` backend, when triton is installed) run in Triton's
+# interpreter on CPU tensors in these tests. The flag must be set before torch imports
+# triton (torch._dynamo does), so it is set here, first; it changes nothing else.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import parascan as ps
 from parascan import bench
@@ -73,6 +74,14 @@ def test_bench_quick_json_reports_ratios_and_errors() -> None:
         assert r["tensors"] == (3 if r["direction"] == "forward" else 5)
     for r in ours:
         assert r["max_error"] < 2e-5
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without CUDA"
+)
+def test_bench_on_cuda_without_a_gpu_says_so(capsys) -> None:
+    assert main(["bench", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:

@@ -1,13 +1,16 @@
 """Which backend computes a scan, per device.
 
 cpu     compiled C kernels (CPU tensors)
-triton  Triton kernels (CUDA tensors; not part of this version yet)
+triton  Triton kernels (CUDA tensors; also CPU tensors under TRITON_INTERPRET=1, for
+        testing, when asked for by name)
 torch   pure PyTorch, parallel (chunked) algorithm, any device
 loop    the sequential reference, any device, slow
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -30,6 +33,18 @@ _kernel_library_error: Callable[[], str] = torch.compiler.assume_constant_result
 )
 
 
+def _triton_status() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+# Constant for the process, as above: whether triton can be imported (not importing it).
+_triton_importable: Callable[[], bool] = torch.compiler.assume_constant_result(_triton_status)
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _device(device: str | torch.device) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
@@ -44,19 +59,32 @@ def unavailable_reason(backend: str, device: str | torch.device) -> str | None:
             return f"it runs on CPU tensors only, and the inputs are on {dev}"
         return _kernel_library_error() or None
     if backend == "triton":
-        return "this version of parascan has no Triton kernels yet"
+        if not _triton_importable():
+            return "triton is not installed (pip install 'parascan[triton]')"
+        if dev.type == "cuda" or (dev.type == "cpu" and _triton_interpreted()):
+            return None
+        return (
+            f"it runs on CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1), and the "
+            f"inputs are on {dev}"
+        )
     if backend in ("torch", "loop"):
         return None
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
 def backends(device: str | torch.device = "cpu") -> list[str]:
-    """Names of the backends that can run on ``device``, fastest first.
+    """Names of the backends that can run on ``device``, fastest first. (``triton``
+    is listed for CUDA devices only: the interpreter is a testing aid.)
 
     >>> backends("cpu")[-2:]
     ['torch', 'loop']
     """
-    return [b for b in BACKENDS if unavailable_reason(b, device) is None]
+    dev = _device(device)
+    return [
+        b
+        for b in BACKENDS
+        if unavailable_reason(b, dev) is None and (b != "triton" or dev.type == "cuda")
+    ]
 
 
 def resolve_backend(fn: str, backend: object, device: torch.device) -> str:

@@ -2,7 +2,8 @@
 
 Written here from their published math (the Heinsen log-space formula, a
 first-order combine for torch's associative_scan), or imported when installed
-(accelerated-scan's reference, ``pip install 'parascan[peers]'``). Each returns x
+(accelerated-scan's reference, and for CUDA tensors its CUDA and Triton kernels,
+``pip install 'parascan[peers]'``). Each returns x
 for x[-1] = 0 and is differentiable with ordinary autograd; ``None`` means the
 peer does not handle that call (and says why in ``unsupported``).
 """
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["LOG_PEERS", "PEERS", "unsupported"]
+__all__ = ["CUDA_ONLY", "LOG_PEERS", "PEERS", "unsupported"]
 
 Scan = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -59,10 +60,33 @@ def accelerated_scan_ref(gates: torch.Tensor, tokens: torch.Tensor, dim: int) ->
     return scan(gates, tokens)  # type: ignore[no-any-return]
 
 
+def accelerated_scan_warp(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    from accelerated_scan.warp import scan
+
+    return scan(gates.contiguous(), tokens.contiguous())  # type: ignore[no-any-return]
+
+
+def accelerated_scan_triton(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+    from accelerated_scan.scalar import scan
+
+    return scan(gates.contiguous(), tokens.contiguous())  # type: ignore[no-any-return]
+
+
 def unsupported(name: str, gates: torch.Tensor, dim: int) -> str | None:
     """Why peer ``name`` cannot compute this call, or None."""
     if name.startswith("heinsen") and gates.dtype.is_complex:
         return "complex inputs"
+    if name in ("accelerated-scan cuda", "accelerated-scan triton"):
+        if gates.device.type != "cuda":
+            return "CUDA tensors only"
+        module = "warp" if name.endswith("cuda") else "scalar"
+        try:
+            __import__(f"accelerated_scan.{module}")
+        except ImportError:
+            return "not installed (pip install 'parascan[peers]')"
+        steps = gates.shape[dim]
+        if gates.dim() != 3 or dim % 3 != 2 or steps & (steps - 1) or not 32 <= steps <= 65536:
+            return "needs (B, C, T) along the last dim, T a power of two in [32, 65536]"
     if name == "accelerated-scan ref":
         try:
             import accelerated_scan.ref  # noqa: F401
@@ -74,11 +98,16 @@ def unsupported(name: str, gates: torch.Tensor, dim: int) -> str | None:
     return None
 
 
+# Peers with GPU kernels only (listed for CUDA cases only).
+CUDA_ONLY = frozenset({"accelerated-scan cuda", "accelerated-scan triton"})
+
 # Peers of log_linear_scan: (log_gates, log_tokens, dim) -> log x.
 LOG_PEERS: dict[str, Scan] = {"heinsen (log)": heinsen_log}
 
 PEERS: dict[str, Scan] = {
     "accelerated-scan ref": accelerated_scan_ref,
+    "accelerated-scan cuda": accelerated_scan_warp,
+    "accelerated-scan triton": accelerated_scan_triton,
     "heinsen": heinsen,
     "heinsen complex": heinsen_complex,
     "torch assoc_scan": torch_associative_scan,

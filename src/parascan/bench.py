@@ -47,6 +47,7 @@ from parascan.logspace import log_linear_scan
 from parascan.logspace.ops import backward_from_weights
 
 __all__ = [
+    "CUDA_CASES",
     "DEFAULT_CASES",
     "GENERIC_CASES",
     "QUICK_CASES",
@@ -73,6 +74,7 @@ class Case:
     peers: bool = False
     threads: int | None = None  # None: torch.get_num_threads()
     op: str = "linear"  # "linear" (linear_scan) or "log" (log_linear_scan)
+    device: str = "cpu"
 
 
 @dataclass
@@ -131,6 +133,16 @@ DEFAULT_CASES = [
         op="log",
     ),
 ]
+# `parascan bench --device cuda`: accelerated-scan's published forward figures with its
+# CUDA kernel are 2.82 ms at (8, 1536, 16384) and 11.30 ms at (8, 1536, 65536).
+CUDA_CASES = [
+    Case(f"cuda float32 T={t}", (8, 1536, t), -1, peers=True, device="cuda")
+    for t in (4096, 16384, 65536)
+] + [
+    Case("cuda bfloat16 T=16384", (8, 1536, 16384), -1, torch.bfloat16, device="cuda"),
+    Case("cuda float32 few channels", (1, 4, 2**22), -1, backward=False, device="cuda"),
+    Case("cuda log float32 T=16384", (8, 1536, 16384), -1, op="log", device="cuda"),
+]
 QUICK_CASES = [
     Case("float32 time-major", (2, 256, 192), 1, peers=True),
     Case("float32 time-contiguous", (2, 192, 256), -1, peers=True),
@@ -161,11 +173,17 @@ class _Progress:
         self.stream.flush()
 
 
-def _elapsed(fn: Callable[[], object], calls: int = 1) -> float:
-    """Seconds per call of ``fn``, over ``calls`` back-to-back calls."""
+def _elapsed(fn: Callable[[], object], calls: int = 1, device: str = "cpu") -> float:
+    """Seconds per call of ``fn``, over ``calls`` back-to-back calls (on a GPU, from
+    an idle device to the end of the last kernel)."""
+    gpu = device.startswith("cuda")
+    if gpu:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if gpu:
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / calls
 
 
@@ -177,19 +195,20 @@ def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens = torch.rand(case.shape, generator=gen)
     grad = torch.rand(case.shape, generator=gen)
     if case.op == "log":
-        return mag.log().to(case.dtype), tokens.log().to(case.dtype), grad.to(case.dtype)
-    if case.dtype.is_complex:
+        gates, tokens = mag.log(), tokens.log()
+    elif case.dtype.is_complex:
         phase = 0.1 * torch.rand(case.shape, generator=gen)
         gates = torch.polar(mag, phase)
         tokens = torch.complex(tokens, torch.rand(case.shape, generator=gen))
         grad = torch.complex(grad, grad.flip(-1))
-        return gates.to(case.dtype), tokens.to(case.dtype), grad.to(case.dtype)
-    return mag.to(case.dtype), tokens.to(case.dtype), grad.to(case.dtype)
+    else:
+        gates = mag
+    return tuple(t.to(case.dtype).to(case.device) for t in (gates, tokens, grad))  # type: ignore[return-value]
 
 
 def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor):  # type: ignore[no-untyped-def]
     high = torch.complex128 if case.dtype.is_complex else torch.float64
-    a, b, g = gates.to(high), tokens.to(high), grad.to(high)
+    a, b, g = gates.cpu().to(high), tokens.cpu().to(high), grad.cpu().to(high)
     scan = (
         linear_reference.forward
         if case.shape[case.dim] <= _LOOP_REFERENCE_STEPS
@@ -218,7 +237,7 @@ def _error(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Tensor], str]]:
     """(name, kind, scan(gates, tokens), reason it cannot run or "")."""
-    names = case.backends or tuple(backends("cpu"))
+    names = case.backends or tuple(backends(case.device))
     impls: list[tuple[str, str, Callable[..., torch.Tensor], str]] = []
     scan = log_linear_scan if case.op == "log" else linear_scan
     for b in names:
@@ -230,7 +249,10 @@ def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Ten
     if case.peers:
         peers = _peers.LOG_PEERS if case.op == "log" else _peers.PEERS
         for name, peer in peers.items():
-            why = _peers.unsupported(name, torch.empty(case.shape, dtype=case.dtype), case.dim)
+            if name in _peers.CUDA_ONLY and not case.device.startswith("cuda"):
+                continue
+            like = torch.empty((), dtype=case.dtype, device=case.device).expand(case.shape)
+            why = _peers.unsupported(name, like, case.dim)
 
             def pfn(a: torch.Tensor, x: torch.Tensor, peer: Any = peer) -> torch.Tensor:
                 return peer(a, x, case.dim)  # type: ignore[no-any-return]
@@ -277,14 +299,14 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
         a = gates.clone().requires_grad_(case.backward)
         b = tokens.clone().requires_grad_(case.backward)
         out = fn(a, b)
-        errors = {"forward": _error(case, out.detach(), want)}
+        errors = {"forward": _error(case, out.detach().cpu(), want)}
         if case.backward and want_grads is not None:
             got = torch.autograd.grad(out, (a, b), grad, retain_graph=True)
             errors["backward"] = max(
-                relative_error(g, w) for g, w in zip(got, want_grads, strict=True)
+                relative_error(g.cpu(), w) for g, w in zip(got, want_grads, strict=True)
             )
         tol = TOLERANCE[case.dtype][1] if kind == "parascan" else _PEER_TOLERANCE
-        fast = kind == "parascan" and name == "cpu"
+        fast = kind == "parascan" and name in ("cpu", "triton")
         runs = repeat if fast else 1
 
         def forward(a: torch.Tensor = a, b: torch.Tensor = b, fn: Any = fn) -> object:
@@ -298,14 +320,14 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
         limits, streams = [], []
         calls = 200 if tokens.numel() < 100_000 else 1  # tiny calls: time many per sample
         if fast:  # warm up the allocator, the thread pool and the caches
-            _elapsed(lambda: torch.add(gates, tokens))
-            _elapsed(forward)
+            _elapsed(lambda: torch.add(gates, tokens), 1, case.device)
+            _elapsed(forward, 1, case.device)
         for _ in range(runs):
-            limits.append(_elapsed(lambda: torch.add(gates, tokens), calls))
-            streams.append(_elapsed(lambda: torch.add(gates, tokens, out=warm), calls))
-            timed["forward"].append(_elapsed(forward, calls))
+            limits.append(_elapsed(lambda: torch.add(gates, tokens), calls, case.device))
+            streams.append(_elapsed(lambda: torch.add(gates, tokens, out=warm), calls, case.device))
+            timed["forward"].append(_elapsed(forward, calls, case.device))
             if case.backward:
-                timed["backward"].append(_elapsed(backward, calls))
+                timed["backward"].append(_elapsed(backward, calls, case.device))
         limit, stream = statistics.median(limits), statistics.median(streams)
         for d in directions:
             scale = (3 if d == "forward" else 5) / 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 __all__ = ["main"]
 
@@ -35,8 +36,19 @@ def _check(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from parascan import bench
 
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("parascan bench: --device cuda, but this machine has no CUDA device",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        return bench.run_bench(
+            cases=[replace(c, device=args.device) for c in bench.CUDA_CASES],
+            backend_names=args.backend, repeat=args.repeat, as_json=args.json,
+        )  # fmt: skip
     if args.device != "cpu":
-        print(f"parascan bench: no benchmark for device {args.device!r} yet", file=sys.stderr)
+        print(f"parascan bench: no benchmark for device {args.device!r}", file=sys.stderr)
         return 2
     return bench.run_bench(
         cases=bench.QUICK_CASES if args.quick else bench.DEFAULT_CASES,

@@ -23,7 +23,7 @@ from parascan._op_utils import (
     resolved_optional,
     state_shape,
 )
-from parascan.linear import chunked, cpu, reference
+from parascan.linear import chunked, cpu, reference, triton
 
 __all__ = [
     "backward_via_scan",
@@ -37,6 +37,7 @@ ScanFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
 
 _FORWARD: dict[str, ScanFn] = {
     "cpu": cpu.forward,
+    "triton": triton.forward,
     "torch": chunked.forward,
     "loop": reference.forward,
 }
@@ -136,6 +137,8 @@ def linear_scan_backward_op(
     initial = resolved_optional(initial)
     if backend == "cpu":
         return cpu.backward(gates, out, grad_out, initial, dim, reverse)
+    if backend == "triton":
+        return triton.backward(gates, out, grad_out, initial, dim, reverse)
     # Backends without a fused backward: one reverse scan, accumulating half types
     # in float32 like the forward does.
     acc = accumulate_dtype(out.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal, overload
 
@@ -205,5 +206,13 @@ def log_linear_scan(
         backend,
         names=("log_gates", "log_tokens"),
     )
+    if p.backend == "triton" and p.tokens.is_complex():
+        # The Triton log kernel is real; "auto" takes the torch backend instead.
+        if backend != "auto":
+            raise RuntimeError(
+                f"{_NAME}: backend 'triton' is not available for complex inputs "
+                f"({p.tokens.dtype}); use 'torch' or 'loop' (or 'auto')"
+            )
+        p = dataclasses.replace(p, backend="torch")
     out = _apply(p.gates, p.tokens, p.initial, p.dim, reverse, p.backend)
     return with_final(out, p, reverse, return_final, -math.inf)

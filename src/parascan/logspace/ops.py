@@ -23,12 +23,13 @@ from parascan._op_utils import (
 )
 from parascan.linear.ops import _FORWARD as _LINEAR_FORWARD
 from parascan.linear.ops import ScanFn, gradient_chain, previous_states
-from parascan.logspace import chunked, cpu, reference
+from parascan.logspace import chunked, cpu, reference, triton
 
 __all__ = ["backward_from_weights", "log_linear_scan_backward_op", "log_linear_scan_op"]
 
 _FORWARD: dict[str, ScanFn] = {
     "cpu": cpu.forward,
+    "triton": triton.forward,
     "torch": chunked.forward,
     "loop": reference.forward,
 }
@@ -115,6 +116,8 @@ def log_linear_scan_backward_op(
     initial = resolved_optional(initial)
     if backend == "cpu":
         return cpu.backward(la, lb, out, grad_out, initial, dim, reverse)
+    if backend == "triton":
+        return triton.backward(la, lb, out, grad_out, initial, dim, reverse)
     acc = accumulate_dtype(out.dtype)
     grads = backward_from_weights(
         _LINEAR_FORWARD[backend],
