@@ -80,9 +80,10 @@ def _store(ptr, off, re, im, mask, IS_COMPLEX: tl.constexpr):
 
 @triton.jit
 def _time(REVERSE: tl.constexpr, s, T):
+    """The time index of step s of this pass, as int64: offsets t * stride may pass 2^31."""
     if REVERSE:
-        return T - 1 - s
-    return s
+        return tl.cast(T - 1 - s, tl.int64)
+    return tl.cast(s, tl.int64)
 
 
 @triton.jit
@@ -159,7 +160,7 @@ def _summaries(
     ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64 offsets from here on
     mask = c < C
     o, i = c // INNER, c % INNER
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
@@ -193,7 +194,7 @@ def _carries(
     ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cb = tl.program_id(0)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64 offsets from here on
     mask = c < C
     o, i = c // INNER, c % INNER
     if HAS_INIT and MODE < 2:
@@ -222,7 +223,7 @@ def _apply(
     HAS_INIT: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64 offsets from here on
     mask = c < C
     o, i = c // INNER, c % INNER
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
