@@ -13,6 +13,7 @@ from parascan._backends import backends
 from parascan._checks import FLOAT_DTYPES
 from parascan._tolerance import TOLERANCE, relative_error
 from parascan.generic import associative_reduce, associative_scan
+from parascan.generic import reference as generic_reference
 from parascan.linear import linear_scan
 from parascan.linear import reference as linear_reference
 from parascan.logspace import log_linear_scan
@@ -164,17 +165,27 @@ def _matrix_checks(backend: str, device: str) -> Iterator[CheckResult]:
 
 
 def _generic_checks(device: str) -> Iterator[CheckResult]:
-    """associative_scan / associative_reduce of matrix products against a loop."""
+    """associative_scan / associative_reduce of matrix products and of first-order
+    pairs against the sequential folds, forward and reverse."""
     gen = torch.Generator().manual_seed(15)
     x = (torch.randn(300, 4, 4, generator=gen, dtype=torch.float64) / 2).to(device)
-    prefix = [x[0]]
-    for m in x[1:]:
-        prefix.append(prefix[-1] @ m)
-    want = torch.stack(prefix)
-    err = max(
-        relative_error(associative_scan(torch.matmul, x, 0), want),
-        relative_error(associative_reduce(torch.matmul, x, 0), want[-1]),
+    pairs = tuple(
+        torch.rand(3, 257, generator=gen, dtype=torch.float64).to(device) * 2 - 1 for _ in range(2)
     )
+
+    def first_order(p, q):  # type: ignore[no-untyped-def]
+        return p[0] * q[0], q[0] * p[1] + q[1]
+
+    err = 0.0
+    for reverse in (False, True):
+        want = generic_reference.scan(torch.matmul, x, 0, reverse)
+        err = max(err, relative_error(associative_scan(torch.matmul, x, 0, reverse=reverse), want))
+        got_pairs = associative_scan(first_order, pairs, 1, reverse=reverse)
+        want_pairs = generic_reference.scan(first_order, pairs, 1, reverse)
+        for got, want_leaf in zip(got_pairs, want_pairs, strict=True):
+            err = max(err, relative_error(got, want_leaf))
+    want_product = generic_reference.fold(torch.matmul, x, 0)
+    err = max(err, relative_error(associative_reduce(torch.matmul, x, 0), want_product))
     yield CheckResult("associative scan/reduce", "-", err <= 1e-10, f"max rel err {err:.1e}")
     args = ((x[:7] * 1.0).requires_grad_(),)
     ok, detail = _gradcheck(lambda m: associative_scan(torch.matmul, m, 0, reverse=True), args)
