@@ -136,6 +136,38 @@ def _multiplier(
 
 
 @triton.jit
+def _advance(
+    MODE: tl.constexpr,
+    IS_COMPLEX: tl.constexpr,
+    ACC: tl.constexpr,
+    REVERSE: tl.constexpr,
+    s,
+    T,
+    a_ptr,
+    a_base,
+    sa1,
+    b_ptr,
+    b_base,
+    sb1,
+    h_ptr,
+    h_base,
+    sh1,
+    mask,
+    hr,
+    hi,
+):
+    """Step s of this pass applied to the state (hr, hi): (its time index, its
+    multiplier, the new state)."""
+    t = _time(REVERSE, s, T)
+    mr, mi = _multiplier(
+        MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, h_ptr, h_base, sh1, mask
+    )
+    dr, di = _load(b_ptr, b_base + t * sb1, mask, IS_COMPLEX, ACC)
+    hr, hi = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
+    return t, mr, mi, hr, hi
+
+
+@triton.jit
 def _combine(MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, mr, mi, hr, hi, dr, di):
     """The state after a step (or a chunk): m h + d, or logaddexp(m + h, d) in LOG."""
     if MODE == 1:
@@ -174,12 +206,10 @@ def _summaries(
     Mi = tl.zeros((BLOCK_C,), ACC)
     Fi = tl.zeros((BLOCK_C,), ACC)
     for s in range(k * CHUNK, tl.minimum(T, (k + 1) * CHUNK)):
-        t = _time(REVERSE, s, T)
-        mr, mi = _multiplier(
-            MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, h_ptr, h_base, sh1, mask
-        )
-        dr, di = _load(b_ptr, b_base + t * sb1, mask, IS_COMPLEX, ACC)
-        Fr, Fi = _combine(MODE, IS_COMPLEX, mr, mi, Fr, Fi, dr, di)
+        _, mr, mi, Fr, Fi = _advance(
+            MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
+            h_ptr, h_base, sh1, mask, Fr, Fi,
+        )  # fmt: skip
         Mr, Mi = _compose(MODE, IS_COMPLEX, Mr, Mi, mr, mi)
     tl.store(Mr_ptr + k * C + c, Mr, mask=mask)
     tl.store(Mi_ptr + k * C + c, Mi, mask=mask)
@@ -232,12 +262,10 @@ def _apply(
     hr = tl.load(Cr_ptr + k * C + c, mask=mask, other=0.0)
     hi = tl.load(Ci_ptr + k * C + c, mask=mask, other=0.0)
     for s in range(k * CHUNK, tl.minimum(T, (k + 1) * CHUNK)):
-        t = _time(REVERSE, s, T)
-        mr, mi = _multiplier(
-            MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, h_ptr, h_base, sh1, mask
-        )
-        dr, di = _load(b_ptr, b_base + t * sb1, mask, IS_COMPLEX, ACC)
-        hr, hi = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
+        t, _, _, hr, hi = _advance(
+            MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
+            h_ptr, h_base, sh1, mask, hr, hi,
+        )  # fmt: skip
         if MODE < 2:
             _store(o1_ptr, out_base + t * INNER, hr, hi, mask, IS_COMPLEX)
         else:

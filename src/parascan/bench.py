@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
@@ -31,6 +30,7 @@ import torch
 from parascan import _peers
 from parascan._backends import backends
 from parascan._sysinfo import summary
+from parascan._timing import elapsed as _elapsed
 from parascan._tolerance import TOLERANCE, relative_error
 from parascan.bench_generic import (
     GENERIC_CASES,
@@ -171,20 +171,6 @@ class _Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
-
-
-def _elapsed(fn: Callable[[], object], calls: int = 1, device: str = "cpu") -> float:
-    """Seconds per call of ``fn``, over ``calls`` back-to-back calls (on a GPU, from
-    an idle device to the end of the last kernel)."""
-    gpu = device.startswith("cuda")
-    if gpu:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if gpu:
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls
 
 
 def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

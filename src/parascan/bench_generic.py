@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parascan._timing import elapsed as _elapsed
 from parascan.generic import associative_reduce, associative_scan
 from parascan.linear import reference as linear_reference
 from parascan.matrix import matrix_linear_scan
@@ -205,12 +205,6 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     product of many matrices may be far from 1."""
     scale = want.abs().max().item()
     return (got.to(want.dtype) - want).abs().max().item() / (scale if scale > 0 else 1.0)
-
-
-def _elapsed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def run_generic(

@@ -16,10 +16,8 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,17 +25,26 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
+from parascan._timing import median_time
+
 __all__ = ["main"]
 
 
-def _median_time(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed_calls(
+    scan: Callable[..., torch.Tensor], shape: tuple[int, ...], repeat: int
+) -> tuple[float, float]:
+    """(forward, forward + backward) median seconds of ``scan(gates, tokens, -1)``."""
+    gates, tokens = _inputs(shape)
+    a, b = gates.clone().requires_grad_(), tokens.clone().requires_grad_()
+
+    def forward() -> object:
+        with torch.no_grad():
+            return scan(gates, tokens, -1)
+
+    def both() -> object:
+        return torch.autograd.grad(scan(a, b, -1).sum(), (a, b))
+
+    return median_time(forward, repeat), median_time(both, repeat)
 
 
 def _inputs(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,18 +60,6 @@ def _worker(rank: int, world: int, init: str, shape: tuple[int, int], steps: lis
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     rows = []
     for t in steps:
-        n = t // world
-        gates, tokens = _inputs((*shape, n))
-        a, b = gates.clone().requires_grad_(), tokens.clone().requires_grad_()
-
-        def forward(gates: torch.Tensor = gates, tokens: torch.Tensor = tokens) -> object:
-            with torch.no_grad():
-                return psd.linear_scan(gates, tokens, -1)
-
-        def both(a: torch.Tensor = a, b: torch.Tensor = b) -> object:
-            out = psd.linear_scan(a, b, -1)
-            return torch.autograd.grad(out.sum(), (a, b))
-
         payload = torch.empty(2, *shape)  # what each rank sends forward
         received = list(torch.empty(world, 2, *shape).unbind(0))
 
@@ -74,11 +69,9 @@ def _worker(rank: int, world: int, init: str, shape: tuple[int, int], steps: lis
             return dist.all_gather(received, payload)
 
         dist.barrier()
-        fwd = _median_time(forward, repeat)
+        fwd, fwd_bwd = _timed_calls(psd.linear_scan, (*shape, t // world), repeat)
         dist.barrier()
-        fwd_bwd = _median_time(both, repeat)
-        dist.barrier()
-        comm = _median_time(gather, repeat)
+        comm = median_time(gather, repeat)
         times = torch.tensor([fwd, fwd_bwd, comm], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         rows.append(
@@ -103,21 +96,12 @@ def _one_process(shape: tuple[int, int], steps: list[int], repeat: int) -> list[
     for threads in sorted({1, before}):
         torch.set_num_threads(threads)
         for t in steps:
-            gates, tokens = _inputs((*shape, t))
-            a, b = gates.clone().requires_grad_(), tokens.clone().requires_grad_()
-
-            def forward(gates: torch.Tensor = gates, tokens: torch.Tensor = tokens) -> object:
-                with torch.no_grad():
-                    return ps.linear_scan(gates, tokens, -1)
-
-            def both(a: torch.Tensor = a, b: torch.Tensor = b) -> object:
-                return torch.autograd.grad(ps.linear_scan(a, b, -1).sum(), (a, b))
-
+            fwd, fwd_bwd = _timed_calls(ps.linear_scan, (*shape, t), repeat)
             rows.append(
                 {
                     "world": 1, "threads": threads, "T": t,
-                    "forward_ms": _median_time(forward, repeat) * 1e3,
-                    "forward_backward_ms": _median_time(both, repeat) * 1e3,
+                    "forward_ms": fwd * 1e3,
+                    "forward_backward_ms": fwd_bwd * 1e3,
                 }
             )  # fmt: skip
     torch.set_num_threads(before)

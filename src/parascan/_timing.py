@@ -1,0 +1,32 @@
+"""Timing helpers shared by the benchmarks (bench.py, bench_generic.py,
+distributed/bench.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["elapsed", "median_time"]
+
+
+def elapsed(fn: Callable[[], object], calls: int = 1, device: str = "cpu") -> float:
+    """Seconds per call of ``fn``, over ``calls`` back-to-back calls (on a GPU, from
+    an idle device to the end of the last kernel)."""
+    gpu = device.startswith("cuda")
+    if gpu:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if gpu:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def median_time(fn: Callable[[], object], repeat: int) -> float:
+    """The median of ``repeat`` single calls, after one call to warm up."""
+    fn()
+    return statistics.median(elapsed(fn) for _ in range(repeat))
