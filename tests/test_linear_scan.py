@@ -342,6 +342,49 @@ def test_long_sequences_chunked_over_time(dtype, rows, steps, gen) -> None:
     assert_matches(final, want_final, dtype)
 
 
+def _python_loop(a: list, b: list, h: complex, reverse: bool) -> list:
+    """The recurrence in Python floats (float64) or complex numbers (complex128)."""
+    out = [h] * len(a)
+    for t in range(len(a) - 1, -1, -1) if reverse else range(len(a)):
+        h = a[t] * h + b[t]
+        out[t] = h
+    return out
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.complex64, torch.complex128], ids=str
+)
+def test_long_sequences_span_several_cache_blocks(dtype, gen) -> None:
+    """The long-sequence kernel walks a row in blocks of 64 chunks of 8256 bytes of
+    each input (scan_forward_impl.h): whole blocks; a shorter last block cut into
+    shorter chunks plus a few serial steps; a last block too short to cut. Reverse
+    and initial states too, against the recurrence in Python's float64."""
+    block = 64 * ((8192 + 64) // dtype.itemsize)
+    whole = -(-(2**16) // block)  # enough whole blocks to take the long path
+    for rows, steps, reverse in [
+        (1, (whole + 1) * block + 64 * 70 + 5, False),
+        (2, whole * block + 1000, True),
+    ]:
+        gates = random_gates((rows, steps), dtype, gen)
+        tokens = random_tokens((rows, steps), dtype, gen)
+        initial = random_tokens((rows,), dtype, gen)
+        out, final = ps.linear_scan(
+            gates, tokens, -1, initial=initial, reverse=reverse, return_final=True,
+            backend="cpu",
+        )  # fmt: skip
+        high = oracle_dtype(dtype)
+        want = torch.tensor(
+            [
+                _python_loop(gates[r].tolist(), tokens[r].tolist(), initial[r].item(), reverse)
+                for r in range(rows)
+            ],
+            dtype=high,
+        )
+        assert_matches(out, want, dtype)
+        assert_matches(final, want[:, 0 if reverse else -1], dtype)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_types_round_exactly_like_torch(backend, dtype, gen) -> None:
@@ -404,12 +447,12 @@ def test_long_sequences_do_not_depend_on_thread_count(gen) -> None:
     before = torch.get_num_threads()
     try:
         results = []
-        for threads in (1, 2, 3):
+        for threads in (1, 2, 3, 4):
             torch.set_num_threads(threads)
             results.append(ps.linear_scan(gates, tokens, -1, backend="cpu"))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 def test_python_number_keeps_the_precision_of_the_result_dtype() -> None:

@@ -25,6 +25,23 @@ typedef void (*ps_task_fn)(const void *ctx, int64_t begin, int64_t end);
  * the result never depends on thread creation. */
 void ps_parallel_for(int64_t n, int64_t nthreads, ps_task_fn fn, const void *ctx);
 
+/* A team of threads that meet at barriers: for work in phases that must not start
+ * before every member has finished the previous one. `size` members; the last to
+ * arrive releases the others (who spin briefly, then yield the CPU). */
+typedef struct {
+    _Atomic int64_t count, phase;
+    int64_t size;
+} ps_barrier;
+
+void ps_barrier_wait(ps_barrier *b);
+
+typedef void (*ps_team_fn)(const void *ctx, int64_t member, int64_t size, ps_barrier *b);
+
+/* Run fn(ctx, member, size, barrier) on a team of at most nthreads threads, member
+ * 0 on the calling thread. `size` is the number of threads that were actually
+ * started (at least 1): fn must share its work by `size`, never by nthreads. */
+void ps_parallel_team(int64_t nthreads, ps_team_fn fn, const void *ctx);
+
 /* Ask the OS to back a freshly allocated output with 2 MiB pages (Linux THP in
  * "madvise" mode), so that writing it costs one page fault per 2 MiB instead of
  * one per 4 KiB: on a fresh 200 MB tensor that is most of the time of a pass.

@@ -51,7 +51,8 @@ enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
  * results are the same bits with any number of threads. */
 #define PS_LONG_STEPS (INT64_C(1) << 16)
 #define PS_LONG_ROWS 16
-#define PS_LONG_CHUNKS 128 /* chunks per problem, spread over its rows */
+#define PS_LONG_CHUNKS 64 /* chunks per block of a long row (a multiple of PS_ROWS) */
+#define PS_LONG_MIN_LEN 64 /* shorter chunks are not worth a barrier */
 
 /* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
  * blocks only when there are fewer rows than threads; multiples of 16 keep the

@@ -10,7 +10,8 @@
  *   PS_ACC_IS_STORAGE  defined when ACC and ST are one type (enables long chunks)
  * and optionally PS_FWD_TC_FAST: a function that returns a faster time-contiguous
  * worker for the given arguments, or NULL; PS_REDUCE8_FAST: a faster reduce of 8
- * long-sequence chunks, returning 0 when it did the work; PS_FWD_ROW_FAST: faster
+ * long-sequence chunks, returning 0 when it did the work; PS_LONG_SCAN_FAST: the
+ * same as PS_FWD_TC_FAST for the chunks of a long sequence (phase 3 below); PS_FWD_ROW_FAST: faster
  * unit-stride time-major rows, the same.
  *
  * Summary of algorithm. The recurrence is sequential in time and independent
@@ -136,127 +137,174 @@ PS_HOT static void FN(fwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
 #endif
 
 #ifdef PS_ACC_IS_STORAGE
-/* Long sequences with few chains (inner == 1, few rows): the time axis of each row
- * is cut into chunks that run in parallel, in three phases:
- *   1. every full chunk is reduced to its affine map: the product of its gates and
- *      its final state from a zero start (8 chunks step together, as rows);
- *   2. the chunks' carries are chained, one step per chunk, serially;
- *   3. the ordinary time-contiguous kernel runs over the chunks as rows, each
- *      starting from its carry (the tail past the last full chunk runs last).
- * It reads the inputs twice, so it is used only where the direct kernel would leave
- * SIMD lanes and threads idle. Only for dtypes that accumulate in their own type:
- * the carries pass through the kernel's `initial`, which has the storage type. */
+/* Long sequences with few chains (inner == 1, few rows): the time axis is cut into
+ * chunks that run in parallel (SIMD lanes and threads) with a carry fix-up, and the
+ * work is blocked so that the inputs leave memory once. Each row is walked in
+ * blocks of PS_LONG_CHUNKS chunks of long_len() steps (about 512 KiB of each
+ * input); after the team of threads has touched the output's pages (touch_pages),
+ * for each block it:
+ *   1. reduces every chunk to its affine map: the product of its gates and its
+ *      final state from the empty state (8 chunks step together, as SIMD rows),
+ *      reading the block's inputs from memory into the caches;
+ *   2. meets at a barrier, then every member chains the block's carries (one step
+ *      per chunk, from the state entering the block, the same on every member);
+ *   3. scans its chunks from their carries with the time-contiguous kernel, reading
+ *      the inputs again from its cache and writing the outputs.
+ * Members take whole groups of 8 chunks; the arithmetic does not depend on who
+ * does what, so the result is the same bits with any number of threads. The last
+ * block of a row may be shorter: its chunks are shorter, and the few steps past its
+ * last whole chunk (or all of it, when it is too short to split) run serially on
+ * member 0. Only for dtypes that accumulate in their own type: the carries pass
+ * through the kernel's `initial`, which has the storage type. */
 typedef struct {
-    ps_scan_fwd_args p; /* a chunk per row: outer = chunks, steps = chunk length */
     ps_scan_fwd_args full; /* the whole problem */
-    ps_task_fn scan;      /* phase 3: the time-contiguous worker */
-    ACC *prod, *state;    /* per (row, chunk): product of gates, final state from 0 */
-    ACC *carry;           /* per (row, chunk): the state entering the chunk */
+    ps_task_fn scan;       /* phase 3: the time-contiguous worker */
+    int64_t len;           /* chunk length of a whole block */
+    ACC *prod, *state;     /* per chunk of a block, double-buffered by block parity */
 } FN(long_job);
 
-/* The chunk rows of original row o, as a time-contiguous problem. */
-static ps_scan_fwd_args FN(chunk_rows)(const FN(long_job) *job, int64_t o) {
-    const ps_scan_fwd_args *f = &job->full;
-    ps_scan_fwd_args r = job->p;
-    r.gates = (const ST *)f->gates + o * f->gates_stride[0];
-    r.tokens = (const ST *)f->tokens + o * f->tokens_stride[0];
-    r.out = (ST *)f->out + o * f->out_stride[0];
-    r.initial = job->carry + o * job->p.outer;
+/* Phase 1 for 8 chunks, each `steps` long, rows `row_a` / `row_b` apart. */
+static void FN(reduce8)(const ST *a, const ST *b, int64_t row_a, int64_t row_b, int64_t steps,
+                        int64_t sa, int64_t sb, ACC *state, ACC *prod) {
+#ifdef PS_REDUCE8_FAST
+    if (PS_REDUCE8_FAST(a, b, row_a, row_b, steps, sa, sb, state, prod) == 0) return;
+#endif
+    ACC ta[PS_TILE][PS_ROWS], tb[PS_TILE][PS_ROWS], s[PS_ROWS], q[PS_ROWS];
+    for (int64_t r = 0; r < PS_ROWS; ++r) {
+        s[r] = ZERO;
+        q[r] = ONE;
+    }
+    for (int64_t t0 = 0; t0 < steps; t0 += PS_TILE) {
+        const int64_t n = steps - t0 < PS_TILE ? steps - t0 : PS_TILE;
+        FN(gather)(ta, n, PS_ROWS, a + t0 * sa, row_a, sa);
+        FN(gather)(tb, n, PS_ROWS, b + t0 * sb, row_b, sb);
+        for (int64_t k = 0; k < n; ++k)
+            for (int64_t r = 0; r < PS_ROWS; ++r) {
+                s[r] = FMA(ta[k][r], s[r], tb[k][r]);
+                q[r] = COMPOSE(ta[k][r], q[r]);
+            }
+    }
+    for (int64_t r = 0; r < PS_ROWS; ++r) {
+        state[r] = s[r];
+        prod[r] = q[r];
+    }
+}
+
+/* Steps [t0, t0 + n) of row o as a time-contiguous problem of `rows` rows (chunks)
+ * of `len` steps, starting from the states at `initial`. */
+static ps_scan_fwd_args FN(block_rows)(const ps_scan_fwd_args *f, int64_t o, int64_t t0,
+                                       int64_t rows, int64_t len, const ACC *initial) {
+    ps_scan_fwd_args r = *f;
+    r.outer = rows;
+    r.steps = len;
+    r.gates = (const ST *)f->gates + o * f->gates_stride[0] + t0 * f->gates_stride[1];
+    r.tokens = (const ST *)f->tokens + o * f->tokens_stride[0] + t0 * f->tokens_stride[1];
+    r.out = (ST *)f->out + o * f->out_stride[0] + t0 * f->out_stride[1];
+    r.gates_stride[0] = len * f->gates_stride[1];
+    r.tokens_stride[0] = len * f->tokens_stride[1];
+    r.out_stride[0] = len * f->out_stride[1];
+    r.initial = initial;
+    r.initial_stride[0] = 1;
+    r.initial_stride[1] = 0;
     return r;
 }
 
-PS_HOT static void FN(reduce_chunks)(const void *vp, int64_t u0, int64_t u1) {
-    const FN(long_job) *job = (const FN(long_job) *)vp;
-    const int64_t chunks = job->p.outer, groups = chunks / PS_ROWS;
-    ACC ta[PS_TILE][PS_ROWS], tb[PS_TILE][PS_ROWS], s[PS_ROWS], q[PS_ROWS];
-    for (int64_t u = u0; u < u1; ++u) {
-        const int64_t o = u / groups, r0 = (u % groups) * PS_ROWS;
-        const ps_scan_fwd_args p = FN(chunk_rows)(job, o);
-        const int64_t *gs = p.gates_stride, *ts = p.tokens_stride;
-        const ST *a = (const ST *)p.gates + r0 * gs[0];
-        const ST *b = (const ST *)p.tokens + r0 * ts[0];
-#ifdef PS_REDUCE8_FAST
-        if (PS_REDUCE8_FAST(a, b, gs[0], ts[0], p.steps, gs[1], ts[1],
-                            job->state + o * chunks + r0, job->prod + o * chunks + r0) == 0)
-            continue;
-#endif
-        for (int64_t r = 0; r < PS_ROWS; ++r) {
-            s[r] = ZERO;
-            q[r] = ONE;
+/* The chunk length of a row's whole blocks: about 8 KiB of each input, plus a
+ * cache line, so that the 8 chunks stepped together do not all map to one cache
+ * set (as rows a power of two apart would). */
+static int64_t FN(long_len)(void) {
+    return (8192 + 64) / (int64_t)sizeof(ST);
+}
+
+/* Fresh output memory is zeroed by the OS at its first touch, one (huge) page at a
+ * time, by the touching thread. Left to the scan, that work falls on whichever
+ * member writes a page first and stalls the others at the next barrier; instead the
+ * members first touch every page of the output in turn (page number modulo team
+ * size), so the zeroing runs in parallel. Only for rows whose output is contiguous,
+ * where every byte in the row's range is the output's. */
+static void FN(touch_pages)(const ps_scan_fwd_args *f, int64_t o, int64_t me, int64_t size) {
+    const int64_t st = f->out_stride[1];
+    if (st != 1 && st != -1) return;
+    const ST *x = (const ST *)f->out + o * f->out_stride[0];
+    const uintptr_t p0 = (uintptr_t)x, p1 = (uintptr_t)(x + (f->steps - 1) * st);
+    const uintptr_t lo = p0 < p1 ? p0 : p1, hi = (p0 < p1 ? p1 : p0) + sizeof(ST);
+    const uintptr_t page = (uintptr_t)1 << 21;
+    for (uintptr_t q = lo; q < hi; q = (q / page + 1) * page)
+        if ((int64_t)((q / page) % (uintptr_t)size) == me) *(volatile char *)q = 0;
+}
+
+/* Row o, block by block, by members `me` of `size` meeting at `barrier`. *parity
+ * picks the half of the double-buffered summaries for the next block; it runs on
+ * across rows (a member may start the next row while another still reads the
+ * summaries of this row's last block). */
+static void FN(long_row)(const FN(long_job) *job, int64_t o, int64_t me, int64_t size,
+                         ps_barrier *barrier, int64_t *parity) {
+    const ps_scan_fwd_args *f = &job->full;
+    const int64_t groups = PS_LONG_CHUNKS / PS_ROWS;
+    const int64_t g0 = me * groups / size, g1 = (me + 1) * groups / size; /* my groups */
+    const int64_t block = PS_LONG_CHUNKS * job->len;
+    ACC carry[PS_LONG_CHUNKS];
+    ACC entering = f->initial ? LD((const ST *)f->initial + o * f->initial_stride[0]) : ZERO;
+    for (int64_t t0 = 0; t0 < f->steps;) {
+        const int64_t left = f->steps - t0;
+        const int64_t n = left < block ? left : block;
+        const int64_t len = n / PS_LONG_CHUNKS;
+        if (len < PS_LONG_MIN_LEN) { /* too short to split: the row's last block */
+            if (me == 0) {
+                const ps_scan_fwd_args p = FN(block_rows)(f, o, t0, 1, n, &entering);
+                job->scan(&p, 0, 1);
+            }
+            return;
         }
-        for (int64_t t0 = 0; t0 < p.steps; t0 += PS_TILE) {
-            const int64_t n = p.steps - t0 < PS_TILE ? p.steps - t0 : PS_TILE;
-            FN(gather)(ta, n, PS_ROWS, a + t0 * gs[1], gs[0], gs[1]);
-            FN(gather)(tb, n, PS_ROWS, b + t0 * ts[1], ts[0], ts[1]);
-            for (int64_t k = 0; k < n; ++k)
-                for (int64_t r = 0; r < PS_ROWS; ++r) {
-                    s[r] = FMA(ta[k][r], s[r], tb[k][r]);
-                    q[r] = COMPOSE(ta[k][r], q[r]);
-                }
+        const ps_scan_fwd_args p = FN(block_rows)(f, o, t0, PS_LONG_CHUNKS, len, carry);
+        ACC *prod = job->prod + *parity * PS_LONG_CHUNKS;
+        ACC *state = job->state + *parity * PS_LONG_CHUNKS;
+        for (int64_t g = g0; g < g1; ++g)
+            FN(reduce8)((const ST *)p.gates + g * PS_ROWS * p.gates_stride[0],
+                        (const ST *)p.tokens + g * PS_ROWS * p.tokens_stride[0],
+                        p.gates_stride[0], p.tokens_stride[0], len, p.gates_stride[1],
+                        p.tokens_stride[1], state + g * PS_ROWS, prod + g * PS_ROWS);
+        /* After this barrier no member reads the other parity's summaries any more,
+         * so the next block may overwrite them. */
+        ps_barrier_wait(barrier);
+        for (int64_t k = 0; k < PS_LONG_CHUNKS; ++k) {
+            carry[k] = entering;
+            entering = FMA(prod[k], entering, state[k]);
         }
-        for (int64_t r = 0; r < PS_ROWS; ++r) {
-            job->state[o * chunks + r0 + r] = s[r];
-            job->prod[o * chunks + r0 + r] = q[r];
+        job->scan(&p, g0, g1);
+        *parity ^= 1;
+        const int64_t done = PS_LONG_CHUNKS * len;
+        if (done < n && me == 0) { /* the row's last steps, past its last chunk */
+            const ps_scan_fwd_args tail = FN(block_rows)(f, o, t0 + done, 1, n - done, &entering);
+            job->scan(&tail, 0, 1);
         }
+        t0 += n;
     }
 }
 
-PS_HOT static void FN(scan_chunks)(const void *vp, int64_t u0, int64_t u1) {
+static void FN(long_member)(const void *vp, int64_t me, int64_t size, ps_barrier *barrier) {
     const FN(long_job) *job = (const FN(long_job) *)vp;
-    const int64_t groups = job->p.outer / PS_ROWS;
-    for (int64_t u = u0; u < u1; ++u) {
-        const int64_t o = u / groups, g = u % groups;
-        const ps_scan_fwd_args p = FN(chunk_rows)(job, o);
-        job->scan(&p, g, g + 1);
-    }
+    const ps_scan_fwd_args *f = &job->full;
+    for (int64_t o = 0; o < f->outer; ++o) FN(touch_pages)(f, o, me, size);
+    ps_barrier_wait(barrier);
+    int64_t parity = 0;
+    for (int64_t o = 0; o < f->outer; ++o) FN(long_row)(job, o, me, size, barrier, &parity);
 }
 
-/* Returns 0 when done, 1 when this problem is not worth (or able) to chunk. */
+/* Returns 0 when done, 1 when this problem is not worth (or able) to split. */
 static int FN(fwd_long)(const ps_scan_fwd_args *p, int64_t nthreads) {
-    /* A fixed number of chunks, whatever the thread count, so that the result (its
-     * rounding) does not depend on how many threads computed it. */
-    int64_t chunks = (PS_LONG_CHUNKS + p->outer - 1) / p->outer;
-    chunks = (chunks + PS_ROWS - 1) / PS_ROWS * PS_ROWS;
-    const int64_t len = p->steps / chunks; /* the tail, steps % chunks, runs last */
-    if (len < 1024) return 1;
-    const int64_t pairs = p->outer * chunks;
-    ACC *buf = (ACC *)malloc((size_t)(3 * pairs + p->outer) * sizeof(ACC));
+    FN(long_job) job = {*p, NULL, FN(long_len)(), NULL, NULL};
+    ACC *buf = (ACC *)malloc((size_t)(4 * PS_LONG_CHUNKS) * sizeof(ACC));
     if (!buf) return 1;
-    FN(long_job) job = {*p, *p, NULL, buf, buf + pairs, buf + 2 * pairs};
-    job.p.outer = chunks;
-    job.p.steps = len;
-    job.p.gates_stride[0] = len * p->gates_stride[1];
-    job.p.tokens_stride[0] = len * p->tokens_stride[1];
-    job.p.out_stride[0] = len * p->out_stride[1];
-    job.p.initial_stride[0] = 1;
-    job.p.initial_stride[1] = 0;
-#ifdef PS_FWD_TC_FAST
-    job.scan = PS_FWD_TC_FAST(&job.p);
+    job.prod = buf;
+    job.state = buf + 2 * PS_LONG_CHUNKS;
+#if defined(PS_LONG_SCAN_FAST)
+    job.scan = PS_LONG_SCAN_FAST(p);
+#elif defined(PS_FWD_TC_FAST)
+    job.scan = PS_FWD_TC_FAST(p);
 #endif
     if (!job.scan) job.scan = FN(fwd_time_contiguous);
-    const int64_t units = p->outer * (chunks / PS_ROWS);
-    ps_parallel_for(units, nthreads, FN(reduce_chunks), &job);
-    ACC *ends = buf + 3 * pairs; /* each row's state after its last full chunk */
-    for (int64_t o = 0; o < p->outer; ++o) {
-        ACC c = p->initial ? LD((const ST *)p->initial + o * p->initial_stride[0]) : ZERO;
-        for (int64_t k = 0; k < chunks; ++k) {
-            job.carry[o * chunks + k] = c;
-            c = FMA(job.prod[o * chunks + k], c, job.state[o * chunks + k]);
-        }
-        ends[o] = c;
-    }
-    ps_parallel_for(units, nthreads, FN(scan_chunks), &job);
-    const int64_t done = chunks * len;
-    if (done < p->steps) { /* fewer than `chunks` steps per row */
-        ps_scan_fwd_args tail = *p;
-        tail.steps = p->steps - done;
-        tail.gates = (const ST *)p->gates + done * p->gates_stride[1];
-        tail.tokens = (const ST *)p->tokens + done * p->tokens_stride[1];
-        tail.out = (ST *)p->out + done * p->out_stride[1];
-        tail.initial = ends;
-        tail.initial_stride[0] = 1;
-        FN(fwd_time_contiguous)(&tail, 0, (p->outer + PS_ROWS - 1) / PS_ROWS);
-    }
+    ps_parallel_team(nthreads, FN(long_member), &job);
     free(buf);
     return 0;
 }

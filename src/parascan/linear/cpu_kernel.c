@@ -19,6 +19,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define PS_FWD_TC_FAST ps_fwd_tc_fast_f32
 #define PS_BWD_TC_FAST ps_bwd_tc_fast_f32
 #define PS_REDUCE8_FAST ps_reduce8_f32_fast
+#define PS_LONG_SCAN_FAST ps_long_scan_f32_fast
 #endif
 
 #define PS_FWD_ENTRY ps_linear_scan_fwd
@@ -40,6 +41,7 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef PS_FWD_TC_FAST
 #undef PS_BWD_TC_FAST
 #undef PS_REDUCE8_FAST
+#undef PS_LONG_SCAN_FAST
 
 #define SFX f64
 #define ST double

@@ -18,7 +18,7 @@
 
 #define PS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-PS_AVX2 static inline void ps_transpose8(__m256 r[8]) {
+PS_AVX2 static inline __attribute__((always_inline)) void ps_transpose8(__m256 r[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
     const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -85,24 +85,49 @@ static inline int64_t ps_row(int64_t r0, int64_t r, int64_t nr) { return r0 + (r
 #include "cpu_kernel_x86_impl.h"
 /* The long-sequence reduce for float32: 8 chunks (rows of `steps` steps, time
  * stride st = +1 or -1, rows `row_stride` apart) to their final state from zero
- * and the product of their gates. */
+ * and the product of their gates. Only the chunk's affine map is needed, so its
+ * steps may be associated in any order: each 16-step tile is reduced as four
+ * independent 4-step chains combined in a tree, and only the tile maps are chained,
+ * which hides the latency of a step. The product is flushed to zero once it falls
+ * below 2^-64 (it would soon be subnormal, which is slow): what it would contribute
+ * to a carry is under 2^-64 of that carry, far below float32 rounding. */
+PS_AVX2 static inline void ps_affine_after(__m256 *q, __m256 *s, __m256 a, __m256 b) {
+    /* (q, s) := (a, b) after (q, s): the map h -> a (q h + s) + b. */
+    *s = _mm256_add_ps(_mm256_mul_ps(a, *s), b);
+    *q = _mm256_mul_ps(a, *q);
+}
+
 PS_AVX2 static void ps_reduce8_f32_avx2(const float *a0, const float *b0, int64_t row_a,
                                         int64_t row_b, int64_t steps, int rev, float *state,
                                         float *prod) {
-    const int64_t whole = steps / 8 * 8, st = rev ? -1 : 1;
+    const int64_t whole = steps / 16 * 16, st = rev ? -1 : 1;
+    const __m256 tiny = _mm256_set1_ps(0x1p-64f);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 s = _mm256_setzero_ps(), q = _mm256_set1_ps(1.0f);
-    for (int64_t t0 = 0; t0 < whole; t0 += 8) {
-        __m256 va[8], vb[8];
+    for (int64_t t0 = 0; t0 < whole; t0 += 16) {
+        __m256 va[16], vb[16];
         for (int r = 0; r < 8; ++r) {
             va[r] = ps_load8_f32(a0 + r * row_a, t0, rev);
+            va[r + 8] = ps_load8_f32(a0 + r * row_a, t0 + 8, rev);
             vb[r] = ps_load8_f32(b0 + r * row_b, t0, rev);
+            vb[r + 8] = ps_load8_f32(b0 + r * row_b, t0 + 8, rev);
         }
         ps_transpose8(va);
+        ps_transpose8(va + 8);
         ps_transpose8(vb);
-        for (int k = 0; k < 8; ++k) {
-            s = _mm256_add_ps(_mm256_mul_ps(va[k], s), vb[k]);
-            q = _mm256_mul_ps(va[k], q);
+        ps_transpose8(vb + 8);
+        __m256 cq[4], cs[4];
+        for (int j = 0; j < 4; ++j) {
+            cq[j] = va[4 * j];
+            cs[j] = vb[4 * j];
+            for (int i = 1; i < 4; ++i) ps_affine_after(&cq[j], &cs[j], va[4 * j + i], vb[4 * j + i]);
         }
+        ps_affine_after(&cq[0], &cs[0], cq[1], cs[1]);
+        ps_affine_after(&cq[2], &cs[2], cq[3], cs[3]);
+        ps_affine_after(&cq[0], &cs[0], cq[2], cs[2]);
+        ps_affine_after(&q, &s, cq[0], cs[0]);
+        /* Keep q unless |q| < 2^-64 (NaN is kept). */
+        q = _mm256_and_ps(q, _mm256_cmp_ps(_mm256_and_ps(q, abs_mask), tiny, _CMP_NLT_UQ));
     }
     _mm256_storeu_ps(state, s);
     _mm256_storeu_ps(prod, q);
@@ -114,6 +139,65 @@ PS_AVX2 static void ps_reduce8_f32_avx2(const float *a0, const float *b0, int64_
         }
 }
 
+/* The long-sequence scan for float32 (phase 3): the time-contiguous kernel's work
+ * units (8 chunks as rows, from their carries), with each 8-step tile computed as
+ * two 4-step chains from zero (their prefix maps, independent of each other) that
+ * are then applied to the state entering each chain: only one step in four waits
+ * for the previous one. The arithmetic is reassociated within a tile, as the
+ * long-sequence split already does across chunks; the error is of the same order. */
+PS_AVX2 static void ps_long_scan_f32_avx2(const void *vp, int64_t u0, int64_t u1) {
+    const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
+    const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
+    const int rev = st < 0;
+    const float *A = (const float *)p->gates, *B = (const float *)p->tokens;
+    const float *H = (const float *)p->initial;
+    float *X = (float *)p->out;
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
+        const float *a[8], *b[8];
+        float *x[8];
+        float s0[8];
+        for (int64_t r = 0; r < 8; ++r) {
+            const int64_t row = ps_row(r0, r, nr);
+            a[r] = A + row * p->gates_stride[0];
+            b[r] = B + row * p->tokens_stride[0];
+            x[r] = X + row * p->out_stride[0];
+            s0[r] = (r < nr && H) ? H[row * p->initial_stride[0]] : 0.0f;
+        }
+        __m256 s = _mm256_loadu_ps(s0);
+        for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+            __m256 va[8], vb[8];
+            for (int r = 0; r < 8; ++r) {
+                va[r] = ps_load8_f32(a[r], t0, rev);
+                vb[r] = ps_load8_f32(b[r], t0, rev);
+            }
+            ps_transpose8(va);
+            ps_transpose8(vb);
+            for (int k = 1; k < 8; ++k) /* prefix maps of each 4-step chain */
+                if (k % 4) {
+                    vb[k] = _mm256_add_ps(_mm256_mul_ps(va[k], vb[k - 1]), vb[k]);
+                    va[k] = _mm256_mul_ps(va[k], va[k - 1]);
+                }
+            for (int j = 0; j < 2; ++j) {
+                const __m256 e = s;
+                for (int i = 0; i < 4; ++i)
+                    va[4 * j + i] = _mm256_add_ps(_mm256_mul_ps(va[4 * j + i], e), vb[4 * j + i]);
+                s = va[4 * j + 3];
+            }
+            ps_transpose8(va);
+            for (int64_t r = 0; r < nr; ++r) ps_store8_f32(x[r], t0, rev, va[r]);
+        }
+        _mm256_storeu_ps(s0, s);
+        for (int64_t r = 0; r < nr; ++r) {
+            float v = s0[r];
+            for (int64_t t = whole; t < steps; ++t) {
+                v = a[r][t * st] * v + b[r][t * st];
+                x[r][t * st] = v;
+            }
+        }
+    }
+}
+
 /* The same, when this CPU and these strides allow it: returns 0 when done, 1 when
  * the portable code must do it. */
 static int ps_reduce8_f32_fast(const float *a0, const float *b0, int64_t row_a, int64_t row_b,
@@ -123,6 +207,10 @@ static int ps_reduce8_f32_fast(const float *a0, const float *b0, int64_t row_a, 
     if (!ps_unit_time_stride(sa) || sb != sa) return 1;
     ps_reduce8_f32_avx2(a0, b0, row_a, row_b, steps, sa < 0, state, prod);
     return 0;
+}
+
+static ps_task_fn ps_long_scan_f32_fast(const ps_scan_fwd_args *p) {
+    return ps_fwd_tc_fast_f32(p) ? ps_long_scan_f32_avx2 : NULL;
 }
 
 #define XS bf16
