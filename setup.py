@@ -24,10 +24,10 @@ setup(
                 "-O3",
                 "-ffp-contract=off",  # the same bits on every path and thread count
                 "-fno-trapping-math",  # lets gcc vectorize selects (no FP traps are used)
-                "-fopenmp-simd",  # honours `omp simd` loop hints; no OpenMP runtime
+                "-fopenmp",  # threads from torch's own OpenMP pool (parallel.c)
                 "-fvisibility=hidden",
             ],
-            extra_link_args=["-pthread"],
+            extra_link_args=["-fopenmp"],
             libraries=["m"],
             optional=True,
         )

@@ -2,24 +2,15 @@
 #include "parallel.h"
 #include "scan_common.h"
 
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
+#include <omp.h>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
-typedef struct {
-    ps_task_fn fn;
-    const void *ctx;
-    int64_t begin, end;
-} ps_range;
-
-static void *ps_run_range(void *p) {
-    const ps_range *r = (const ps_range *)p;
-    r->fn(r->ctx, r->begin, r->end);
-    return NULL;
-}
+/* Threads come from OpenMP: torch's own pool when torch is loaded (it ships
+ * libgomp.so.1, and the loader gives this library the copy already in the process),
+ * so parascan's threads are torch's threads. A second pool of its own would compete
+ * for the cores with torch's workers, which spin for a while after each torch op. */
 
 enum { PS_MAX_THREADS = 256 };
 
@@ -31,90 +22,25 @@ void ps_parallel_for(int64_t n, int64_t nthreads, ps_task_fn fn, const void *ctx
         fn(ctx, 0, n);
         return;
     }
-    ps_range ranges[PS_MAX_THREADS];
-    pthread_t threads[PS_MAX_THREADS];
-    int started[PS_MAX_THREADS];
-    const int64_t base = n / nthreads, extra = n % nthreads;
-    int64_t begin = 0;
-    for (int64_t i = 0; i < nthreads; ++i) {
-        const int64_t len = base + (i < extra ? 1 : 0);
-        ranges[i] = (ps_range){fn, ctx, begin, begin + len};
-        begin += len;
-    }
-    for (int64_t i = 1; i < nthreads; ++i)
-        started[i] = pthread_create(&threads[i], NULL, ps_run_range, &ranges[i]) == 0;
-    ps_run_range(&ranges[0]);
-    for (int64_t i = 1; i < nthreads; ++i) {
-        if (started[i])
-            pthread_join(threads[i], NULL);
-        else
-            ps_run_range(&ranges[i]);
+#pragma omp parallel num_threads((int)nthreads)
+    {
+        /* The team may be smaller than asked (nested regions): share by its size. */
+        const int64_t size = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t base = n / size, extra = n % size;
+        const int64_t begin = me * base + (me < extra ? me : extra);
+        fn(ctx, begin, begin + base + (me < extra ? 1 : 0));
     }
 }
 
-static inline void ps_cpu_relax(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_ia32_pause();
-#endif
-}
-
-/* Spin on `*flag` while it equals `value`: a few thousand pauses (a barrier between
- * short phases), then yield, so that waiting on a busy machine does not steal the
- * CPU from the thread being waited for. */
-static void ps_wait_while(_Atomic int64_t *flag, int64_t value) {
-    for (int64_t spins = 0; atomic_load_explicit(flag, memory_order_acquire) == value; ++spins) {
-        if (spins < 4096)
-            ps_cpu_relax();
-        else
-            sched_yield();
-    }
-}
-
-void ps_barrier_wait(ps_barrier *b) {
-    if (b->size <= 1) return;
-    const int64_t phase = atomic_load_explicit(&b->phase, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->size - 1) {
-        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
-    } else {
-        ps_wait_while(&b->phase, phase);
-    }
-}
-
-typedef struct {
-    ps_team_fn fn;
-    const void *ctx;
-    ps_barrier *barrier;
-    _Atomic int64_t *go; /* 0 until the team's size is known */
-    int64_t member;
-} ps_member;
-
-static void *ps_run_member(void *p) {
-    const ps_member *m = (const ps_member *)p;
-    ps_wait_while(m->go, 0);
-    m->fn(m->ctx, m->member, m->barrier->size, m->barrier);
-    return NULL;
+void ps_team_barrier(void) {
+#pragma omp barrier
 }
 
 void ps_parallel_team(int64_t nthreads, ps_team_fn fn, const void *ctx) {
     if (nthreads > PS_MAX_THREADS) nthreads = PS_MAX_THREADS;
-    ps_barrier barrier = {0, 0, 1};
-    _Atomic int64_t go = 0;
-    ps_member members[PS_MAX_THREADS];
-    pthread_t threads[PS_MAX_THREADS];
-    int64_t started = 0;
-    /* Threads wait for `go`, so that members can be numbered 1..started without
-     * gaps whichever creations fail. */
-    for (int64_t i = 1; i < nthreads; ++i) {
-        members[started] = (ps_member){fn, ctx, &barrier, &go, 0};
-        if (pthread_create(&threads[started], NULL, ps_run_member, &members[started]) == 0)
-            ++started;
-    }
-    for (int64_t i = 0; i < started; ++i) members[i].member = i + 1;
-    barrier.size = started + 1;
-    atomic_store_explicit(&go, 1, memory_order_release);
-    fn(ctx, 0, barrier.size, &barrier);
-    for (int64_t i = 0; i < started; ++i) pthread_join(threads[i], NULL);
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads((int)nthreads)
+    fn(ctx, omp_get_thread_num(), omp_get_num_threads());
 }
 
 void ps_prefer_huge_pages(void *ptr, int64_t bytes) {

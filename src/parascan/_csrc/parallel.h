@@ -20,27 +20,22 @@
 typedef void (*ps_task_fn)(const void *ctx, int64_t begin, int64_t end);
 
 /* Run fn(ctx, begin, end) over [0, n) split into at most nthreads contiguous
- * ranges of near-equal size. The calling thread takes the first range. If a
- * thread cannot be created its range runs on the calling thread instead, so
- * the result never depends on thread creation. */
+ * ranges of near-equal size, on an OpenMP team (parallel.c); the calling thread
+ * takes the first range. A smaller team (a nested region) gets larger ranges, so
+ * every index is run whatever the team's size. */
 void ps_parallel_for(int64_t n, int64_t nthreads, ps_task_fn fn, const void *ctx);
 
-/* A team of threads that meet at barriers: for work in phases that must not start
- * before every member has finished the previous one. `size` members; the last to
- * arrive releases the others (who spin briefly, then yield the CPU). */
-typedef struct {
-    _Atomic int64_t count, phase;
-    int64_t size;
-} ps_barrier;
+/* A team of threads that meet at barriers, for work in phases that must not start
+ * before every member has finished the previous one. */
+typedef void (*ps_team_fn)(const void *ctx, int64_t member, int64_t size);
 
-void ps_barrier_wait(ps_barrier *b);
-
-typedef void (*ps_team_fn)(const void *ctx, int64_t member, int64_t size, ps_barrier *b);
-
-/* Run fn(ctx, member, size, barrier) on a team of at most nthreads threads, member
- * 0 on the calling thread. `size` is the number of threads that were actually
- * started (at least 1): fn must share its work by `size`, never by nthreads. */
+/* Run fn(ctx, member, size) on an OpenMP team of at most nthreads threads, member 0
+ * on the calling thread. `size` is the team's actual size (at least 1): fn must
+ * share its work by `size`, never by nthreads. */
 void ps_parallel_team(int64_t nthreads, ps_team_fn fn, const void *ctx);
+
+/* Inside fn: wait until every member of the team has arrived. */
+void ps_team_barrier(void);
 
 /* Ask the OS to back a freshly allocated output with 2 MiB pages (Linux THP in
  * "madvise" mode), so that writing it costs one page fault per 2 MiB instead of

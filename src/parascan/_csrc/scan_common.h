@@ -37,7 +37,7 @@ typedef struct {
 #endif
 
 /* Vectorize the next loop even where gcc's cost model hesitates (a long step
- * like logaddexp); needs -fopenmp-simd, which adds no runtime. */
+ * like logaddexp); setup.py builds with -fopenmp. */
 #if defined(_OPENMP) || defined(__GNUC__)
 #define PS_SIMD _Pragma("omp simd")
 #else

@@ -233,12 +233,12 @@ static void FN(touch_pages)(const ps_scan_fwd_args *f, int64_t o, int64_t me, in
         if ((int64_t)((q / page) % (uintptr_t)size) == me) *(volatile char *)q = 0;
 }
 
-/* Row o, block by block, by members `me` of `size` meeting at `barrier`. *parity
+/* Row o, block by block, by members `me` of `size` of a team. *parity
  * picks the half of the double-buffered summaries for the next block; it runs on
  * across rows (a member may start the next row while another still reads the
  * summaries of this row's last block). */
 static void FN(long_row)(const FN(long_job) *job, int64_t o, int64_t me, int64_t size,
-                         ps_barrier *barrier, int64_t *parity) {
+                         int64_t *parity) {
     const ps_scan_fwd_args *f = &job->full;
     const int64_t groups = PS_LONG_CHUNKS / PS_ROWS;
     const int64_t g0 = me * groups / size, g1 = (me + 1) * groups / size; /* my groups */
@@ -266,7 +266,7 @@ static void FN(long_row)(const FN(long_job) *job, int64_t o, int64_t me, int64_t
                         p.tokens_stride[1], state + g * PS_ROWS, prod + g * PS_ROWS);
         /* After this barrier no member reads the other parity's summaries any more,
          * so the next block may overwrite them. */
-        ps_barrier_wait(barrier);
+        ps_team_barrier();
         for (int64_t k = 0; k < PS_LONG_CHUNKS; ++k) {
             carry[k] = entering;
             entering = FMA(prod[k], entering, state[k]);
@@ -282,13 +282,13 @@ static void FN(long_row)(const FN(long_job) *job, int64_t o, int64_t me, int64_t
     }
 }
 
-static void FN(long_member)(const void *vp, int64_t me, int64_t size, ps_barrier *barrier) {
+static void FN(long_member)(const void *vp, int64_t me, int64_t size) {
     const FN(long_job) *job = (const FN(long_job) *)vp;
     const ps_scan_fwd_args *f = &job->full;
     for (int64_t o = 0; o < f->outer; ++o) FN(touch_pages)(f, o, me, size);
-    ps_barrier_wait(barrier);
+    ps_team_barrier();
     int64_t parity = 0;
-    for (int64_t o = 0; o < f->outer; ++o) FN(long_row)(job, o, me, size, barrier, &parity);
+    for (int64_t o = 0; o < f->outer; ++o) FN(long_row)(job, o, me, size, &parity);
 }
 
 /* Returns 0 when done, 1 when this problem is not worth (or able) to split. */
