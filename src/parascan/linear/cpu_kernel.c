@@ -113,6 +113,10 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #define STO(p, v) PS_STORE_COMPLEX(p, v)
 #define PS_ACC_IS_STORAGE
 
+#ifdef PS_X86_TC
+#define PS_FWD_TC_FAST ps_fwd_tc_fast_c64
+#define PS_BWD_TC_FAST ps_bwd_tc_fast_c64
+#endif
 #define SFX c64
 #define ST ps_c64
 #define ACC ps_c64
@@ -131,6 +135,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef MULC
 #undef ZERO
 #undef ONE
+#undef PS_FWD_TC_FAST
+#undef PS_BWD_TC_FAST
 
 #define SFX c128
 #define ST ps_c128

@@ -279,4 +279,193 @@ static int ps_bwd_row_f16_fast(int64_t n, float *g, float *an, const ps_f16 *a, 
     return 0;
 }
 
+/* complex64 time-contiguous rows. A vector holds one step of 4 rows (re, im
+ * interleaved); a work unit's 8 rows are two such groups, stepped one after the
+ * other so that their chains overlap. Each row is visited 8 steps (one cache line)
+ * at a time: two loads, and a 4 x 4 transpose of 64-bit elements puts step k of the
+ * 4 rows in vector k. The complex products are computed in the portable code's
+ * order (multiply, then add or subtract, then add the token), so every path gives
+ * the same bits. */
+PS_AVX2 static inline __m256 ps_load4_c64(const ps_c64 *row, int64_t t, int rev) {
+    if (!rev) return _mm256_loadu_ps((const float *)(row + t));
+    const __m256d v = _mm256_loadu_pd((const double *)(row - t - 3));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(v, 0x1b));
+}
+
+PS_AVX2 static inline void ps_store4_c64(ps_c64 *row, int64_t t, int rev, __m256 v) {
+    if (!rev)
+        _mm256_storeu_ps((float *)(row + t), v);
+    else
+        _mm256_storeu_pd((double *)(row - t - 3), _mm256_permute4x64_pd(_mm256_castps_pd(v), 0x1b));
+}
+
+PS_AVX2 static inline __attribute__((always_inline)) void ps_transpose4_c64(__m256 r[4]) {
+    const __m256d r0 = _mm256_castps_pd(r[0]), r1 = _mm256_castps_pd(r[1]);
+    const __m256d r2 = _mm256_castps_pd(r[2]), r3 = _mm256_castps_pd(r[3]);
+    const __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+    const __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+    r[0] = _mm256_castpd_ps(_mm256_permute2f128_pd(t0, t2, 0x20));
+    r[1] = _mm256_castpd_ps(_mm256_permute2f128_pd(t1, t3, 0x20));
+    r[2] = _mm256_castpd_ps(_mm256_permute2f128_pd(t0, t2, 0x31));
+    r[3] = _mm256_castpd_ps(_mm256_permute2f128_pd(t1, t3, 0x31));
+}
+
+/* a s + b: (ar sr - ai si + br, ar si + ai sr + bi). */
+PS_AVX2 static inline __m256 ps_cfma_c64(__m256 a, __m256 s, __m256 b) {
+    const __m256 ar = _mm256_moveldup_ps(a), ai = _mm256_movehdup_ps(a);
+    const __m256 sw = _mm256_permute_ps(s, 0xb1);
+    return _mm256_add_ps(_mm256_addsub_ps(_mm256_mul_ps(ar, s), _mm256_mul_ps(ai, sw)), b);
+}
+
+/* g conj(x): (gr xr + gi xi, gi xr - gr xi); subtracting a negated product is the
+ * same addition, bit for bit. conj(a) g + b is mulc(g, a) + b. */
+PS_AVX2 static inline __m256 ps_cmulc_c64(__m256 g, __m256 x) {
+    const __m256 xr = _mm256_moveldup_ps(x);
+    const __m256 xi = _mm256_xor_ps(_mm256_movehdup_ps(x), _mm256_set1_ps(-0.0f));
+    const __m256 gw = _mm256_permute_ps(g, 0xb1);
+    return _mm256_addsub_ps(_mm256_mul_ps(g, xr), _mm256_mul_ps(gw, xi));
+}
+
+/* 8 steps of the 4 rows rows[0..3] from t, as vectors v[0..7] (step k in v[k]). */
+PS_AVX2 static inline __attribute__((always_inline)) void
+ps_gather8_c64(__m256 v[8], const ps_c64 *const rows[4], int64_t t, int rev) {
+    for (int i = 0; i < 4; ++i) {
+        v[i] = ps_load4_c64(rows[i], t, rev);
+        v[i + 4] = ps_load4_c64(rows[i], t + 4, rev);
+    }
+    ps_transpose4_c64(v);
+    ps_transpose4_c64(v + 4);
+}
+
+PS_AVX2 static inline __attribute__((always_inline)) void
+ps_scatter8_c64(ps_c64 *const rows[4], int64_t nrows, int64_t t, int rev, __m256 v[8]) {
+    ps_transpose4_c64(v);
+    ps_transpose4_c64(v + 4);
+    for (int64_t i = 0; i < nrows; ++i) {
+        ps_store4_c64(rows[i], t, rev, v[i]);
+        ps_store4_c64(rows[i], t + 4, rev, v[i + 4]);
+    }
+}
+
+static inline int64_t ps_group_rows(int64_t nr, int grp) {
+    const int64_t n = nr - 4 * grp;
+    return n < 0 ? 0 : n > 4 ? 4 : n;
+}
+
+PS_AVX2 static void ps_fwd_tc_c64_avx2(const void *vp, int64_t u0, int64_t u1) {
+    const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
+    const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
+    const int rev = st < 0;
+    const ps_c64 *A = (const ps_c64 *)p->gates, *B = (const ps_c64 *)p->tokens;
+    const ps_c64 *H = (const ps_c64 *)p->initial;
+    ps_c64 *X = (ps_c64 *)p->out;
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
+        const ps_c64 *a[8], *b[8];
+        ps_c64 *x[8];
+        ps_c64 s0[8];
+        for (int64_t r = 0; r < 8; ++r) {
+            const int64_t row = ps_row(r0, r, nr);
+            a[r] = A + row * p->gates_stride[0];
+            b[r] = B + row * p->tokens_stride[0];
+            x[r] = X + row * p->out_stride[0];
+            s0[r] = (r < nr && H) ? H[row * p->initial_stride[0]] : (ps_c64){0.0f, 0.0f};
+        }
+        __m256 s[2] = {_mm256_loadu_ps((const float *)s0), _mm256_loadu_ps((const float *)(s0 + 4))};
+        for (int64_t t0 = 0; t0 < whole; t0 += 8)
+            for (int grp = 0; grp < 2; ++grp) {
+                __m256 va[8], vb[8];
+                ps_gather8_c64(va, a + 4 * grp, t0, rev);
+                ps_gather8_c64(vb, b + 4 * grp, t0, rev);
+                for (int k = 0; k < 8; ++k) va[k] = s[grp] = ps_cfma_c64(va[k], s[grp], vb[k]);
+                ps_scatter8_c64(x + 4 * grp, ps_group_rows(nr, grp), t0, rev, va);
+            }
+        _mm256_storeu_ps((float *)s0, s[0]);
+        _mm256_storeu_ps((float *)(s0 + 4), s[1]);
+        for (int64_t r = 0; r < nr; ++r) {
+            ps_c64 v = s0[r];
+            for (int64_t t = whole; t < steps; ++t) {
+                v = ps_c64_fma(a[r][t * st], v, b[r][t * st]);
+                x[r][t * st] = v;
+            }
+        }
+    }
+}
+
+PS_AVX2 static void ps_bwd_tc_c64_avx2(const void *vp, int64_t u0, int64_t u1) {
+    const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
+    const int64_t st = p->out_stride[1], steps = p->steps;
+    const int rev = st < 0;
+    const ps_c64 *A = (const ps_c64 *)p->gates, *X = (const ps_c64 *)p->out;
+    const ps_c64 *GX = (const ps_c64 *)p->grad_out, *H = (const ps_c64 *)p->initial;
+    ps_c64 *GA = (ps_c64 *)p->grad_gates, *GB = (ps_c64 *)p->grad_tokens;
+    ps_c64 *GH = (ps_c64 *)p->grad_initial;
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
+        const ps_c64 *a[8], *x[8], *gx[8];
+        ps_c64 *ga[8], *gb[8];
+        for (int64_t r = 0; r < 8; ++r) {
+            const int64_t row = ps_row(r0, r, nr);
+            a[r] = A + row * p->gates_stride[0];
+            x[r] = X + row * p->out_stride[0];
+            gx[r] = GX + row * p->grad_out_stride[0];
+            ga[r] = GA + row * p->grad_gates_stride[0];
+            gb[r] = GB + row * p->grad_tokens_stride[0];
+        }
+        __m256 g[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 an[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        /* Whole tiles from the end while out[t0 - 1] exists; the rest is scalar. */
+        int64_t t0 = steps - 8;
+        for (; t0 >= 1; t0 -= 8)
+            for (int grp = 0; grp < 2; ++grp) {
+                __m256 va[8], vg[8], vx[8];
+                ps_gather8_c64(va, a + 4 * grp, t0, rev);
+                ps_gather8_c64(vg, gx + 4 * grp, t0, rev);
+                ps_gather8_c64(vx, x + 4 * grp, t0 - 1, rev);
+                for (int k = 7; k >= 0; --k) {
+                    g[grp] = _mm256_add_ps(ps_cmulc_c64(g[grp], an[grp]), vg[k]);
+                    an[grp] = va[k];
+                    vg[k] = g[grp];
+                    vx[k] = ps_cmulc_c64(g[grp], vx[k]);
+                }
+                const int64_t rows = ps_group_rows(nr, grp);
+                ps_scatter8_c64(gb + 4 * grp, rows, t0, rev, vg);
+                ps_scatter8_c64(ga + 4 * grp, rows, t0, rev, vx);
+            }
+        const int64_t rest = t0 + 8; /* steps [0, rest) remain */
+        ps_c64 gs[8], as[8];
+        _mm256_storeu_ps((float *)gs, g[0]);
+        _mm256_storeu_ps((float *)(gs + 4), g[1]);
+        _mm256_storeu_ps((float *)as, an[0]);
+        _mm256_storeu_ps((float *)(as + 4), an[1]);
+        for (int64_t r = 0; r < nr; ++r) {
+            ps_c64 gv = gs[r], av = as[r];
+            const ps_c64 x0 = H ? H[(r0 + r) * p->initial_stride[0]] : (ps_c64){0.0f, 0.0f};
+            for (int64_t t = rest - 1; t >= 0; --t) {
+                gv = ps_c64_cfma(av, gv, gx[r][t * st]);
+                gb[r][t * st] = gv;
+                ga[r][t * st] = ps_c64_mulc(gv, t > 0 ? x[r][(t - 1) * st] : x0);
+                av = a[r][t * st];
+            }
+            GH[(r0 + r) * p->grad_initial_stride[0]] = ps_c64_cfma(av, gv, (ps_c64){0.0f, 0.0f});
+        }
+    }
+}
+
+static ps_task_fn ps_fwd_tc_fast_c64(const ps_scan_fwd_args *p) {
+    const int64_t s = p->out_stride[1];
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
+    if (!ps_unit_time_stride(s) || p->gates_stride[1] != s || p->tokens_stride[1] != s) return NULL;
+    return ps_fwd_tc_c64_avx2;
+}
+
+static ps_task_fn ps_bwd_tc_fast_c64(const ps_linear_bwd_args *p) {
+    const int64_t s = p->out_stride[1];
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
+    if (!ps_unit_time_stride(s) || p->gates_stride[1] != s || p->grad_out_stride[1] != s ||
+        p->grad_gates_stride[1] != s || p->grad_tokens_stride[1] != s)
+        return NULL;
+    return ps_bwd_tc_c64_avx2;
+}
+
 #endif
