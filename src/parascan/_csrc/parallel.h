@@ -1,4 +1,4 @@
-/* Shared helpers for parascan's C kernels: a static parallel-for over pthreads,
+/* Shared helpers for parascan's C kernels: a static parallel-for and thread teams (OpenMP),
  * and the scalar types the kernels are instantiated for.
  *
  * The kernels are plain C11 with no torch headers; Python loads them with ctypes

@@ -87,6 +87,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #ifdef PS_X86_TC
 #define PS_FWD_TC_FAST ps_fwd_tc_fast_bf16
 #define PS_BWD_TC_FAST ps_bwd_tc_fast_bf16
+#define PS_FWD_ROW_FAST ps_fwd_row_bf16_fast
+#define PS_BWD_ROW_FAST ps_bwd_row_bf16_fast
 #endif
 #define SFX bf16
 #define ST ps_bf16
@@ -107,6 +109,8 @@ PS_API int64_t ps_linear_bwd_args_size(void) { return (int64_t)sizeof(ps_linear_
 #undef MULC
 #undef PS_FWD_TC_FAST
 #undef PS_BWD_TC_FAST
+#undef PS_FWD_ROW_FAST
+#undef PS_BWD_ROW_FAST
 
 /* Complex types: interleaved (re, im) pairs (arithmetic in scan_common.h). */
 #define LD(p) PS_LOAD_COMPLEX(p)

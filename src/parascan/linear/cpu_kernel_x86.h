@@ -224,60 +224,65 @@ static ps_task_fn ps_long_scan_f32_fast(const ps_scan_fwd_args *p) {
 #define XST(p, v) (*(p) = ps_f32_to_f16(v))
 #include "cpu_kernel_x86_impl.h"
 
-/* float16 time-major rows (channels contiguous) with F16C conversions, 8 channels
- * at a time; the portable row loops call these when the CPU has AVX2 and F16C.
- * Same arithmetic as the portable rows: multiply, then add, in float32. */
+/* Half-type time-major rows (channels contiguous), 8 channels at a time with
+ * AVX2 conversions (F16C for float16); the portable row loops call these when the
+ * CPU has them (gcc does not vectorize the portable conversions). Same arithmetic as
+ * the portable rows: multiply, then add, in float32. One pair per half type. */
 static int ps_have_f16c(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
 
-PS_AVX2 static void ps_fwd_row_f16_avx2(int64_t n, float *restrict s, const ps_f16 *a,
-                                        const ps_f16 *b, ps_f16 *x) {
-    int64_t c = 0;
-    for (; c + 8 <= n; c += 8) {
-        const __m256 v = _mm256_add_ps(_mm256_mul_ps(ps_widen8_f16(a + c), _mm256_loadu_ps(s + c)),
-                                       ps_widen8_f16(b + c));
-        _mm256_storeu_ps(s + c, v);
-        ps_narrow8_f16(x + c, v);
+#define PS_HALF_ROWS(XS, XT, XLD, XST)                                                        \
+    PS_AVX2 static void ps_fwd_row_##XS##_avx2(int64_t n, float *restrict s, const XT *a,      \
+                                               const XT *b, XT *x) {                          \
+        int64_t c = 0;                                                                        \
+        for (; c + 8 <= n; c += 8) {                                                          \
+            const __m256 v = _mm256_add_ps(                                                   \
+                _mm256_mul_ps(ps_widen8_##XS(a + c), _mm256_loadu_ps(s + c)),                 \
+                ps_widen8_##XS(b + c));                                                       \
+            _mm256_storeu_ps(s + c, v);                                                       \
+            ps_narrow8_##XS(x + c, v);                                                        \
+        }                                                                                     \
+        for (; c < n; ++c) {                                                                  \
+            s[c] = XLD(a[c]) * s[c] + XLD(b[c]);                                              \
+            x[c] = XST(s[c]);                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    PS_AVX2 static void ps_bwd_row_##XS##_avx2(int64_t n, float *restrict g,                  \
+                                               float *restrict an, const XT *a,               \
+                                               const XT *gx, const XT *xp, XT *ga, XT *gb) {  \
+        int64_t c = 0;                                                                        \
+        for (; c + 8 <= n; c += 8) {                                                          \
+            const __m256 v = _mm256_add_ps(                                                   \
+                _mm256_mul_ps(_mm256_loadu_ps(an + c), _mm256_loadu_ps(g + c)),               \
+                ps_widen8_##XS(gx + c));                                                      \
+            _mm256_storeu_ps(g + c, v);                                                       \
+            ps_narrow8_##XS(gb + c, v);                                                       \
+            ps_narrow8_##XS(ga + c, _mm256_mul_ps(v, ps_widen8_##XS(xp + c)));                \
+            _mm256_storeu_ps(an + c, ps_widen8_##XS(a + c));                                  \
+        }                                                                                     \
+        for (; c < n; ++c) {                                                                  \
+            g[c] = an[c] * g[c] + XLD(gx[c]);                                                 \
+            gb[c] = XST(g[c]);                                                                \
+            ga[c] = XST(g[c] * XLD(xp[c]));                                                   \
+            an[c] = XLD(a[c]);                                                                \
+        }                                                                                     \
+    }                                                                                         \
+    static int ps_fwd_row_##XS##_fast(int64_t n, float *s, const XT *a, const XT *b, XT *x) { \
+        if (!ps_have_f16c()) return 1;                                                        \
+        ps_fwd_row_##XS##_avx2(n, s, a, b, x);                                                \
+        return 0;                                                                             \
+    }                                                                                         \
+    static int ps_bwd_row_##XS##_fast(int64_t n, float *g, float *an, const XT *a,            \
+                                      const XT *gx, const XT *xp, XT *ga, XT *gb) {           \
+        if (!ps_have_f16c()) return 1;                                                        \
+        ps_bwd_row_##XS##_avx2(n, g, an, a, gx, xp, ga, gb);                                  \
+        return 0;                                                                             \
     }
-    for (; c < n; ++c) {
-        s[c] = ps_f16_to_f32(a[c]) * s[c] + ps_f16_to_f32(b[c]);
-        x[c] = ps_f32_to_f16(s[c]);
-    }
-}
 
-PS_AVX2 static void ps_bwd_row_f16_avx2(int64_t n, float *restrict g, float *restrict an,
-                                        const ps_f16 *a, const ps_f16 *gx, const ps_f16 *xp,
-                                        ps_f16 *ga, ps_f16 *gb) {
-    int64_t c = 0;
-    for (; c + 8 <= n; c += 8) {
-        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(an + c), _mm256_loadu_ps(g + c)),
-                                       ps_widen8_f16(gx + c));
-        _mm256_storeu_ps(g + c, v);
-        ps_narrow8_f16(gb + c, v);
-        ps_narrow8_f16(ga + c, _mm256_mul_ps(v, ps_widen8_f16(xp + c)));
-        _mm256_storeu_ps(an + c, ps_widen8_f16(a + c));
-    }
-    for (; c < n; ++c) {
-        g[c] = an[c] * g[c] + ps_f16_to_f32(gx[c]);
-        gb[c] = ps_f32_to_f16(g[c]);
-        ga[c] = ps_f32_to_f16(g[c] * ps_f16_to_f32(xp[c]));
-        an[c] = ps_f16_to_f32(a[c]);
-    }
-}
-
-static int ps_fwd_row_f16_fast(int64_t n, float *s, const ps_f16 *a, const ps_f16 *b, ps_f16 *x) {
-    if (!ps_have_f16c()) return 1;
-    ps_fwd_row_f16_avx2(n, s, a, b, x);
-    return 0;
-}
-
-static int ps_bwd_row_f16_fast(int64_t n, float *g, float *an, const ps_f16 *a, const ps_f16 *gx,
-                               const ps_f16 *xp, ps_f16 *ga, ps_f16 *gb) {
-    if (!ps_have_f16c()) return 1;
-    ps_bwd_row_f16_avx2(n, g, an, a, gx, xp, ga, gb);
-    return 0;
-}
+PS_HALF_ROWS(f16, ps_f16, ps_f16_to_f32, ps_f32_to_f16)
+PS_HALF_ROWS(bf16, ps_bf16, ps_bf16_to_f32, ps_f32_to_bf16)
+#undef PS_HALF_ROWS
 
 /* complex64 time-contiguous rows. A vector holds one step of 4 rows (re, im
  * interleaved); a work unit's 8 rows are two such groups, stepped one after the
