@@ -148,8 +148,9 @@ PS_HOT static void FN(fwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
  *      reading the block's inputs from memory into the caches;
  *   2. meets at a barrier, then every member chains the block's carries (one step
  *      per chunk, from the state entering the block, the same on every member);
- *   3. scans its chunks from their carries with the time-contiguous kernel, reading
- *      the inputs again from its cache and writing the outputs.
+ *   3. scans its chunks from their carries with a time-contiguous worker
+ *      (PS_LONG_SCAN_FAST where the includer has one), reading the inputs again
+ *      from its cache and writing the outputs.
  * Members take whole groups of 8 chunks; the arithmetic does not depend on who
  * does what, so the result is the same bits with any number of threads. The last
  * block of a row may be shorter: its chunks are shorter, and the few steps past its
