@@ -38,7 +38,10 @@ void ps_team_barrier(void) {
 
 void ps_parallel_team(int64_t nthreads, ps_team_fn fn, const void *ctx) {
     if (nthreads > PS_MAX_THREADS) nthreads = PS_MAX_THREADS;
-    if (nthreads < 1) nthreads = 1;
+    if (nthreads <= 1) { /* no region at all (a barrier outside one is a no-op) */
+        fn(ctx, 0, 1);
+        return;
+    }
 #pragma omp parallel num_threads((int)nthreads)
     fn(ctx, omp_get_thread_num(), omp_get_num_threads());
 }
