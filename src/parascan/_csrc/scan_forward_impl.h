@@ -292,13 +292,9 @@ static void FN(long_member)(const void *vp, int64_t me, int64_t size) {
     for (int64_t o = 0; o < f->outer; ++o) FN(long_row)(job, o, me, size, &parity);
 }
 
-/* Returns 0 when done, 1 when this problem is not worth (or able) to split. */
-static int FN(fwd_long)(const ps_scan_fwd_args *p, int64_t nthreads) {
-    FN(long_job) job = {*p, NULL, FN(long_len)(), NULL, NULL};
-    ACC *buf = (ACC *)malloc((size_t)(4 * PS_LONG_CHUNKS) * sizeof(ACC));
-    if (!buf) return 1;
-    job.prod = buf;
-    job.state = buf + 2 * PS_LONG_CHUNKS;
+static void FN(fwd_long)(const ps_scan_fwd_args *p, int64_t nthreads) {
+    ACC prod[2 * PS_LONG_CHUNKS], state[2 * PS_LONG_CHUNKS];
+    FN(long_job) job = {*p, NULL, FN(long_len)(), prod, state};
 #if defined(PS_LONG_SCAN_FAST)
     job.scan = PS_LONG_SCAN_FAST(p);
 #elif defined(PS_FWD_TC_FAST)
@@ -306,8 +302,6 @@ static int FN(fwd_long)(const ps_scan_fwd_args *p, int64_t nthreads) {
 #endif
     if (!job.scan) job.scan = FN(fwd_time_contiguous);
     ps_parallel_team(nthreads, FN(long_member), &job);
-    free(buf);
-    return 0;
 }
 
 #endif
@@ -325,9 +319,10 @@ PS_API int FN(PS_FWD_ENTRY)(const ps_scan_fwd_args *args) {
     }
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
 #ifdef PS_ACC_IS_STORAGE
-    if (p.inner == 1 && p.steps >= PS_LONG_STEPS && p.outer <= PS_LONG_ROWS &&
-        FN(fwd_long)(&p, nthreads) == 0)
+    if (p.inner == 1 && p.steps >= PS_LONG_STEPS && p.outer <= PS_LONG_ROWS) {
+        FN(fwd_long)(&p, nthreads);
         return 0;
+    }
 #endif
     ps_task_fn tc = NULL;
 #ifdef PS_FWD_TC_FAST

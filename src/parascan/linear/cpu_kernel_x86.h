@@ -78,6 +78,33 @@ static int ps_unit_time_stride(int64_t s) { return s == 1 || s == -1; }
 /* Row pointers of the group at r0; lanes past nr repeat the last row (read only). */
 static inline int64_t ps_row(int64_t r0, int64_t r, int64_t nr) { return r0 + (r < nr ? r : nr - 1); }
 
+/* The row pointers (arrays of 8 T pointers) of the 8-row work unit at r0, nr of them
+ * real, through ps_row: forward (gates, tokens, out, and the rows' initial states s0,
+ * loaded with LD, or `zero` without `initial`) and backward (gates, out, grad_out,
+ * grad_gates, grad_tokens). */
+#define PS_FWD_UNIT_ROWS(p, T, LD, zero, r0, nr, a, b, x, s0)                                  \
+    for (int64_t r_ = 0; r_ < 8; ++r_) {                                                    \
+        const int64_t row_ = ps_row(r0, r_, nr);                                            \
+        a[r_] = (const T *)(p)->gates + row_ * (p)->gates_stride[0];                        \
+        b[r_] = (const T *)(p)->tokens + row_ * (p)->tokens_stride[0];                      \
+        x[r_] = (T *)(p)->out + row_ * (p)->out_stride[0];                                  \
+        s0[r_] = (r_ < (nr) && (p)->initial)                                                \
+                     ? LD((const T *)(p)->initial + row_ * (p)->initial_stride[0])          \
+                     : (zero);                                                              \
+    }
+
+#define PS_BWD_UNIT_ROWS(p, T, r0, nr, a, x, gx, ga, gb)                                      \
+    for (int64_t r_ = 0; r_ < 8; ++r_) {                                                    \
+        const int64_t row_ = ps_row(r0, r_, nr);                                            \
+        a[r_] = (const T *)(p)->gates + row_ * (p)->gates_stride[0];                        \
+        x[r_] = (const T *)(p)->out + row_ * (p)->out_stride[0];                            \
+        gx[r_] = (const T *)(p)->grad_out + row_ * (p)->grad_out_stride[0];                 \
+        ga[r_] = (T *)(p)->grad_gates + row_ * (p)->grad_gates_stride[0];                   \
+        gb[r_] = (T *)(p)->grad_tokens + row_ * (p)->grad_tokens_stride[0];                 \
+    }
+
+#define PS_DEREF(ptr) (*(ptr))
+
 #define XS f32
 #define XT float
 #define XLD(p) (*(p))
@@ -149,21 +176,12 @@ PS_AVX2 static void ps_long_scan_f32_avx2(const void *vp, int64_t u0, int64_t u1
     const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
     const int rev = st < 0;
-    const float *A = (const float *)p->gates, *B = (const float *)p->tokens;
-    const float *H = (const float *)p->initial;
-    float *X = (float *)p->out;
     for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const float *a[8], *b[8];
         float *x[8];
         float s0[8];
-        for (int64_t r = 0; r < 8; ++r) {
-            const int64_t row = ps_row(r0, r, nr);
-            a[r] = A + row * p->gates_stride[0];
-            b[r] = B + row * p->tokens_stride[0];
-            x[r] = X + row * p->out_stride[0];
-            s0[r] = (r < nr && H) ? H[row * p->initial_stride[0]] : 0.0f;
-        }
+        PS_FWD_UNIT_ROWS(p, float, PS_DEREF, 0.0f, r0, nr, a, b, x, s0);
         __m256 s = _mm256_loadu_ps(s0);
         for (int64_t t0 = 0; t0 < whole; t0 += 8) {
             __m256 va[8], vb[8];
@@ -361,21 +379,12 @@ PS_AVX2 static void ps_fwd_tc_c64_avx2(const void *vp, int64_t u0, int64_t u1) {
     const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
     const int rev = st < 0;
-    const ps_c64 *A = (const ps_c64 *)p->gates, *B = (const ps_c64 *)p->tokens;
-    const ps_c64 *H = (const ps_c64 *)p->initial;
-    ps_c64 *X = (ps_c64 *)p->out;
     for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const ps_c64 *a[8], *b[8];
         ps_c64 *x[8];
         ps_c64 s0[8];
-        for (int64_t r = 0; r < 8; ++r) {
-            const int64_t row = ps_row(r0, r, nr);
-            a[r] = A + row * p->gates_stride[0];
-            b[r] = B + row * p->tokens_stride[0];
-            x[r] = X + row * p->out_stride[0];
-            s0[r] = (r < nr && H) ? H[row * p->initial_stride[0]] : (ps_c64){0.0f, 0.0f};
-        }
+        PS_FWD_UNIT_ROWS(p, ps_c64, PS_DEREF, ((ps_c64){0.0f, 0.0f}), r0, nr, a, b, x, s0);
         __m256 s[2] = {_mm256_loadu_ps((const float *)s0), _mm256_loadu_ps((const float *)(s0 + 4))};
         for (int64_t t0 = 0; t0 < whole; t0 += 8)
             for (int grp = 0; grp < 2; ++grp) {
@@ -401,22 +410,13 @@ PS_AVX2 static void ps_bwd_tc_c64_avx2(const void *vp, int64_t u0, int64_t u1) {
     const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps;
     const int rev = st < 0;
-    const ps_c64 *A = (const ps_c64 *)p->gates, *X = (const ps_c64 *)p->out;
-    const ps_c64 *GX = (const ps_c64 *)p->grad_out, *H = (const ps_c64 *)p->initial;
-    ps_c64 *GA = (ps_c64 *)p->grad_gates, *GB = (ps_c64 *)p->grad_tokens;
+    const ps_c64 *H = (const ps_c64 *)p->initial;
     ps_c64 *GH = (ps_c64 *)p->grad_initial;
     for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const ps_c64 *a[8], *x[8], *gx[8];
         ps_c64 *ga[8], *gb[8];
-        for (int64_t r = 0; r < 8; ++r) {
-            const int64_t row = ps_row(r0, r, nr);
-            a[r] = A + row * p->gates_stride[0];
-            x[r] = X + row * p->out_stride[0];
-            gx[r] = GX + row * p->grad_out_stride[0];
-            ga[r] = GA + row * p->grad_gates_stride[0];
-            gb[r] = GB + row * p->grad_tokens_stride[0];
-        }
+        PS_BWD_UNIT_ROWS(p, ps_c64, r0, nr, a, x, gx, ga, gb);
         __m256 g[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256 an[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         /* Whole tiles from the end while out[t0 - 1] exists; the rest is scalar. */

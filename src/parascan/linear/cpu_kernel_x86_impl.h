@@ -23,20 +23,12 @@ PS_AVX2 static void XFN(ps_fwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
     const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
     const int rev = st < 0;
-    const XT *A = (const XT *)p->gates, *B = (const XT *)p->tokens, *H = (const XT *)p->initial;
-    XT *X = (XT *)p->out;
     for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const XT *a[8], *b[8];
         XT *x[8];
         float s0[8];
-        for (int64_t r = 0; r < 8; ++r) {
-            const int64_t row = ps_row(r0, r, nr);
-            a[r] = A + row * p->gates_stride[0];
-            b[r] = B + row * p->tokens_stride[0];
-            x[r] = X + row * p->out_stride[0];
-            s0[r] = (r < nr && H) ? XLD(H + row * p->initial_stride[0]) : 0.0f;
-        }
+        PS_FWD_UNIT_ROWS(p, XT, XLD, 0.0f, r0, nr, a, b, x, s0);
         __m256 s = _mm256_loadu_ps(s0);
         int64_t t0 = 0;
         /* 16 steps per visit: each row's 64-byte line is used whole before the other
@@ -88,21 +80,13 @@ PS_AVX2 static void XFN(ps_bwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
     const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps;
     const int rev = st < 0;
-    const XT *A = (const XT *)p->gates, *X = (const XT *)p->out, *GX = (const XT *)p->grad_out;
     const XT *H = (const XT *)p->initial;
-    XT *GA = (XT *)p->grad_gates, *GB = (XT *)p->grad_tokens, *GH = (XT *)p->grad_initial;
+    XT *GH = (XT *)p->grad_initial;
     for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const XT *a[8], *x[8], *gx[8];
         XT *ga[8], *gb[8];
-        for (int64_t r = 0; r < 8; ++r) {
-            const int64_t row = ps_row(r0, r, nr);
-            a[r] = A + row * p->gates_stride[0];
-            x[r] = X + row * p->out_stride[0];
-            gx[r] = GX + row * p->grad_out_stride[0];
-            ga[r] = GA + row * p->grad_gates_stride[0];
-            gb[r] = GB + row * p->grad_tokens_stride[0];
-        }
+        PS_BWD_UNIT_ROWS(p, XT, r0, nr, a, x, gx, ga, gb);
         __m256 g = _mm256_setzero_ps(), an = _mm256_setzero_ps();
         /* Whole tiles from the end while out[t0 - 1] exists; the rest is scalar. */
         int64_t t0 = steps - 16;
