@@ -11,6 +11,7 @@ KERNEL_SOURCES = [
     "src/parascan/linear/cpu_kernel.c",
     "src/parascan/logspace/cpu_kernel.c",
     "src/parascan/matrix/cpu_kernel.c",
+    "src/parascan/generic/cpu_kernel.c",
 ]
 
 setup(

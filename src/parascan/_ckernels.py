@@ -1,5 +1,5 @@
 """ctypes bindings shared by the C kernels (linear_scan, log_linear_scan,
-matrix_linear_scan).
+matrix_linear_scan, and the matrix products of associative_reduce).
 
 Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
 scan dim, without copying when its strides allow it (contiguous, transposed,
@@ -47,6 +47,8 @@ ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     # batch, steps, d, weights, stride[4], biases, stride[2], initial, stride,
     # out, reverse, nthreads
     "matrix": ctypes.c_int64 * 16,
+    # batch, steps, d, x, stride[4], out, nthreads, simd
+    "product": ctypes.c_int64 * 11,
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 __all__ = ["kernel_library", "kernel_library_error"]
 
 _STEM = "_kernels"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 @functools.cache

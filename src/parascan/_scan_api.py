@@ -24,7 +24,7 @@ from parascan._checks import (
 from parascan._native import kernel_library_error
 from parascan._op_utils import state_shape
 
-__all__ = ["Prepared", "cpu_fast_path", "final_state", "prepare", "with_final"]
+__all__ = ["Prepared", "cpu_fast_path", "final_state", "plain_eager", "prepare", "with_final"]
 
 ForwardFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
 
@@ -129,7 +129,7 @@ def with_final(
     return result, final.reshape(()) if p.scalar else final
 
 
-def _plain_eager() -> bool:
+def plain_eager() -> bool:
     """True when the call runs eagerly: no torch.compile, no torch.func transform, no
     dispatch mode. (Tensor subclasses, fake or functional, are ruled out by the
     caller's exact type checks.)"""
@@ -177,7 +177,7 @@ def cpu_fast_path(
         or gates.is_neg()
         or tokens.is_neg()
         or (torch.is_grad_enabled() and (gates.requires_grad or tokens.requires_grad))
-        or not _plain_eager()
+        or not plain_eager()
         or kernel_library_error() is not None
     ):
         return None

@@ -61,7 +61,7 @@ void ps_prefer_huge_pages(void *ptr, int64_t bytes) {
 
 /* The library's ABI version, checked by Python before anything else is called
  * (_native.py): bump it whenever an argument struct or entry point changes. */
-PS_API int64_t ps_abi_version(void) { return 3; }
+PS_API int64_t ps_abi_version(void) { return 4; }
 
 /* Python passes the argument structs as flat int64 arrays (every member is 64
  * bits wide); it checks their sizes once against its own layout. */

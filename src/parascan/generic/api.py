@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from parascan._checks import describe, normalize_dim
 from parascan.generic import algorithms
+from parascan.generic.matmul import matrix_product_fast_path
 
 __all__ = ["associative_reduce", "associative_scan"]
 
@@ -172,6 +173,9 @@ def associative_reduce(combine_fn: Callable[[Any, Any], Any], elems: Any, dim: i
                 [0., 1.]])
     """
     fn = "parascan.associative_reduce"
+    fast = matrix_product_fast_path(combine_fn, elems, dim)
+    if fast is not None:
+        return fast
     _check_callable(fn, combine_fn)
     leaves, spec, d, n = _flatten(fn, elems, dim)
     if n == 0:

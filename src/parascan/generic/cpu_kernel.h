@@ -1,0 +1,41 @@
+/* The product of a sequence of square matrices, M[0] @ M[1] @ ... @ M[T-1], for each
+ * batch element: what associative_reduce(torch.matmul, x, dim) computes, for float32
+ * and float64 CPU tensors that need no gradient (generic/matmul.py chooses it).
+ *
+ * Summary of algorithm. Each batch element's sequence is cut into segments (their
+ * number depends on the batch and the length only, never on the thread count, so
+ * the result is the same bits with any number of threads). A thread multiplies a
+ * segment's matrices left to right, its running product held in cache, and each
+ * M[t] is read from memory once; then the segment products of each batch element
+ * are multiplied in order. A product of T matrices takes T - 1 matrix products, as
+ * a tree does, but with no per-level pass over memory and no per-level call.
+ *
+ * The matrices are multiplied as dp x dp blocks, dp = d rounded up to a multiple of
+ * the tile width (16 float32 or 8 float64 columns), zero-padded: the padding is
+ * cleared after every product, so an infinity or NaN never reaches the result
+ * through it. With d a multiple of the tile width and unit column stride, M[t] is
+ * read in place.
+ */
+#ifndef PARASCAN_GENERIC_CPU_KERNEL_H
+#define PARASCAN_GENERIC_CPU_KERNEL_H
+
+#include "parallel.h"
+
+/* Every member is 64 bits wide: Python passes the struct as a flat int64 array.
+ * x is (batch, steps, d, d) with any strides, in elements; out is contiguous
+ * (batch, d, d). */
+typedef struct {
+    int64_t batch, steps, d;
+    const void *x;
+    int64_t x_batch, x_step, x_row, x_col;
+    void *out;
+    int64_t nthreads;
+    int64_t simd; /* 0: the portable block products even where AVX2 is there (tests) */
+} ps_product_args;
+
+PS_API int64_t ps_product_args_size(void);
+/* 0 on success; 1 for a bad shape, 2 when the scratch memory cannot be allocated. */
+PS_API int ps_matrix_product_f32(const ps_product_args *args);
+PS_API int ps_matrix_product_f64(const ps_product_args *args);
+
+#endif

@@ -1,0 +1,158 @@
+"""The CPU matrix-product kernel behind associative_reduce(torch.matmul, ...), against
+a float64 left fold of torch.matmul written here: sizes around the tile widths,
+segment counts, layouts, thread counts, infinities, and when it is not used."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import parascan as ps
+from parascan.generic import matmul
+from parascan.generic.matmul import matrix_product_fast_path
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def well_conditioned(*shape, dtype, seed):
+    """Orthogonal matrices with their columns scaled by about 1 +- 10%: products of
+    hundreds stay near norm 1, so an error is not hidden by over- or underflow."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, d, _ = shape
+    q = torch.linalg.qr(torch.randn(*batch, d, d, generator=g, dtype=torch.float64))[0]
+    scale = torch.exp(0.1 * torch.randn(*batch, 1, d, generator=g, dtype=torch.float64))
+    return (q * scale).to(dtype)
+
+
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def block_products(request, monkeypatch):
+    """Both block-product kernels: AVX2 where the CPU has it, and the portable one."""
+    monkeypatch.setattr(matmul, "_SIMD", request.param)
+
+
+def fold64(x, dim):
+    """x[0] @ x[1] @ ... along dim, one product at a time, in float64."""
+    x = x.double().movedim(dim, 0)
+    return functools.reduce(torch.matmul, x.unbind(0))
+
+
+def assert_product(got, x, dim):
+    want = fold64(x, dim)
+    assert got is not None and got.dtype == x.dtype and got.shape == want.shape
+    tol = TOL[x.dtype] * max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 9, 17, 100])
+@pytest.mark.parametrize("d", [1, 3, 4, 5, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_matches_the_fold(block_products, dtype, d, n) -> None:
+    # d around the tile widths (4 rows; 8 float32 or 4 float64 columns, two vectors
+    # wide) and n around the segment lengths (one batch element: up to 16 segments).
+    x = well_conditioned(n, d, d, dtype=dtype, seed=d * 1000 + n)
+    before = x.clone()
+    assert_product(matrix_product_fast_path(torch.matmul, x, 0), x, 0)
+    assert torch.equal(x, before)  # the input is untouched
+
+
+@pytest.mark.parametrize("batch", [2, 5, 15, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batches_with_and_without_segments(block_products, dtype, batch) -> None:
+    # Fewer than 16 sequences are cut into segments; 16 or more are not.
+    x = well_conditioned(batch, 37, 12, 12, dtype=dtype, seed=batch)
+    assert_product(matrix_product_fast_path(torch.matmul, x, 1), x, 1)
+
+
+@pytest.mark.parametrize(
+    "layout", ["middle dim", "negative dim", "transposed", "every other step", "broadcast batch"]
+)
+def test_layouts_read_in_place_or_copied(layout) -> None:
+    base = well_conditioned(3, 50, 4, 16, 16, dtype=torch.float32, seed=1)
+    dim = 1
+    if layout == "middle dim":
+        x = base  # (3, 50, 4, d, d): batch dims on both sides of dim
+    elif layout == "negative dim":
+        x, dim = base, -4
+    elif layout == "transposed":
+        x = base.transpose(-1, -2)  # unit row stride: every matrix is copied
+    elif layout == "every other step":
+        x = base[:, ::2]
+    else:
+        x = base[:1].expand(6, -1, -1, -1, -1)  # batch stride 0
+    assert_product(matrix_product_fast_path(torch.matmul, x, dim), x, dim)
+    assert_product(ps.associative_reduce(torch.matmul, x, dim), x, dim)
+
+
+@pytest.mark.parametrize("shape", [(1, 1000, 32, 32), (20, 30, 24, 24), (3, 200, 5, 5)])
+def test_same_bits_with_any_number_of_threads(shape) -> None:
+    x = well_conditioned(*shape, dtype=torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            results.append(matrix_product_fast_path(torch.matmul, x, 1))
+    finally:
+        torch.set_num_threads(threads)
+    assert_product(results[0], x, 1)
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+@pytest.mark.parametrize("d", [5, 8])
+def test_infinities_stay_where_the_fold_puts_them(block_products, d) -> None:
+    # Row-stochastic matrices keep the product finite; an infinity in row 0 of the
+    # first one makes row 0 of the result +inf and nothing else. The padding of a
+    # block (d = 5: 3 columns) holds inf * 0 = NaN beside such a row, and must never
+    # be read back into it. 40 matrices: 5 segments, so the segment products are
+    # multiplied too.
+    x = torch.rand(40, d, d, generator=torch.Generator().manual_seed(d)) + 0.1
+    x /= x.sum(-1, keepdim=True)
+    x[0, 0, 0] = float("inf")
+    got = matrix_product_fast_path(torch.matmul, x, 0)
+    torch.testing.assert_close(got.double(), fold64(x, 0), equal_nan=True)
+    assert (got[0] == float("inf")).all() and torch.isfinite(got[1:]).all()
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["another combine", "needs grad", "float16", "not square", "dim in the matrix", "too large"],
+)
+def test_other_calls_take_the_tree(why) -> None:
+    x = torch.randn(6, 4, 4)
+    combine = torch.matmul
+    dim = 0
+    if why == "another combine":
+        combine = torch.add
+    elif why == "needs grad":
+        x.requires_grad_()
+    elif why == "float16":
+        x = x.half()
+    elif why == "not square":
+        x = torch.randn(6, 4, 3)
+    elif why == "dim in the matrix":
+        dim = 1
+    else:
+        x = torch.randn(2, 257, 257)
+    assert matrix_product_fast_path(combine, x, dim) is None
+
+
+def test_operator_and_method_forms_and_no_grad() -> None:
+    import operator
+
+    x = well_conditioned(20, 6, 6, dtype=torch.float64, seed=3)
+    for combine in (operator.matmul, torch.Tensor.matmul):
+        assert_product(matrix_product_fast_path(combine, x, 0), x, 0)
+    w = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert_product(matrix_product_fast_path(torch.matmul, w, 0), x, 0)
+
+
+def test_compiled_and_vmapped_reduce_use_the_tree() -> None:
+    x = well_conditioned(4, 33, 8, 8, dtype=torch.float32, seed=4)
+    compiled = torch.compile(lambda w: ps.associative_reduce(torch.matmul, w, 1), fullgraph=True)
+    assert_product(compiled(x), x, 1)
+    vmapped = torch.func.vmap(lambda w: ps.associative_reduce(torch.matmul, w, 0))(x)
+    assert_product(vmapped, x, 1)
