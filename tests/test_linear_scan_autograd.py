@@ -131,6 +131,40 @@ def test_jacrev_and_jvp(backend, gen) -> None:
     assert_matches(jvp, want_jvp, torch.float64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("op", ["linear", "log"])
+def test_dual_tensors_keep_their_tangents(op, dtype, gen) -> None:
+    # torch.autograd.forward_ad outside torch.func: plain CPU tensors that need no
+    # gradient (what the direct kernel call takes) but carry tangents, which a
+    # kernel called without autograd would drop.
+    import torch.autograd.forward_ad as fwad
+
+    shape = (3, 40)
+    gates = random_gates(shape, dtype, gen)
+    tokens = random_tokens(shape, dtype, gen)
+    dg, dt = random_tokens(shape, dtype, gen), random_tokens(shape, dtype, gen)
+    if op == "linear":
+        scan = ps.linear_scan
+        oracle = lambda a, b: loop_oracle(a, b, 1)[0]  # noqa: E731
+    else:
+        from conftest import log_loop_oracle
+
+        gates = gates.abs().log()
+        scan = ps.log_linear_scan
+        oracle = lambda a, b: log_loop_oracle(a, b, 1)[0]  # noqa: E731
+    with fwad.dual_level():
+        got = fwad.unpack_dual(scan(fwad.make_dual(gates, dg), fwad.make_dual(tokens, dt), 1))
+        want = fwad.unpack_dual(
+            oracle(
+                fwad.make_dual(gates.double(), dg.double()),
+                fwad.make_dual(tokens.double(), dt.double()),
+            )
+        )
+    assert got.tangent is not None
+    assert_matches(got.primal, want.primal, dtype)
+    assert_matches(got.tangent, want.tangent, dtype)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_fullgraph_forward_and_backward(backend, gen) -> None:
     torch._dynamo.reset()

@@ -156,3 +156,18 @@ def test_compiled_and_vmapped_reduce_use_the_tree() -> None:
     assert_product(compiled(x), x, 1)
     vmapped = torch.func.vmap(lambda w: ps.associative_reduce(torch.matmul, w, 0))(x)
     assert_product(vmapped, x, 1)
+
+
+def test_dual_tensors_keep_their_tangents() -> None:
+    # Forward-mode AD outside torch.func: the tensor needs no gradient but carries a
+    # tangent, so the product must take the differentiable tree.
+    import torch.autograd.forward_ad as fwad
+
+    x = well_conditioned(30, 6, 6, dtype=torch.float64, seed=5)
+    dx = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with fwad.dual_level():
+        got = fwad.unpack_dual(ps.associative_reduce(torch.matmul, fwad.make_dual(x, dx), 0))
+        want = fwad.unpack_dual(fold64(fwad.make_dual(x, dx), 0))
+    assert got.tangent is not None
+    torch.testing.assert_close(got.primal, want.primal)
+    torch.testing.assert_close(got.tangent, want.tangent)

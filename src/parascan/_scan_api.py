@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from parascan._backends import resolve_backend
 from parascan._checks import (
@@ -131,12 +132,14 @@ def with_final(
 
 def plain_eager() -> bool:
     """True when the call runs eagerly: no torch.compile, no torch.func transform, no
-    dispatch mode. (Tensor subclasses, fake or functional, are ruled out by the
-    caller's exact type checks.)"""
+    dispatch mode, no forward-mode AD level open (dual tensors carry their tangents
+    invisibly: a kernel called directly would drop them). Tensor subclasses, fake or
+    functional, are ruled out by the caller's exact type checks."""
     return (
         not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
         and torch._C._len_torch_dispatch_stack() == 0
+        and forward_ad._current_level < 0
     )
 
 
