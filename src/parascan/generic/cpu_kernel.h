@@ -10,10 +10,11 @@
  * are multiplied in order. A product of T matrices takes T - 1 matrix products, as
  * a tree does, but with no per-level pass over memory and no per-level call.
  *
- * The matrices are multiplied as dp x dp blocks, dp = d rounded up to a multiple of
- * the tile width (16 float32 or 8 float64 columns), zero-padded: the padding is
- * cleared after every product, so an infinity or NaN never reaches the result
- * through it. With d a multiple of the tile width and unit column stride, M[t] is
+ * The matrices are multiplied as blocks of d rounded up to 4 rows and to a vector
+ * (8 float32 or 4 float64) columns, which tiles of 4 rows by 2 vectors (1 at the
+ * right edge) cover exactly. The sums run over the d real columns only, so whatever
+ * the padding holds (inf * 0 = NaN beside an infinite row) never reaches the
+ * result. With d a multiple of the vector width and unit column stride, M[t] is
  * read in place.
  */
 #ifndef PARASCAN_GENERIC_CPU_KERNEL_H

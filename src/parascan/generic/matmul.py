@@ -3,8 +3,8 @@ generic/cpu_kernel.c: each sequence of square matrices multiplied left to right 
 cache, on torch's threads, with one call instead of one per tree level.
 
 It is a fast path for the plain eager call only: float32 or float64 CPU tensors
-that need no gradient, outside torch.compile, torch.func transforms and dispatch
-modes. Everything else (and every error) is the generic tree's, which gives the
+that need no gradient, outside torch.compile, torch.func transforms, forward-mode AD
+and dispatch modes. Everything else (and every error) is the generic tree's, which gives the
 same product up to rounding.
 """
 
@@ -27,7 +27,7 @@ _MATMULS = (torch.matmul, operator.matmul, torch.Tensor.matmul, torch.Tensor.__m
 
 # Up to this size the kernel beats the tree of batched torch.matmul calls at every d
 # measured, float32 and float64 (BENCHMARKS.md); at 512 torch's blocked matmul is
-# as fast, and a few calls more cost nothing next to the products.
+# ahead, and a few calls more cost nothing next to the products.
 _MAX_D = 256
 _DTYPES = (torch.float32, torch.float64)
 # False runs the portable block products even on a CPU with AVX2 (for the tests).
