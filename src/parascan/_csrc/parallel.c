@@ -12,8 +12,6 @@
  * so parascan's threads are torch's threads. A second pool of its own would compete
  * for the cores with torch's workers, which spin for a while after each torch op. */
 
-enum { PS_MAX_THREADS = 256 };
-
 void ps_parallel_for(int64_t n, int64_t nthreads, ps_task_fn fn, const void *ctx) {
     if (n <= 0) return;
     if (nthreads > n) nthreads = n;

@@ -17,6 +17,9 @@
 #define PS_API
 #endif
 
+/* The most threads a parallel-for or a team uses, whatever nthreads asks for. */
+enum { PS_MAX_THREADS = 256 };
+
 typedef void (*ps_task_fn)(const void *ctx, int64_t begin, int64_t end);
 
 /* Run fn(ctx, begin, end) over [0, n) split into at most nthreads contiguous

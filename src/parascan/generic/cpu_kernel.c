@@ -181,7 +181,7 @@ PS_AVX2_MM(f64, double, __m256d, _mm256_setzero_pd, _mm256_loadu_pd, _mm256_broa
         const double work = (double)p->batch * (double)p->steps * (double)d * (double)d * (double)d; \
         int64_t nthreads = work < 1048576.0 ? 1 : p->nthreads;                         \
         if (nthreads > items) nthreads = items;                                        \
-        if (nthreads > 256) nthreads = 256;                                            \
+        if (nthreads > PS_MAX_THREADS) nthreads = PS_MAX_THREADS;                      \
         if (nthreads < 1) nthreads = 1;                                                \
         const int64_t blocks = (segs > 1 ? items : 0) + 3 * nthreads;                  \
         const double bytes = (double)blocks * (double)(dr * dc) * (double)sizeof(T);   \
