@@ -81,7 +81,8 @@ def test_layouts_read_in_place_or_copied(layout) -> None:
         x = base[:, ::2]
     else:
         x = base[:1].expand(6, -1, -1, -1, -1)  # batch stride 0
-    assert_product(matrix_product_fast_path(torch.matmul, x, dim), x, dim)
+    # the fast path takes the dim as the public function normalized it
+    assert_product(matrix_product_fast_path(torch.matmul, x, dim % x.dim()), x, dim)
     assert_product(ps.associative_reduce(torch.matmul, x, dim), x, dim)
 
 
@@ -171,3 +172,43 @@ def test_dual_tensors_keep_their_tangents() -> None:
     assert got.tangent is not None
     torch.testing.assert_close(got.primal, want.primal)
     torch.testing.assert_close(got.tangent, want.tangent)
+
+
+# --- regressions: the fast path takes exactly the calls the tree takes --------------
+
+
+@pytest.mark.parametrize(
+    "shape, dim",
+    [((1, 4096, 2, 2), -1), ((3, 3, 3), -1), ((4, 5, 5), -2), ((2, 6, 3, 3), -1), ((6, 4, 4), 2)],
+)
+def test_a_dim_inside_the_matrices_never_reaches_the_kernel(shape, dim) -> None:
+    # Before the fix, -1 and -2 passed the fast path's guard and the kernel wrote past
+    # its output (a heap overflow; SIGABRT for (1, 4096, 2, 2)). Now such a call is
+    # the tree's, which multiplies slices along dim and fails as a lambda does.
+    x = torch.randn(shape, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as via_lambda:
+        ps.associative_reduce(lambda a, b: a @ b, x, dim)
+    with pytest.raises(RuntimeError) as via_matmul:
+        ps.associative_reduce(torch.matmul, x, dim)
+    assert str(via_matmul.value) == str(via_lambda.value)
+
+
+@pytest.mark.parametrize("dim", [0, -3])
+def test_negative_dims_before_the_matrices_use_the_kernel(monkeypatch, dim) -> None:
+    x = well_conditioned(9, 5, 5, dtype=torch.float64, seed=3)
+    calls = []
+    real = matmul.kernel
+    monkeypatch.setattr(matmul, "kernel", lambda *a: calls.append(a) or real(*a))
+    assert_product(ps.associative_reduce(torch.matmul, x, dim), x, 0)
+    assert calls  # the C kernel ran
+
+
+@pytest.mark.parametrize("n", [2, 3, 7])
+def test_negative_views_keep_their_sign(n) -> None:
+    # x.imag of a conj view is a lazy negative view: equal to m, but its memory holds
+    # -m. Before the fix the kernel read the memory: -(m0 @ m1 @ m2) for odd n.
+    m = well_conditioned(n, 4, 4, dtype=torch.float64, seed=n)
+    view = torch.complex(torch.zeros_like(m), -m).conj().imag
+    assert view.is_neg() and torch.equal(view, m)
+    assert_product(ps.associative_reduce(torch.matmul, view, 0), m, 0)
+    assert_product(matrix_product_fast_path(torch.matmul, view, 0), m, 0)

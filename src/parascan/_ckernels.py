@@ -22,7 +22,16 @@ import torch
 
 from parascan._native import kernel_library
 
-__all__ = ["ARG_STRUCTS", "backward", "dims3", "forward", "kernel", "state2", "view3"]
+__all__ = [
+    "ARG_STRUCTS",
+    "backward",
+    "check_operands",
+    "dims3",
+    "forward",
+    "kernel",
+    "state2",
+    "view3",
+]
 
 _SUFFIX = {
     torch.float16: "f16",
@@ -76,6 +85,44 @@ def kernel(name: str, dtype: torch.dtype) -> Any:
     return fn
 
 
+Operand = tuple["torch.Tensor | None", tuple[int, ...]]
+
+
+def check_operands(entry: str, dtype: torch.dtype, *operands: Operand) -> None:
+    """The guard in front of every C entry: each tensor handed to ``entry`` (None is
+    no tensor) must be a strided CPU tensor of ``dtype`` with exactly the shape the
+    kernel indexes it by, and no lazy negative or conjugate bit (the kernel reads raw
+    memory). torch keeps every tensor's own view inside its storage, so a kernel
+    that walks a tensor of the right shape by that tensor's strides (or, for a
+    contiguous one, by the strides of that shape) never leaves it. Raises
+    RuntimeError instead of letting the kernel read or write out of bounds; the
+    public functions validate first, so this fires only on a bug in parascan."""
+    for t, shape in operands:
+        if t is not None and (
+            t.shape != shape
+            or t.dtype != dtype
+            or t.layout != torch.strided
+            or t.device.type != "cpu"
+            or t.is_neg()
+            or t.is_conj()
+        ):
+            raise RuntimeError(
+                f"parascan: internal error: the {entry} CPU kernel indexes a strided CPU "
+                f"tensor of shape {shape} and dtype {dtype} with no lazy neg/conj bit, but was "
+                f"handed Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, layout={t.layout}, "
+                f"device={t.device}, neg={t.is_neg()}, conj={t.is_conj()})"
+            )
+
+
+def _time_dim(name: str, dim: int, ndim: int) -> int:
+    """``dim`` made non-negative; out of range is a bug upstream, never a wrap."""
+    if not -ndim <= dim < ndim:
+        raise RuntimeError(
+            f"parascan: internal error: the {name} CPU kernel got dim {dim} for {ndim} dims"
+        )
+    return dim % ndim
+
+
 def dims3(shape: torch.Size, dim: int) -> tuple[int, int, int]:
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
@@ -112,9 +159,12 @@ def forward(
 ) -> torch.Tensor:
     """Run the forward kernel ``name`` (``"linear_scan"`` or ``"log_scan"``): CPU
     tensors of one shape and dtype, ``initial`` of that shape without ``dim``."""
-    dim %= tokens.dim()
-    dims = dims3(tokens.shape, dim)
-    out = torch.empty(tokens.shape, dtype=tokens.dtype)
+    dim = _time_dim(name, dim, tokens.dim())
+    shape = tokens.shape
+    state = (*shape[:dim], *shape[dim + 1 :])
+    check_operands(f"{name}_fwd", tokens.dtype, (gates, shape), (tokens, shape), (initial, state))
+    dims = dims3(shape, dim)
+    out = torch.empty(shape, dtype=tokens.dtype)
     (a, a_s), (b, b_s), (x, x_s) = view3(gates, dims), view3(tokens, dims), view3(out, dims)
     h_keep, h = state2(initial, dims[0], dims[2])
     args = ARG_STRUCTS["scan_fwd"](
@@ -140,11 +190,14 @@ def backward(
     the forward's output and grad_out among them), then initial, then the gradients
     of gates, tokens and initial, which are returned as new tensors."""
     out = inputs[0]  # every input has the shape and dtype of the gradients
-    dim %= out.dim()
-    dims = dims3(out.shape, dim)
-    grad_gates = torch.empty(out.shape, dtype=out.dtype)
-    grad_tokens = torch.empty(out.shape, dtype=out.dtype)
-    grad_initial = torch.empty((*out.shape[:dim], *out.shape[dim + 1 :]), dtype=out.dtype)
+    dim = _time_dim(name, dim, out.dim())
+    shape = out.shape
+    state = (*shape[:dim], *shape[dim + 1 :])
+    check_operands(f"{name}_bwd", out.dtype, *((t, shape) for t in inputs), (initial, state))
+    dims = dims3(shape, dim)
+    grad_gates = torch.empty(shape, dtype=out.dtype)
+    grad_tokens = torch.empty(shape, dtype=out.dtype)
+    grad_initial = torch.empty(state, dtype=out.dtype)
     views = [view3(t, dims) for t in (*inputs, grad_gates, grad_tokens)]
     fields = [(v.data_ptr(), *strides) for v, strides in views]
     h_keep, h = state2(initial, dims[0], dims[2])

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from parascan._checks import describe, normalize_dim
+from parascan._checks import check_layout, describe, normalize_dim
 from parascan.generic import algorithms
 from parascan.generic.matmul import matrix_product_fast_path
 
@@ -69,6 +69,7 @@ def _flatten(fn: str, elems: object, dim: object) -> tuple[list[Tensor], Any, in
                 f"{fn}: expected elems to be a tensor or a pytree of tensors, but it holds "
                 f"{describe(leaf)}"
             )
+        check_layout(fn, "every tensor in elems", leaf)
     # As jax: a negative dim counts from the end of the first leaf, and the same
     # position is the scan dim of every leaf (operand dims may differ after it).
     first = leaves[0]
@@ -179,9 +180,6 @@ def associative_reduce(combine_fn: Callable[[Any, Any], Any], elems: Any, dim: i
                 [0., 1.]])
     """
     fn = "parascan.associative_reduce"
-    fast = matrix_product_fast_path(combine_fn, elems, dim)
-    if fast is not None:
-        return fast
     _check_callable(fn, combine_fn)
     leaves, spec, d, n = _flatten(fn, elems, dim)
     if n == 0:
@@ -189,6 +187,10 @@ def associative_reduce(combine_fn: Callable[[Any, Any], Any], elems: Any, dim: i
             f"{fn}: expected at least one element along dim {d} (a reduction of nothing has "
             f"no value without an identity), but got size 0"
         )
+    if isinstance(elems, Tensor):
+        fast = matrix_product_fast_path(combine_fn, elems, d)
+        if fast is not None:
+            return fast
     if n == 1:
         out = [x.select(d, 0).clone() for x in leaves]
     else:

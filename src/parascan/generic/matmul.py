@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._ckernels import ARG_STRUCTS, kernel
+from parascan._ckernels import ARG_STRUCTS, check_operands, kernel
 from parascan._native import kernel_library_error
 from parascan._scan_api import plain_eager
 
@@ -35,17 +35,17 @@ _SIMD = True
 
 
 def matrix_product_fast_path(
-    combine_fn: Callable[[Any, Any], Any], elems: object, dim: object
+    combine_fn: Callable[[Any, Any], Any], elems: Tensor, dim: int
 ) -> Tensor | None:
     """The product along ``dim`` of the square matrices in the last two dims of
     ``elems``, when ``combine_fn`` is torch's matmul and the call qualifies (see the
-    module's doc); None otherwise."""
-    if not any(combine_fn is f for f in _MATMULS):
-        return None
-    if type(elems) is not torch.Tensor or type(dim) is not int:
+    module's doc); None otherwise. ``dim`` is already validated and non-negative
+    (the generic path's own argument handling): the kernel takes exactly the calls
+    in which the tree would multiply the same matrices, i.e. ``dim`` before them."""
+    if not any(combine_fn is f for f in _MATMULS) or type(elems) is not torch.Tensor:
         return None
     nd = elems.dim()
-    if nd < 3 or not -nd <= dim < nd - 2:
+    if not 0 <= dim < nd - 2:
         return None
     d, dtype = elems.shape[-1], elems.dtype
     steps = elems.shape[dim]
@@ -56,15 +56,19 @@ def matrix_product_fast_path(
         or steps < 2
         or elems.numel() == 0
         or elems.device.type != "cpu"
+        or elems.layout != torch.strided
         or (torch.is_grad_enabled() and elems.requires_grad)
         or not plain_eager()
         or kernel_library_error() is not None
     ):
         return None
-    x = elems.movedim(dim, -3)
+    # The kernel reads raw memory: a lazy negative view (e.g. the .imag of a conj
+    # view) would lose its sign, so it is materialized first.
+    x = elems.resolve_neg().movedim(dim, -3)
     batch = x.shape[:-3]
     x = x.reshape(-1, steps, d, d)  # a view unless the batch dims cannot merge
-    out = torch.empty((*batch, d, d), dtype=dtype)
+    out = torch.empty((x.shape[0], d, d), dtype=dtype)  # written contiguously
+    check_operands("matrix_product", dtype, (x, (x.shape[0], steps, d, d)))
     args = ARG_STRUCTS["product"](
         x.shape[0],
         steps,
@@ -80,4 +84,4 @@ def matrix_product_fast_path(
         return None
     if status != 0:
         raise RuntimeError(f"parascan: the matrix product kernel rejected {tuple(x.shape)}")
-    return out
+    return out.view(*batch, d, d)

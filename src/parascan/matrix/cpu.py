@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from parascan._ckernels import ARG_STRUCTS, kernel
+from parascan._ckernels import ARG_STRUCTS, check_operands, kernel
 
 __all__ = ["DTYPES", "forward"]
 
@@ -37,7 +37,11 @@ def forward(weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bo
     if h.stride(-1) != 1:
         h = h.contiguous()
     nbatch = w.shape[0]
-    out = torch.empty((nbatch, steps, d), dtype=biases.dtype)
+    out = torch.empty((nbatch, steps, d), dtype=biases.dtype)  # written contiguously
+    check_operands(
+        "matrix_scan_fwd", biases.dtype, (w, (nbatch, steps, d, d)), (b, (nbatch, steps, d)),
+        (h, (nbatch, d)),
+    )  # fmt: skip
     args = ARG_STRUCTS["matrix"](
         nbatch, steps, d, w.data_ptr(), *w.stride(), b.data_ptr(), b.stride(0), b.stride(1),
         h.data_ptr(), h.stride(0), out.data_ptr(), reverse, torch.get_num_threads(),
