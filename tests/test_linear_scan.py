@@ -298,16 +298,19 @@ def test_eager_fast_path_is_taken_and_correct(dtype, gen, monkeypatch) -> None:
 
 
 def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) -> None:
-    from parascan.linear import api, ops
+    from parascan.linear import api, cpu, ops
 
-    fast = api._cpu_fast_path
+    def fast(a, b, dim, initial, reverse, backend, return_final=False):
+        return api.cpu_fast_path(cpu.forward, a, b, dim, initial, reverse, return_final, backend)
+
     calls = []
     real = ops._FORWARD["torch"]
-    monkeypatch.setattr(api, "_cpu_fast_path", lambda *a: calls.append("fast"))
+    monkeypatch.setattr(api, "cpu_fast_path", lambda *a: calls.append("fast"))
     monkeypatch.setitem(ops._FORWARD, "torch", lambda *a: calls.append("op") or real(*a))
     x = random_tokens((3, 20), torch.float32, gen)
     ps.linear_scan(x, x, 1, backend="torch")
     assert calls == ["fast", "op"]
+    monkeypatch.undo()
     a = random_gates((3, 20), torch.float32, gen)
     assert fast(a.requires_grad_(), x, 1, None, False, "auto") is None  # needs autograd
     a = a.detach()
@@ -317,6 +320,10 @@ def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) 
     assert fast(a.to(torch.complex64).conj(), x.to(torch.complex64), 1, None, False, "auto") is None
     assert fast(a, x, 2, None, False, "auto") is None  # bad dim: the general path raises
     assert fast(a, x, 1, torch.zeros(3, 1), False, "auto") is None  # broadcast initial
+    assert fast(a, x, 1, None, False, "auto", return_final=True) is None  # a final state
+    assert fast(a, x, 1, None, False, "auto", return_final=None) is None  # not a bool
+    assert fast(a, x, 1, None, 0, "auto") is None  # not a bool
+    assert fast(a, x.to_sparse(), 1, None, False, "auto") is None  # not strided
     seen = []
     torch.func.vmap(lambda t: seen.append(fast(t, t, 0, None, False, "auto")) or t)(x)
     assert seen == [None]  # under a torch.func transform

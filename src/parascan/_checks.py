@@ -20,6 +20,7 @@ __all__ = [
     "as_operand",
     "broadcast_shape",
     "check_dtype",
+    "check_layout",
     "check_same_device",
     "describe",
     "normalize_dim",
@@ -69,8 +70,23 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 def describe(value: object) -> str:
     """A short description of a received value for error messages."""
     if isinstance(value, torch.Tensor):
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+        if value.is_nested:  # no single shape
+            return f"nested Tensor(dtype={value.dtype}, device={value.device})"
+        layout = "" if value.layout == torch.strided else f", layout={value.layout}"
+        return (
+            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}"
+            f"{layout})"
+        )
     return f"{type(value).__name__} {value!r}"
+
+
+def check_layout(fn: str, name: str, tensor: torch.Tensor) -> None:
+    """Only strided (dense) tensors: sparse (COO, CSR, CSC, BSR, BSC), mkldnn and
+    nested tensors have no strides to scan along."""
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise TypeError(
+            f"{fn}: expected {name} to be a strided (dense) tensor, but got {describe(tensor)}"
+        )
 
 
 def as_operand(
@@ -79,6 +95,7 @@ def as_operand(
     """``value`` as a tensor: tensors pass through; Python numbers become 0-d tensors
     on ``like``'s device when ``allow_number``. Anything else is a TypeError."""
     if isinstance(value, torch.Tensor):
+        check_layout(fn, name, value)
         return value
     if allow_number and isinstance(value, numbers.Number) and not isinstance(value, bool):
         # A 0-d floating tensor promotes like the Python scalar it came from: it

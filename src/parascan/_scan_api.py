@@ -150,21 +150,28 @@ def cpu_fast_path(
     dim: object,
     initial: object,
     reverse: object,
+    return_final: object,
     backend: object,
 ) -> Tensor | None:
     """``forward`` (a cpu kernel) called directly, for the common call that needs
-    nothing of the op machinery: plain CPU tensors of one shape and dtype that need
-    no gradient. Returns None (take the general path, which validates everything
-    and owns every error message) for anything else. A small scan costs
-    microseconds in the kernel, so the tens of microseconds of dispatch are what
-    this path saves."""
+    nothing of the op machinery: plain strided CPU tensors of one shape and dtype
+    that need no gradient, no final state. Returns None (take the general path,
+    which validates everything and owns every error message) for anything else.
+    Every condition here implies that ``prepare`` would accept the call as it is, so
+    the same arguments are accepted or rejected whichever path runs. A small scan
+    costs microseconds in the kernel, so the tens of microseconds of dispatch are
+    what this path saves."""
     if not (
         type(gates) is torch.Tensor
         and type(tokens) is torch.Tensor
         and (initial is None or type(initial) is torch.Tensor)
         and type(dim) is int
         and type(reverse) is bool
+        and return_final is False
         and backend in ("auto", "cpu")
+        and not tokens.is_nested  # a nested tensor has no .shape
+        and not gates.is_nested
+        and (initial is None or not initial.is_nested)
     ):
         return None
     dtype, shape = tokens.dtype, tokens.shape
@@ -174,6 +181,8 @@ def cpu_fast_path(
         or dtype not in FLOAT_DTYPES
         or tokens.device.type != "cpu"
         or gates.device.type != "cpu"
+        or tokens.layout != torch.strided
+        or gates.layout != torch.strided
         or not -len(shape) <= dim < len(shape)
         or gates.is_conj()
         or tokens.is_conj()
@@ -189,6 +198,7 @@ def cpu_fast_path(
         if (
             initial.dtype != dtype
             or initial.device.type != "cpu"
+            or initial.layout != torch.strided
             or initial.shape != shape[:d] + shape[d + 1 :]
             or initial.is_conj()
             or initial.is_neg()

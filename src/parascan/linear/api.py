@@ -91,12 +91,6 @@ def _apply(
     return out
 
 
-def _cpu_fast_path(
-    gates: object, tokens: object, dim: object, initial: object, reverse: object, backend: object
-) -> Tensor | None:
-    return cpu_fast_path(cpu.forward, gates, tokens, dim, initial, reverse, backend)
-
-
 @overload
 def linear_scan(
     gates: Tensor | float,
@@ -176,8 +170,10 @@ def linear_scan(
         >>> final
         tensor([1.7500, 2.2500])
     """
-    if not return_final and not torch.compiler.is_compiling():
-        fast = _cpu_fast_path(gates, tokens, dim, initial, reverse, backend)
+    if not torch.compiler.is_compiling():
+        fast = cpu_fast_path(
+            cpu.forward, gates, tokens, dim, initial, reverse, return_final, backend
+        )
         if fast is not None:
             return fast
     p = prepare(_NAME, gates, tokens, dim, initial, reverse, return_final, backend)

@@ -107,17 +107,6 @@ def _apply(
     return out
 
 
-def _cpu_fast_path(
-    log_gates: object,
-    log_tokens: object,
-    dim: object,
-    initial: object,
-    reverse: object,
-    backend: object,
-) -> Tensor | None:
-    return cpu_fast_path(cpu.forward, log_gates, log_tokens, dim, initial, reverse, backend)
-
-
 @overload
 def log_linear_scan(
     log_gates: Tensor | float,
@@ -191,8 +180,10 @@ def log_linear_scan(
         >>> ps.log_linear_scan(torch.zeros(2), neg, 0).exp().real
         tensor([ 1., -2.])
     """
-    if not return_final and not torch.compiler.is_compiling():
-        fast = _cpu_fast_path(log_gates, log_tokens, dim, initial, reverse, backend)
+    if not torch.compiler.is_compiling():
+        fast = cpu_fast_path(
+            cpu.forward, log_gates, log_tokens, dim, initial, reverse, return_final, backend
+        )
         if fast is not None:
             return fast
     p = prepare(

@@ -14,6 +14,7 @@ from parascan._checks import (
     accumulate_dtype,
     broadcast_shape,
     check_dtype,
+    check_layout,
     check_same_device,
     describe,
 )
@@ -176,6 +177,8 @@ def _validate(
         raise TypeError(f"{_NAME}: expected weights to be a Tensor, but got {describe(weights)}")
     if not isinstance(biases, Tensor):
         raise TypeError(f"{_NAME}: expected biases to be a Tensor, but got {describe(biases)}")
+    check_layout(_NAME, "weights", weights)
+    check_layout(_NAME, "biases", biases)
     if weights.dim() < 3 or weights.shape[-1] != weights.shape[-2]:
         raise ValueError(
             f"{_NAME}: expected weights of shape (*batch, T, d, d), but got {tuple(weights.shape)}"
@@ -192,6 +195,7 @@ def _validate(
             raise TypeError(
                 f"{_NAME}: expected initial to be a Tensor or None, but got {describe(initial)}"
             )
+        check_layout(_NAME, "initial", initial)
         if initial.dim() < 1 or initial.shape[-1] not in (1, d):
             raise ValueError(
                 f"{_NAME}: expected initial of shape (*batch, d) with d = {d}, but got "
@@ -287,6 +291,11 @@ def matrix_linear_scan(
     )
     if backend == "auto":
         chosen = _auto_backend(biases.device, dtype, math.prod(batch), steps, d)
+    elif backend == "triton":
+        raise RuntimeError(
+            f"{_NAME}: backend 'triton' is not available: matrix_linear_scan has no Triton "
+            "kernel; use 'torch' or 'loop' (or 'auto', which chooses between them on GPUs)"
+        )
     else:
         chosen = resolve_backend(_NAME, backend, biases.device)
         if chosen == "cpu" and accumulate_dtype(dtype) not in CPU_DTYPES:
