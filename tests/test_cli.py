@@ -76,12 +76,51 @@ def test_bench_quick_json_reports_ratios_and_errors() -> None:
         assert r["max_error"] < 2e-5
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="checks the message of a machine without CUDA"
-)
-def test_bench_on_cuda_without_a_gpu_says_so(capsys) -> None:
-    assert main(["bench", "--device", "cuda"]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+BAD_LINES = {
+    "check --device meta": "device type 'meta'",
+    "check --device foo": "'foo' is not a device name",
+    "check --device cpu --device nonsense:3": "not a device name",
+    "bench --repeat 0": "--repeat: expected at least 1",
+    "bench --repeat -3": "--repeat: expected at least 1",
+    "bench --repeat x": "--repeat: expected a whole number",
+    "bench --backend nope": "backend 'nope' cannot run on cpu",
+    "bench --device foo": "'foo' is not a device name",
+    "bench --device meta": "device type 'meta'",
+    "bench --plot /nonexistent-folder/sweep.png": "its folder does not exist",
+    "info --bogus": "unrecognized arguments",
+    "frobnicate": "invalid choice",
+}
+if not torch.cuda.is_available():
+    BAD_LINES["check --device cuda"] = "no CUDA device"
+    BAD_LINES["bench --device cuda"] = "no CUDA device"
+    BAD_LINES["bench --backend triton"] = "backend 'triton' cannot run on cpu"
+else:
+    BAD_LINES[f"check --device cuda:{torch.cuda.device_count()}"] = "CUDA devices"
+
+
+@pytest.mark.parametrize("line", list(BAD_LINES))
+def test_bad_arguments_exit_2_with_one_line_and_no_traceback(line, capsys) -> None:
+    # argparse's convention: the usage, then one line saying what is wrong; exit 2,
+    # before any work starts (a bad --plot folder once failed after the whole run).
+    with pytest.raises(SystemExit) as done:
+        main(line.split())
+    assert done.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith(f"parascan {line.split()[0]}: error: ") or last.startswith(
+        "parascan: error: "
+    ), captured.err
+    assert BAD_LINES[line] in last
+    assert "Traceback" not in captured.err
+
+
+def test_bad_arguments_from_the_shell_print_no_traceback() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "parascan", "bench", "--repeat", "0"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "error: argument --repeat" in done.stderr
 
 
 def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:

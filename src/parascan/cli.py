@@ -37,19 +37,10 @@ def _bench(args: argparse.Namespace) -> int:
     from parascan import bench
 
     if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            print("parascan bench: --device cuda, but this machine has no CUDA device",
-                  file=sys.stderr)  # fmt: skip
-            return 2
         return bench.run_bench(
             cases=[replace(c, device=args.device) for c in bench.CUDA_CASES],
             backend_names=args.backend, repeat=args.repeat, as_json=args.json,
         )  # fmt: skip
-    if args.device != "cpu":
-        print(f"parascan bench: no benchmark for device {args.device!r}", file=sys.stderr)
-        return 2
     return bench.run_bench(
         cases=bench.QUICK_CASES if args.quick else bench.DEFAULT_CASES,
         generic_cases=bench.QUICK_GENERIC_CASES if args.quick else bench.GENERIC_CASES,
@@ -58,6 +49,68 @@ def _bench(args: argparse.Namespace) -> int:
         as_json=args.json,
         plot_path=args.plot,
     )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _device_problem(text: str) -> str | None:
+    """Why ``text`` names no device these commands can run on (cpu, or cuda when
+    this machine has it), or None."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        return f"{text!r} is not a device name (expected cpu or cuda)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {text}, but this machine has no CUDA device"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"--device {text}, but this machine has {torch.cuda.device_count()} CUDA devices"
+        return None
+    if device.type != "cpu":
+        return f"no checks or benchmarks for device type {device.type!r} (expected cpu or cuda)"
+    return None
+
+
+def _validate(parsers: dict[str, argparse.ArgumentParser], args: argparse.Namespace) -> None:
+    """What argparse's types cannot see, reported as argparse does (usage, one line
+    saying what is wrong, exit 2), before any work starts."""
+    parser = parsers[args.command]
+    if args.command == "info":
+        return
+    devices = (args.device or []) if args.command == "check" else [args.device]
+    for device in devices:
+        if (problem := _device_problem(device)) is not None:
+            parser.error(problem)
+    if args.command != "bench":
+        return
+    if args.backend:
+        from parascan import backends
+
+        available = backends(args.device)
+        for name in args.backend:
+            if name not in available:
+                parser.error(
+                    f"backend {name!r} cannot run on {args.device} here (available: "
+                    f"{', '.join(available)})"
+                )
+    if args.plot is not None:
+        import importlib.util
+        from pathlib import Path
+
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib (pip install 'parascan[bench]')")
+        if not Path(args.plot).resolve().parent.is_dir():
+            parser.error(f"--plot {args.plot}: its folder does not exist")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,23 +122,27 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="versions, threads, CPU features and backends per device")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_info)
+    parsers = {"info": p}
 
     p = sub.add_parser("check", help="self-test: every backend against the float64 loop")
-    p.add_argument("--device", action="append", help="device to check (repeatable)")
+    p.add_argument("--device", action="append", help="device to check: cpu or cuda (repeatable)")
     p.set_defaults(run=_check)
+    parsers["check"] = p
 
     p = sub.add_parser("bench", help="benchmark against the memory-bandwidth limit")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--backend", action="append", help="backend to time (repeatable)")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs per case (median)")
+    p.add_argument("--repeat", type=_positive_int, default=5, help="timed runs per case (median)")
     p.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument(
         "--plot", metavar="FILE.png", help="also sweep T and plot time against T (matplotlib)"
     )
     p.set_defaults(run=_bench)
+    parsers["bench"] = p
 
     args = parser.parse_args(argv)
+    _validate(parsers, args)
     return int(args.run(args))
 
 
