@@ -153,3 +153,78 @@ def test_needs_a_process_group() -> None:
 def test_checks_inputs_first() -> None:
     with pytest.raises(TypeError, match=r"distributed\.linear_scan: expected tokens"):
         psd.linear_scan(0.5, [1.0, 2.0], 0)
+
+
+# --- shards that disagree: every rank raises, no abort, no mixed result ---------------
+# (rank 0's call, rank 1's call, what every rank's error names); each call is
+# (function, gates, tokens, dim, keyword arguments)
+_MISMATCHES = {
+    "channels": (
+        (psd.linear_scan, (2, 5, 3), 1, {}), (psd.linear_scan, (2, 4, 4), 1, {}), "(2, 3)"
+    ),
+    "dtype": (
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        (psd.linear_scan, (2, 5, 3), 1, {"dtype": torch.float64}),
+        "torch.float64",
+    ),
+    "dim": ((psd.linear_scan, (3, 3, 3), 0, {}), (psd.linear_scan, (3, 3, 3), 2, {}), "dim 2"),
+    "reverse": (
+        (psd.linear_scan, (2, 5, 3), 1, {"reverse": True}),
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        "reverse=True",
+    ),
+    "initial given on one rank": (
+        (psd.linear_scan, (2, 5, 3), 1, {"initial": True}),
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        "initial given",
+    ),
+    "linear on one rank, log on the other": (
+        (psd.linear_scan, (2, 5, 3), 1, {}), (psd.log_linear_scan, (2, 5, 3), 1, {}), "rank 1"
+    ),
+    "a rank whose own arguments are bad": (
+        (psd.linear_scan, (2, 5, 3), 1, {}), (psd.linear_scan, (2, 5, 3), 7, {}), "rejected"
+    ),
+}  # fmt: skip
+
+
+def _call(spec, rank):
+    fn, shape, dim, options = spec
+    options = dict(options)
+    dtype = options.pop("dtype", torch.float32)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.rand(shape, generator=g, dtype=dtype)
+    if options.pop("initial", False):
+        d = dim % len(shape) if -len(shape) <= dim < len(shape) else 0
+        options["initial"] = torch.zeros(shape[:d] + shape[d + 1 :], dtype=dtype)
+    return fn(torch.rand(shape, generator=g, dtype=dtype), tokens, dim, **options)
+
+
+def _mismatch_worker(rank, world, init_file):
+    import datetime
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        for what, (first, second, named) in _MISMATCHES.items():
+            own_error = rank == 1 and what == "a rank whose own arguments are bad"
+            expected = IndexError if own_error else RuntimeError
+            with pytest.raises(expected) as info:
+                _call(first if rank == 0 else second, rank)
+            if not own_error:
+                message = str(info.value)
+                assert message.startswith("parascan.distributed."), (what, message)
+                assert named in message, (what, message)
+        # the group still works afterwards
+        x = torch.arange(1.0, 9.0).reshape(2, 4)
+        out = psd.linear_scan(0.5, x[:, 2 * rank : 2 * rank + 2], -1)
+        torch.testing.assert_close(out, ps.linear_scan(0.5, x, -1)[:, 2 * rank : 2 * rank + 2])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shards_that_disagree_raise_on_every_rank() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_mismatch_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)

@@ -11,6 +11,12 @@ Summary of the algorithm (rank r of R, in scan order; ``reverse`` reverses it):
    applied to 0; the global final state composes all of them.
 4. Fix-up: the shard scanned again from its entering state (a second local pass).
 
+Before step 2 the ranks check that their shards agree in everything but the time
+length (shape, dtype, device type, dim, reverse, whether ``initial`` is given): a
+fixed-size header of int64 is all-gathered, started before the local scan so that
+it overlaps it, and every rank raises the same RuntimeError when any differ. The
+data all-gather would otherwise abort inside the collective or mix mismatched data.
+
 The backward is the same in reverse. The total gradient reaching the first state
 of rank r (lambda_r) obeys lambda_r = A_r^H lambda_{r+1} + mu_r, where mu_r is the
 local backward's gradient of the entering state with nothing arriving from later
@@ -29,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._op_utils import conj
-from parascan._scan_api import prepare
+from parascan._checks import FLOAT_DTYPES
+from parascan._op_utils import conj, state_shape
+from parascan._scan_api import Prepared, prepare
 from parascan.linear import linear_scan as local_linear_scan
 from parascan.linear.ops import linear_scan_backward_op
 from parascan.logspace import log_linear_scan as local_log_linear_scan
@@ -49,6 +56,7 @@ class _Semiring:
     local backward, and d(last state)/d(entering state) of a shard."""
 
     name: str
+    code: int  # tells the ops apart in the ranks' agreement check
     scan: Callable[..., Any]
     total: Callable[[Tensor, int], Tensor]
     apply: Callable[[Tensor, Tensor, Tensor], Tensor]  # (A, F, h) -> A (x) h (+) F
@@ -85,6 +93,7 @@ def _log_multiplier(
 
 _LINEAR = _Semiring(
     name="parascan.distributed.linear_scan",
+    code=1,
     scan=local_linear_scan,
     total=torch.prod,
     apply=lambda a, f, h: a * h + f,
@@ -94,6 +103,7 @@ _LINEAR = _Semiring(
 )
 _LOG = _Semiring(
     name="parascan.distributed.log_linear_scan",
+    code=2,
     scan=local_log_linear_scan,
     total=torch.sum,
     apply=lambda a, f, h: log_reference.logaddexp(a + h, f),
@@ -116,6 +126,137 @@ def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
     return torch.view_as_complex(gathered) if payload.is_complex() else gathered
 
 
+_HEADER_DIMS = 16  # state dims spelled out in the header; more are folded into a hash
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _header(semiring: _Semiring, p: Prepared, reverse: bool) -> Tensor:
+    """What every rank must agree on, as int64: the op, the number of dims, the
+    (non-negative) time dim, reverse, whether initial is given, the dtype, the
+    device type, and the shape without the time dim."""
+    shape = p.tokens.shape
+    dim = p.dim % len(shape)
+    state = [*shape[:dim], *shape[dim + 1 :]]
+    if len(state) > _HEADER_DIMS:
+        state = [*state[: _HEADER_DIMS - 1], hash(tuple(state[_HEADER_DIMS - 1 :])) % 2**62]
+    device = p.tokens.device.type
+    values = [
+        semiring.code, len(shape), dim, int(reverse), int(p.initial is not None),
+        FLOAT_DTYPES.index(p.tokens.dtype),
+        _DEVICE_TYPES.index(device) if device in _DEVICE_TYPES else 2 + sum(map(ord, device)),
+        *state, *[-1] * (_HEADER_DIMS - len(state)),
+    ]  # fmt: skip
+    return torch.tensor(values, dtype=torch.int64)
+
+
+_REJECTED = -1  # the op field of a rank whose own arguments were rejected
+# The forward's first collective is one message of this fixed size on every rank:
+# the header, then the shard's (A, F) when they fit (then it is the scan's only
+# collective), else padding (then it is started before the local scan, which it
+# overlaps, and the states follow in a second gather). Every rank sends the same
+# number of bytes whatever its data, so even ranks that disagree meet safely.
+_INLINE_BYTES = 16384
+
+
+def _wire_device(group: Any) -> torch.device:
+    """Where messages travel from: CUDA for NCCL, else CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _real_view(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+class _Agreement:
+    """The forward's checked exchange of every rank's (A, F): see _INLINE_BYTES."""
+
+    def __init__(self, name: str, header: Tensor, payload_bytes: int, group: Any) -> None:
+        self.name, self.header, self.group = name, header, group
+        self.inline = payload_bytes <= _INLINE_BYTES
+        if not self.inline:
+            self.pending, self.received = self._start(None)
+
+    def _start(self, payload: Tensor | None) -> tuple[Any, list[Tensor]]:
+        device = _wire_device(self.group)
+        message = torch.zeros(self.header.numel() * 8 + _INLINE_BYTES, dtype=torch.uint8)
+        message = message.to(device)
+        message[: self.header.numel() * 8] = self.header.to(device).view(torch.uint8)
+        if payload is not None:
+            raw = _real_view(payload).contiguous().view(-1).view(torch.uint8)
+            message[self.header.numel() * 8 : self.header.numel() * 8 + raw.numel()] = raw
+        received = [torch.empty_like(message) for _ in range(dist.get_world_size(self.group))]
+        return dist.all_gather(received, message, group=self.group, async_op=True), received
+
+    def reject(self) -> None:
+        """This rank's arguments were rejected: meet the others' first message with
+        a header saying so, so that every rank raises."""
+        pending, _ = self._start(None)
+        pending.wait()
+
+    def exchange(self, parts: list[Tensor]) -> Tensor:
+        """Every rank's ``parts`` stacked, (world, len(parts), *shape), once every
+        rank's header agrees with this one's; RuntimeError on every rank otherwise."""
+        payload = torch.stack(parts)
+        if self.inline:
+            self.pending, self.received = self._start(payload)
+        self.pending.wait()
+        head = self.header.numel() * 8
+        _check_agreement(self.name, [m[:head].view(torch.int64) for m in self.received], self.group)
+        if not self.inline:
+            return _all_gather_stacked(parts, self.group)
+        wire = _real_view(payload)
+        rows = [
+            m[head : head + wire.numel() * wire.element_size()].view(wire.dtype).view(wire.shape)
+            for m in self.received
+        ]
+        gathered = torch.stack(rows).to(payload.device)
+        return torch.view_as_complex(gathered) if payload.is_complex() else gathered
+
+
+_HEADER_FIELDS = ("op", "dims", "dim", "reverse", "initial given", "dtype", "device type")
+
+
+def _describe_header(row: list[int]) -> str:
+    fields = dict(zip(_HEADER_FIELDS, row, strict=False))
+    state = [x for x in row[len(_HEADER_FIELDS) :] if x >= 0]
+    dtype = FLOAT_DTYPES[fields["dtype"]] if 0 <= fields["dtype"] < len(FLOAT_DTYPES) else "?"
+    device = (
+        _DEVICE_TYPES[fields["device type"]]
+        if 0 <= fields["device type"] < len(_DEVICE_TYPES)
+        else "other"
+    )
+    return (
+        f"dim {fields['dim']} of {fields['dims']}, shape without it {tuple(state)}, {dtype}, "
+        f"{device}, reverse={bool(fields['reverse'])}, initial "
+        f"{'given' if fields['initial given'] else 'not given'}"
+    )
+
+
+def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
+    """Raise on every rank when the ranks' headers differ (every rank holds the same
+    gathered headers, so every rank reaches the same verdict)."""
+    rows = [h.tolist() for h in gathered]
+    if all(row == rows[0] for row in rows[1:]) and rows[0][0] != _REJECTED:
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(rows))
+    rejected = [r for r, row in zip(ranks, rows, strict=True) if row[0] == _REJECTED]
+    if rejected:
+        raise RuntimeError(
+            f"{name}: rank(s) {', '.join(map(str, rejected))} rejected their arguments "
+            f"(their own error says why), so no rank can scan"
+        )
+    received = "; ".join(
+        f"rank {r}: {_describe_header(row)}" for r, row in zip(ranks, rows, strict=True)
+    )
+    raise RuntimeError(
+        f"{name}: expected every rank's shard to agree in all but the length of the time "
+        f"dim (shape, dtype, device type, dim, reverse, whether initial is given), but got "
+        f"{received}"
+    )
+
+
 def _order(group: Any, reverse: bool) -> tuple[int, int]:
     """(this rank's position in scan order, world size)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -134,7 +275,7 @@ class _ShardScan(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, semiring: _Semiring, gates: Tensor, tokens: Tensor, initial: Tensor | None,
-        dim: int, reverse: bool, backend: str, group: Any,
+        dim: int, reverse: bool, backend: str, group: Any, agreement: _Agreement,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         position, world = _order(group, reverse)
         first = position == 0
@@ -145,7 +286,7 @@ class _ShardScan(torch.autograd.Function):
             backend=backend,
         )  # fmt: skip
         total = semiring.total(gates, dim)
-        gathered = _all_gather_stacked([total, local_final], group)
+        gathered = agreement.exchange([total, local_final])
         if reverse:  # ranks to scan positions
             gathered = gathered.flip(0)
         # 3. the entering state, and the global final state
@@ -189,7 +330,7 @@ class _ShardScan(torch.autograd.Function):
             grad_gates, grad_tokens = torch.zeros_like(gates), torch.zeros_like(tokens)
             grad_start = carry
         grad_initial = grad_start if ctx.position == 0 and ctx.had_initial else None
-        return None, grad_gates, grad_tokens, grad_initial, None, None, None, None
+        return None, grad_gates, grad_tokens, grad_initial, None, None, None, None, None
 
 
 def _distributed(
@@ -197,17 +338,29 @@ def _distributed(
     initial: object, reverse: bool, return_final: bool, backend: str, names: tuple[str, str],
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     name = semiring.name
-    p = prepare(name, gates, tokens, dim, initial, reverse, True, backend, names=names)
-    if not dist.is_available() or not dist.is_initialized():
+    grouped = dist.is_available() and dist.is_initialized()
+    try:
+        p = prepare(name, gates, tokens, dim, initial, reverse, True, backend, names=names)
+        if p.scalar:
+            raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
+    except (TypeError, ValueError, RuntimeError):
+        if grouped:
+            # The other ranks wait in the first exchange: tell them, so that every
+            # rank raises instead of waiting for the collective's timeout.
+            rejected = torch.full((len(_HEADER_FIELDS) + _HEADER_DIMS,), _REJECTED)
+            _Agreement(name, rejected.long(), _INLINE_BYTES, group).reject()
+        raise
+    if not grouped:
         raise RuntimeError(
             f"{name}: expected an initialized torch.distributed process group "
             "(torch.distributed.init_process_group), but there is none"
         )
-    if p.scalar:
-        raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
+    state = math.prod(state_shape(p.tokens, p.dim))
+    payload_bytes = 2 * state * p.tokens.element_size()  # (A, F): two states
+    agreement = _Agreement(name, _header(semiring, p, reverse), payload_bytes, group)
     out, final = _ShardScan.apply(
         semiring, p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend,
-        group,
+        group, agreement,
     )  # type: ignore[no-untyped-call]  # fmt: skip
     if not return_final:
         return out  # type: ignore[no-any-return]
@@ -254,7 +407,8 @@ def linear_scan(
             the local shard.
         group: the process group (``None``: the default group).
         initial: the state before the first step, read on the first rank (the last
-            when ``reverse``); ignored on the others.
+            when ``reverse``). Every rank passes one or none does (the ranks check
+            that they agree); the others' values are not read.
         return_final: also return the global final state (the last state of the last
             rank, or the first of the first when reversed), on every rank.
 
