@@ -21,6 +21,9 @@ import torch
 
 from parascan._tolerance import TOLERANCE
 
+# A skipped test of installed code fails the run (skip_policy.py).
+pytest_plugins = ["skip_policy"]
+
 torch.use_deterministic_algorithms(True)
 torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
 

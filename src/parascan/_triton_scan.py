@@ -79,6 +79,14 @@ def _store(ptr, off, re, im, mask, IS_COMPLEX: tl.constexpr):
 
 
 @triton.jit
+def _both(mask, cond):
+    """``mask & cond`` for a block mask and a scalar condition. Written as a select:
+    Triton 3.9's interpreter turns ``&`` of a block and a scalar int1 into int32,
+    which it then refuses as a mask (on a GPU both forms compile the same)."""
+    return tl.where(cond, mask, False)
+
+
+@triton.jit
 def _time(REVERSE: tl.constexpr, s, T):
     """The time index of step s of this pass, as int64: offsets t * stride may pass 2^31."""
     if REVERSE:
@@ -124,7 +132,7 @@ def _multiplier(
     else:
         # the step before t in this pass's order (the next in the forward's); none at s = 0
         tp = _shift(REVERSE, t, False)
-        has = mask & (s > 0)
+        has = _both(mask, s > 0)
         mr, mi = _load(a_ptr, a_base + tp * sa1, has, IS_COMPLEX, ACC)
         if MODE == 2:
             mi = -mi  # conj
@@ -273,9 +281,9 @@ def _apply(
             tn = _shift(REVERSE, t, True)
             inside = (tn >= 0) & (tn < T)
             if MODE == 2:
-                xr, xi = _load(h_ptr, h_base + tn * sh1, mask & inside, IS_COMPLEX, ACC)
+                xr, xi = _load(h_ptr, h_base + tn * sh1, _both(mask, inside), IS_COMPLEX, ACC)
                 if HAS_INIT:
-                    ir, ii = _load(i_ptr, i_base, mask & ~inside, IS_COMPLEX, ACC)
+                    ir, ii = _load(i_ptr, i_base, _both(mask, ~inside), IS_COMPLEX, ACC)
                     xr, xi = tl.where(inside, xr, ir), tl.where(inside, xi, ii)
                 _store(o1_ptr, out_base + t * INNER, hr, hi, mask, IS_COMPLEX)
                 gr, gi = _cmul(hr, hi, xr, -xi, IS_COMPLEX)
@@ -283,7 +291,7 @@ def _apply(
             else:
                 h_t = tl.load(h_ptr + h_base + t * sh1, mask=mask, other=0.0).to(ACC)
                 h_prev = tl.load(
-                    h_ptr + h_base + tn * sh1, mask=mask & inside, other=float("-inf")
+                    h_ptr + h_base + tn * sh1, mask=_both(mask, inside), other=float("-inf")
                 ).to(ACC)
                 if HAS_INIT:
                     init = tl.load(i_ptr + i_base, mask=mask, other=float("-inf")).to(ACC)

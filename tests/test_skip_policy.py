@@ -1,0 +1,29 @@
+"""The suite's skip policy (skip_policy.py), run on small test files of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ("def test_a():\n    pytest.importorskip('surely_not_installed_pkg')", 0),
+        ("def test_a():\n    pytest.skip('the kernel library is not built')", 1),
+        # installed (pytest itself), but the import fails: a skip that hid a broken extra
+        ("def test_a():\n    pytest.importorskip('pytest.no_such_module')", 1),
+        ("@pytest.mark.skipif(True, reason='no reason')\ndef test_a():\n    pass", 1),
+        ("def test_a():\n    pass", 0),
+    ],
+)
+def test_only_missing_optional_packages_may_skip(pytester, monkeypatch, body, code) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    pytester.makepyfile(f"import pytest\n\n\n{body}\n")
+    result = pytester.runpytest_subprocess("-p", "skip_policy", "-p", "no:cacheprovider")
+    assert result.ret == code, result.stdout.str()
