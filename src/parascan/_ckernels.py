@@ -29,6 +29,7 @@ __all__ = [
     "dims3",
     "forward",
     "kernel",
+    "kernel_constants",
     "state2",
     "view3",
 ]
@@ -83,6 +84,29 @@ def kernel(name: str, dtype: torch.dtype) -> Any:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p]
     return fn
+
+
+_CONSTANT_NAMES = {
+    "scan": ("BLOCK", "ROWS", "TILE", "LONG_STEPS", "LONG_ROWS", "LONG_CHUNKS", "LONG_MIN_LEN",
+             "LONG_CHUNK_BYTES"),
+    "product": ("PRODUCT_ITEMS", "PRODUCT_MIN_SEGMENT"),
+}  # fmt: skip
+
+
+@functools.cache
+def kernel_constants() -> dict[str, int]:
+    """The C kernels' block and chunk constants, as the library was built with them
+    (for tests and the fuzzer, which place lengths around each one)."""
+    lib = _checked_library()
+    constants = {}
+    for family, names in _CONSTANT_NAMES.items():
+        fn = getattr(lib, f"ps_{family}_constants")
+        fn.restype = ctypes.c_int64
+        values = (ctypes.c_int64 * len(names))()
+        if fn(values, len(names)) != len(names):
+            raise RuntimeError(f"parascan: ps_{family}_constants disagrees with {names}")
+        constants.update(zip(names, values, strict=True))
+    return constants
 
 
 Operand = tuple["torch.Tensor | None", tuple[int, ...]]

@@ -9,18 +9,24 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
+import os
 from pathlib import Path
 
-__all__ = ["kernel_library", "kernel_library_error"]
+__all__ = ["kernel_library", "kernel_library_error", "kernel_library_path"]
 
 _STEM = "_kernels"
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     here = Path(__file__).resolve().parent
     candidates = [here / (_STEM + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    # Another build of the same sources (tools/sanitize.sh: with AddressSanitizer and
+    # UBSan), for testing; never needed otherwise.
+    override = os.environ.get("PARASCAN_KERNEL_LIBRARY")
+    if override:
+        candidates = [Path(override)]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
         return None, (
@@ -38,7 +44,18 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
             f"{path} has kernel ABI {found} but this parascan expects {ABI_VERSION}; "
             "rebuild it (pip install -e .)"
         )
+    global _loaded_path
+    _loaded_path = str(path)
     return lib, None
+
+
+_loaded_path: str | None = None
+
+
+def kernel_library_path() -> str | None:
+    """The file the kernels were loaded from (None until they are, or if they fail)."""
+    _load()
+    return _loaded_path
 
 
 def kernel_library() -> ctypes.CDLL:

@@ -210,11 +210,9 @@ static ps_scan_fwd_args FN(block_rows)(const ps_scan_fwd_args *f, int64_t o, int
     return r;
 }
 
-/* The chunk length of a row's whole blocks: about 8 KiB of each input, plus a
- * cache line, so that the 8 chunks stepped together do not all map to one cache
- * set (as rows a power of two apart would). */
+/* The chunk length of a row's whole blocks (see PS_LONG_CHUNK_BYTES). */
 static int64_t FN(long_len)(void) {
-    return (8192 + 64) / (int64_t)sizeof(ST);
+    return PS_LONG_CHUNK_BYTES / (int64_t)sizeof(ST);
 }
 
 /* Fresh output memory is zeroed by the OS at its first touch, one (huge) page at a

@@ -17,6 +17,12 @@ PS_API int64_t ps_product_args_size(void) { return (int64_t)sizeof(ps_product_ar
  * PS_PRODUCT_MIN_SEGMENT matrices, up to this many pieces of work in all. */
 enum { PS_PRODUCT_ITEMS = 16, PS_PRODUCT_MIN_SEGMENT = 8 };
 
+PS_API int64_t ps_product_constants(int64_t *out, int64_t n) {
+    const int64_t values[] = {PS_PRODUCT_ITEMS, PS_PRODUCT_MIN_SEGMENT};
+    for (int64_t i = 0; i < n && i < 2; i++) out[i] = values[i];
+    return 2;
+}
+
 static int64_t ps_product_segments(int64_t batch, int64_t steps) {
     if (batch >= PS_PRODUCT_ITEMS) return 1;
     int64_t segs = (PS_PRODUCT_ITEMS + batch - 1) / batch;

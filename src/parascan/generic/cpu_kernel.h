@@ -35,6 +35,8 @@ typedef struct {
 } ps_product_args;
 
 PS_API int64_t ps_product_args_size(void);
+/* For tests: out[] = {PS_PRODUCT_ITEMS, PS_PRODUCT_MIN_SEGMENT}; returns the count. */
+PS_API int64_t ps_product_constants(int64_t *out, int64_t n);
 /* 0 on success; 1 for a bad shape, 2 when the scratch memory cannot be allocated. */
 PS_API int ps_matrix_product_f32(const ps_product_args *args);
 PS_API int ps_matrix_product_f64(const ps_product_args *args);

@@ -1,0 +1,343 @@
+"""Differential fuzzer of the C kernels against the float64 loops, time-boxed.
+
+    python tests/fuzz_kernels.py --seconds 60              # a new random seed, printed
+    python tests/fuzz_kernels.py --seed 123 --case 45      # one case again, alone
+
+Every case goes through the public functions, so each C entry point is reached the
+way users reach it (linear_scan and log_linear_scan forward and fused backward in
+every dtype, matrix_linear_scan, the matrix-product kernel of associative_reduce),
+with what torch can hand over: negative dims, lazy negative and conjugate views,
+stride-0 (broadcast), sliced and transposed inputs, reverse, initial states, 1 to 4
+threads, and lengths on and around every block and chunk constant the kernels were
+built with (read from the library, parascan._ckernels.kernel_constants). Outputs,
+final states and gradients are compared with the float64 loops of conftest.py.
+
+Case ``i`` of seed ``s`` draws from ``random.Random(f"{s}-{i}")`` only, so a failure
+reproduces alone with ``--seed s --case i``. The process exits 1 on any mismatch;
+run under AddressSanitizer and UBSan (tools/sanitize.sh) any out-of-bounds access
+or undefined behaviour aborts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from conftest import assert_matches, log_loop_oracle, loop_oracle  # noqa: E402
+
+import parascan as ps  # noqa: E402
+from parascan._ckernels import kernel_constants  # noqa: E402
+from parascan._native import kernel_library_path  # noqa: E402
+
+FIRST_ORDER_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
+GRAD_MAX_STEPS = 600  # gradients through the loop oracle's autograd graph
+
+
+def _lengths(rng: random.Random, dtype_size: int) -> int:
+    """A time length: small, or on/around one of the kernels' constants."""
+    c = kernel_constants()
+    long_block = c["LONG_CHUNKS"] * (c["LONG_CHUNK_BYTES"] // dtype_size)
+    anchors = [c["ROWS"], c["TILE"], c["BLOCK"], c["LONG_STEPS"], long_block,
+               c["LONG_CHUNKS"] * c["LONG_MIN_LEN"]]  # fmt: skip
+    if rng.random() < 0.55:
+        return rng.choice([0, 1, 2, 3, *range(4, 70), 127, 128, 129, 257, 1031])
+    return max(0, rng.choice(anchors) + rng.choice([-1, 0, 1, 7]))
+
+
+def _channels(rng: random.Random) -> int:
+    c = kernel_constants()
+    return rng.choice([1, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65,
+                       c["BLOCK"] - 1, c["BLOCK"] + 1, c["LONG_ROWS"], c["LONG_ROWS"] + 1])  # fmt: skip
+
+
+def _view(rng: random.Random, t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t`` (the values) as a view of the given kind, equal to ``t``."""
+    if kind == "transposed" and t.dim() >= 2:
+        return t.transpose(0, -1).contiguous().transpose(0, -1)
+    if kind == "sliced" and t.dim() >= 1 and t.numel():
+        d = rng.randrange(t.dim())
+        big = torch.repeat_interleave(t, 2, dim=d)
+        return big.narrow(d, rng.randrange(2), 2 * t.shape[d] - 1)[
+            (slice(None),) * d + (slice(None, None, 2),)
+        ]
+    if kind == "negative":
+        return (-t)._neg_view()
+    if kind == "conjugate" and t.is_complex():
+        return t.conj_physical().conj()
+    return t
+
+
+_KINDS = ["contiguous", "contiguous", "transposed", "sliced", "negative", "conjugate"]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, low: float = -1.0):
+    real = torch.rand(shape, generator=gen, dtype=torch.float64) * (1 - low) + low
+    if dtype.is_complex:
+        imag = torch.rand(shape, generator=gen, dtype=torch.float64) * 0.5
+        real = torch.complex(real, imag)
+    return real.to(dtype)
+
+
+def _first_order_case(rng: random.Random, log: bool) -> tuple[str, Callable[[], None]]:
+    dtype = rng.choice(FIRST_ORDER_DTYPES)
+    size = torch.empty((), dtype=dtype).element_size()
+    steps = _lengths(rng, size)
+    ndim = rng.choice([1, 2, 2, 3])
+    shape = [_channels(rng) for _ in range(ndim)]
+    time_dim = rng.randrange(ndim)
+    shape[time_dim] = steps
+    if steps >= 4096:  # long rows: few of them, time contiguous (the long-row path)
+        shape = [rng.choice([1, 2, 3, kernel_constants()["LONG_ROWS"]]) for _ in range(ndim)]
+        time_dim = ndim - 1
+        shape[time_dim] = steps
+        if math.prod(shape) > MAX_ELEMENTS:
+            shape = [1] * (ndim - 1) + [steps]
+    while math.prod(shape) > MAX_ELEMENTS:
+        biggest = max((i for i in range(ndim) if i != time_dim), key=lambda i: shape[i])
+        shape[biggest] = max(1, shape[biggest] // 2)
+    dim = time_dim - ndim if rng.random() < 0.5 else time_dim
+    reverse = rng.random() < 0.5
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    if log:
+        gates = _random(tuple(shape), dtype, gen, low=-2.0).real.clamp(max=0).to(dtype)
+        if dtype.is_complex:
+            gates = gates + 1j * _random(tuple(shape), dtype, gen).imag.to(dtype)
+        tokens = _random(tuple(shape), dtype, gen, low=-3.0)
+        if not dtype.is_complex and rng.random() < 0.3:  # log 0 tokens
+            tokens = tokens.masked_fill(torch.rand(tuple(shape), generator=gen) < 0.2, -math.inf)
+    else:
+        mag = 0.5 + 0.5 * torch.rand(tuple(shape), generator=gen, dtype=torch.float64)
+        gates = (mag * torch.exp(1j * _random(tuple(shape), torch.float64, gen))).to(dtype) \
+            if dtype.is_complex else mag.to(dtype)  # fmt: skip
+        tokens = _random(tuple(shape), dtype, gen)
+    if rng.random() < 0.25 and ndim > 1:  # broadcast gates: stride 0 along a dim
+        keep = rng.choice([i for i in range(ndim) if i != time_dim])
+        gates = gates.narrow(keep, 0, 1).expand(tuple(shape))
+    state = [s for i, s in enumerate(shape) if i != time_dim]
+    initial = None
+    if rng.random() < 0.5:
+        initial = _random(tuple(state), dtype, gen, low=-2.0 if log else -1.0)
+        if log and not dtype.is_complex:
+            initial = initial.real.to(dtype)
+    kinds = [rng.choice(_KINDS) for _ in range(3)]
+    a, b = _view(rng, gates, kinds[0]), _view(rng, tokens, kinds[1])
+    h = None if initial is None else _view(rng, initial, kinds[2])
+    grads = steps <= GRAD_MAX_STEPS and math.prod(shape) <= 20_000 and rng.random() < 0.5
+    threads = rng.choice([1, 2, 3, 4])
+    what = (f"{'log_linear_scan' if log else 'linear_scan'} {dtype} shape {tuple(shape)} "
+            f"dim {dim} reverse {reverse} initial {initial is not None} views {kinds} "
+            f"threads {threads} grads {grads}")  # fmt: skip
+    return what, lambda: _with_threads(
+        threads, lambda: _check_first_order(log, a, b, h, dim, reverse, grads, dtype)
+    )
+
+
+def _with_threads(n: int, fn: Callable[[], None]) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _oracle(log: bool, a, b, h, dim, reverse):  # type: ignore[no-untyped-def]
+    if not log:
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        return loop_oracle(a.to(wide), b.to(wide), dim, None if h is None else h.to(wide), reverse)
+    if a.is_complex():  # compare exp(h): the complex log's branch is not unique
+        x, final = loop_oracle(
+            a.cdouble().exp(), b.cdouble().exp(), dim,
+            None if h is None else h.cdouble().exp(), reverse,
+        )  # fmt: skip
+        return x, final
+    return log_loop_oracle(a.double(), b.double(), dim, None if h is None else h.double(), reverse)
+
+
+def _check_first_order(log, a, b, h, dim, reverse, grads, dtype) -> None:  # type: ignore[no-untyped-def]
+    fn = ps.log_linear_scan if log else ps.linear_scan
+    want, want_final = _oracle(log, a, b, h, dim, reverse)
+    leaves = []
+    if grads:
+        a, b = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        leaves = [a, b]
+        if h is not None:
+            h = h.detach().clone().requires_grad_()
+            leaves.append(h)
+    got, final = fn(a, b, dim, initial=h, reverse=reverse, return_final=True)
+    plain = fn(a.detach(), b.detach(), dim, initial=None if h is None else h.detach(),
+               reverse=reverse)  # fmt: skip  (the eager fast path, no final state)
+    if log and dtype.is_complex:
+        got, final, plain = got.exp(), final.exp(), plain.exp()
+    for actual, expected in ((got, want), (final, want_final), (plain, want)):
+        _assert_close(actual.detach(), expected, dtype, log)
+    if not grads:
+        return
+    weights = torch.randn(want.shape, dtype=torch.float64).to(want.dtype)
+    if log:
+        finite = torch.isfinite(want.real) & torch.isfinite(got.real.detach())
+        weights = torch.where(finite, weights, 0)
+    wide = [t.detach().to(torch.complex128 if t.is_complex() else torch.float64).requires_grad_()
+            for t in leaves]  # fmt: skip
+    oracle_out, _ = _oracle(log, wide[0], wide[1], dim=dim, reverse=reverse,
+                            h=wide[2] if len(wide) > 2 else None)  # fmt: skip
+    if log and dtype.is_complex:
+        return  # the exp-space oracle has other gradients; values were checked
+    loss = (torch.where(torch.isfinite(oracle_out), oracle_out, 0) * weights).real.sum()
+    want_grads = torch.autograd.grad(loss, wide, allow_unused=True)
+    got_out = torch.where(torch.isfinite(got.real), got, 0)
+    got_loss = (got_out * weights.to(got.dtype)).real.sum()
+    got_grads = torch.autograd.grad(got_loss, leaves, allow_unused=True)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        if w is None:
+            continue
+        _assert_close(g, torch.nan_to_num(w, nan=0.0), dtype, log)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype, log: bool) -> None:  # type: ignore[no-untyped-def]
+    if log and not dtype.is_complex:  # -inf where the result is log 0
+        inf = torch.isinf(expected)
+        assert torch.equal(torch.isinf(actual) & inf, inf), "log 0 positions differ"
+        actual, expected = actual.masked_fill(inf, 0), expected.masked_fill(inf, 0)
+    assert_matches(actual, expected, dtype)
+
+
+def _matrix_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    dtype = rng.choice([torch.float32, torch.float64])
+    d = rng.choice([1, 2, 3, 4, 5, 8, 9, 17])
+    steps = rng.choice([0, 1, 2, 3, 17, 64, 65, 300])
+    batch = rng.choice([(), (1,), (3,), (2, 3)])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    w = torch.randn((*batch, steps, d, d), generator=gen, dtype=torch.float64) / (2 * math.sqrt(d))
+    b = torch.randn((*batch, steps, d), generator=gen, dtype=torch.float64)
+    h = torch.randn((*batch, d), generator=gen, dtype=torch.float64) if rng.random() < 0.5 else None
+    if batch and rng.random() < 0.3:  # weights shared by the batch: stride 0
+        w = w[:1].expand(*w.shape) if len(batch) == 1 else w[:, :1].expand(*w.shape)
+    reverse = rng.random() < 0.5
+    kinds = [rng.choice(["contiguous", "transposed", "sliced", "negative"]) for _ in range(3)]
+    wv = _view(rng, w.to(dtype), kinds[0])
+    if kinds[0] == "transposed":
+        wv = w.to(dtype).transpose(-1, -2).contiguous().transpose(-1, -2)  # column-major
+    bv = _view(rng, b.to(dtype), kinds[1])
+    hv = None if h is None else _view(rng, h.to(dtype), kinds[2])
+    threads = rng.choice([1, 2, 3, 4])
+    what = (f"matrix_linear_scan {dtype} weights {tuple(w.shape)} reverse {reverse} "
+            f"initial {h is not None} views {kinds} threads {threads}")  # fmt: skip
+
+    def check() -> None:
+        got, final = ps.matrix_linear_scan(wv, bv, initial=hv, reverse=reverse, return_final=True)
+        x = torch.zeros((*batch, d), dtype=torch.float64) if h is None else h.clone()
+        x = x.expand(*batch, d) + 0
+        w64, b64 = w.to(dtype).double(), b.to(dtype).double()
+        if h is not None:
+            x = h.to(dtype).double().expand(*batch, d) + 0
+        out = torch.zeros((*batch, steps, d), dtype=torch.float64)
+        for t in reversed(range(steps)) if reverse else range(steps):
+            x = (w64[..., t, :, :] @ x.unsqueeze(-1)).squeeze(-1) + b64[..., t, :]
+            out[..., t, :] = x
+        assert_matches(got, out, dtype)
+        assert_matches(final, x, dtype)
+
+    return what, lambda: _with_threads(threads, check)
+
+
+def _product_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    c = kernel_constants()
+    dtype = rng.choice([torch.float32, torch.float64])
+    d = rng.choice([1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33])
+    n = max(2, rng.choice([2, 3, c["PRODUCT_MIN_SEGMENT"], c["PRODUCT_MIN_SEGMENT"] + 1,
+                            2 * c["PRODUCT_MIN_SEGMENT"] - 1, 100, 257]))  # fmt: skip
+    batch = rng.choice([(), (1,), (c["PRODUCT_ITEMS"] - 1,), (c["PRODUCT_ITEMS"],),
+                        (c["PRODUCT_ITEMS"] + 1,), (2, 3)])  # fmt: skip
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    q = torch.linalg.qr(torch.randn((*batch, n, d, d), generator=gen, dtype=torch.float64))[0]
+    x = q.to(dtype)
+    time_dim = len(batch) if rng.random() < 0.7 else 0
+    if time_dim != len(batch):
+        x = x.movedim(len(batch), 0)
+    kind = rng.choice(["contiguous", "transposed", "sliced", "negative"])
+    xv = _view(rng, x, kind)
+    if kind == "transposed":
+        xv = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    dim = time_dim - x.dim() if rng.random() < 0.5 else time_dim
+    threads = rng.choice([1, 2, 3, 4])
+    what = f"associative_reduce(matmul) {dtype} {tuple(x.shape)} dim {dim} view {kind} threads {threads}"
+
+    def check() -> None:
+        got = ps.associative_reduce(torch.matmul, xv, dim)
+        want = functools.reduce(torch.matmul, x.double().movedim(time_dim, 0).unbind(0))
+        tol = 5e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=tol * max(1.0, n / 50))
+
+    return what, lambda: _with_threads(threads, check)
+
+
+def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
+    """Case ``case`` of ``seed``: its description, and the check that runs it."""
+    rng = random.Random(f"{seed}-{case}")
+    kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product"])
+    if kind in ("linear", "log"):
+        return _first_order_case(rng, log=kind == "log")
+    return _matrix_case(rng) if kind == "matrix" else _product_case(rng)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tests/fuzz_kernels.py")
+    parser.add_argument("--seconds", type=float, default=60.0, help="time box (default 60)")
+    parser.add_argument("--seed", type=int, help="default: a new random one, printed")
+    parser.add_argument("--case", type=int, help="run this one case of --seed only")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    loaded, wanted = kernel_library_path(), os.environ.get("PARASCAN_KERNEL_LIBRARY")
+    print(f"fuzz_kernels: kernels from {loaded}")
+    if loaded is None or (wanted and Path(loaded) != Path(wanted)):
+        print(f"fuzz_kernels: expected the kernels from {wanted or 'the package'}; stopping")
+        return 2
+    print(f"fuzz_kernels: seed {seed} (reproduce a case with --seed {seed} --case N)", flush=True)
+    cases = [args.case] if args.case is not None else None
+    start, done, failures = time.monotonic(), 0, 0
+    case = 0
+    while True:
+        if cases is not None:
+            if not cases:
+                break
+            case = cases.pop()
+        elif time.monotonic() - start > args.seconds:
+            break
+        what = "(the case could not be built)"
+        try:
+            what, check = make_case(seed, case)
+            check()
+        except Exception:
+            failures += 1
+            print(f"MISMATCH seed {seed} case {case}: {what}", flush=True)
+            traceback.print_exc()
+        done += 1
+        case += 1
+    print(f"fuzz_kernels: seed {seed}: {done} cases in {time.monotonic() - start:.0f} s, "
+          f"{failures} failed")  # fmt: skip
+    print(f"{done - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
