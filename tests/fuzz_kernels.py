@@ -33,12 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from conftest import assert_matches, log_loop_oracle, loop_oracle  # noqa: E402
+import torch
 
-import parascan as ps  # noqa: E402
-from parascan._ckernels import kernel_constants  # noqa: E402
-from parascan._native import kernel_library_path  # noqa: E402
+import parascan as ps
+from parascan._ckernels import kernel_constants
+from parascan._native import kernel_library_path
+
+from conftest import assert_matches, log_loop_oracle, loop_oracle
 
 FIRST_ORDER_DTYPES = [
     torch.float16,
@@ -56,8 +57,14 @@ def _lengths(rng: random.Random, dtype_size: int) -> int:
     """A time length: small, or on/around one of the kernels' constants."""
     c = kernel_constants()
     long_block = c["LONG_CHUNKS"] * (c["LONG_CHUNK_BYTES"] // dtype_size)
-    anchors = [c["ROWS"], c["TILE"], c["BLOCK"], c["LONG_STEPS"], long_block,
-               c["LONG_CHUNKS"] * c["LONG_MIN_LEN"]]  # fmt: skip
+    anchors = [
+        c["ROWS"],
+        c["TILE"],
+        c["BLOCK"],
+        c["LONG_STEPS"],
+        long_block,
+        c["LONG_CHUNKS"] * c["LONG_MIN_LEN"],
+    ]
     if rng.random() < 0.55:
         return rng.choice([0, 1, 2, 3, *range(4, 70), 127, 128, 129, 257, 1031])
     return max(0, rng.choice(anchors) + rng.choice([-1, 0, 1, 7]))
@@ -65,8 +72,8 @@ def _lengths(rng: random.Random, dtype_size: int) -> int:
 
 def _channels(rng: random.Random) -> int:
     c = kernel_constants()
-    return rng.choice([1, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65,
-                       c["BLOCK"] - 1, c["BLOCK"] + 1, c["LONG_ROWS"], c["LONG_ROWS"] + 1])  # fmt: skip
+    sizes = [1, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65]
+    return rng.choice([*sizes, c["BLOCK"] - 1, c["BLOCK"] + 1, c["LONG_ROWS"], c["LONG_ROWS"] + 1])
 
 
 def _view(rng: random.Random, t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -126,8 +133,11 @@ def _first_order_case(rng: random.Random, log: bool) -> tuple[str, Callable[[], 
             tokens = tokens.masked_fill(torch.rand(tuple(shape), generator=gen) < 0.2, -math.inf)
     else:
         mag = 0.5 + 0.5 * torch.rand(tuple(shape), generator=gen, dtype=torch.float64)
-        gates = (mag * torch.exp(1j * _random(tuple(shape), torch.float64, gen))).to(dtype) \
-            if dtype.is_complex else mag.to(dtype)  # fmt: skip
+        gates = (
+            (mag * torch.exp(1j * _random(tuple(shape), torch.float64, gen))).to(dtype)
+            if dtype.is_complex
+            else mag.to(dtype)
+        )
         tokens = _random(tuple(shape), dtype, gen)
     if rng.random() < 0.25 and ndim > 1:  # broadcast gates: stride 0 along a dim
         keep = rng.choice([i for i in range(ndim) if i != time_dim])
@@ -143,9 +153,11 @@ def _first_order_case(rng: random.Random, log: bool) -> tuple[str, Callable[[], 
     h = None if initial is None else _view(rng, initial, kinds[2])
     grads = steps <= GRAD_MAX_STEPS and math.prod(shape) <= 20_000 and rng.random() < 0.5
     threads = rng.choice([1, 2, 3, 4])
-    what = (f"{'log_linear_scan' if log else 'linear_scan'} {dtype} shape {tuple(shape)} "
-            f"dim {dim} reverse {reverse} initial {initial is not None} views {kinds} "
-            f"threads {threads} grads {grads}")  # fmt: skip
+    what = (
+        f"{'log_linear_scan' if log else 'linear_scan'} {dtype} shape {tuple(shape)} "
+        f"dim {dim} reverse {reverse} initial {initial is not None} views {kinds} "
+        f"threads {threads} grads {grads}"
+    )
     return what, lambda: _with_threads(
         threads, lambda: _check_first_order(log, a, b, h, dim, reverse, grads, dtype)
     )
@@ -166,9 +178,12 @@ def _oracle(log: bool, a, b, h, dim, reverse):  # type: ignore[no-untyped-def]
         return loop_oracle(a.to(wide), b.to(wide), dim, None if h is None else h.to(wide), reverse)
     if a.is_complex():  # compare exp(h): the complex log's branch is not unique
         x, final = loop_oracle(
-            a.cdouble().exp(), b.cdouble().exp(), dim,
-            None if h is None else h.cdouble().exp(), reverse,
-        )  # fmt: skip
+            a.cdouble().exp(),
+            b.cdouble().exp(),
+            dim,
+            None if h is None else h.cdouble().exp(),
+            reverse,
+        )
         return x, final
     return log_loop_oracle(a.double(), b.double(), dim, None if h is None else h.double(), reverse)
 
@@ -184,8 +199,9 @@ def _check_first_order(log, a, b, h, dim, reverse, grads, dtype) -> None:  # typ
             h = h.detach().clone().requires_grad_()
             leaves.append(h)
     got, final = fn(a, b, dim, initial=h, reverse=reverse, return_final=True)
-    plain = fn(a.detach(), b.detach(), dim, initial=None if h is None else h.detach(),
-               reverse=reverse)  # fmt: skip  (the eager fast path, no final state)
+    plain = fn(
+        a.detach(), b.detach(), dim, initial=None if h is None else h.detach(), reverse=reverse
+    )  # the eager fast path, no final state
     if log and dtype.is_complex:
         got, final, plain = got.exp(), final.exp(), plain.exp()
     for actual, expected in ((got, want), (final, want_final), (plain, want)):
@@ -196,10 +212,13 @@ def _check_first_order(log, a, b, h, dim, reverse, grads, dtype) -> None:  # typ
     if log:
         finite = torch.isfinite(want.real) & torch.isfinite(got.real.detach())
         weights = torch.where(finite, weights, 0)
-    wide = [t.detach().to(torch.complex128 if t.is_complex() else torch.float64).requires_grad_()
-            for t in leaves]  # fmt: skip
-    oracle_out, _ = _oracle(log, wide[0], wide[1], dim=dim, reverse=reverse,
-                            h=wide[2] if len(wide) > 2 else None)  # fmt: skip
+    wide = [
+        t.detach().to(torch.complex128 if t.is_complex() else torch.float64).requires_grad_()
+        for t in leaves
+    ]
+    oracle_out, _ = _oracle(
+        log, wide[0], wide[1], dim=dim, reverse=reverse, h=wide[2] if len(wide) > 2 else None
+    )
     if log and dtype.is_complex:
         return  # the exp-space oracle has other gradients; values were checked
     loss = (torch.where(torch.isfinite(oracle_out), oracle_out, 0) * weights).real.sum()
@@ -240,8 +259,10 @@ def _matrix_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     bv = _view(rng, b.to(dtype), kinds[1])
     hv = None if h is None else _view(rng, h.to(dtype), kinds[2])
     threads = rng.choice([1, 2, 3, 4])
-    what = (f"matrix_linear_scan {dtype} weights {tuple(w.shape)} reverse {reverse} "
-            f"initial {h is not None} views {kinds} threads {threads}")  # fmt: skip
+    what = (
+        f"matrix_linear_scan {dtype} weights {tuple(w.shape)} reverse {reverse} "
+        f"initial {h is not None} views {kinds} threads {threads}"
+    )
 
     def check() -> None:
         got, final = ps.matrix_linear_scan(wv, bv, initial=hv, reverse=reverse, return_final=True)
@@ -264,10 +285,30 @@ def _product_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     c = kernel_constants()
     dtype = rng.choice([torch.float32, torch.float64])
     d = rng.choice([1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33])
-    n = max(2, rng.choice([2, 3, c["PRODUCT_MIN_SEGMENT"], c["PRODUCT_MIN_SEGMENT"] + 1,
-                            2 * c["PRODUCT_MIN_SEGMENT"] - 1, 100, 257]))  # fmt: skip
-    batch = rng.choice([(), (1,), (c["PRODUCT_ITEMS"] - 1,), (c["PRODUCT_ITEMS"],),
-                        (c["PRODUCT_ITEMS"] + 1,), (2, 3)])  # fmt: skip
+    n = max(
+        2,
+        rng.choice(
+            [
+                2,
+                3,
+                c["PRODUCT_MIN_SEGMENT"],
+                c["PRODUCT_MIN_SEGMENT"] + 1,
+                2 * c["PRODUCT_MIN_SEGMENT"] - 1,
+                100,
+                257,
+            ]
+        ),
+    )
+    batch = rng.choice(
+        [
+            (),
+            (1,),
+            (c["PRODUCT_ITEMS"] - 1,),
+            (c["PRODUCT_ITEMS"],),
+            (c["PRODUCT_ITEMS"] + 1,),
+            (2, 3),
+        ]
+    )
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     q = torch.linalg.qr(torch.randn((*batch, n, d, d), generator=gen, dtype=torch.float64))[0]
     x = q.to(dtype)
@@ -280,7 +321,10 @@ def _product_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
         xv = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     dim = time_dim - x.dim() if rng.random() < 0.5 else time_dim
     threads = rng.choice([1, 2, 3, 4])
-    what = f"associative_reduce(matmul) {dtype} {tuple(x.shape)} dim {dim} view {kind} threads {threads}"
+    what = (
+        f"associative_reduce(matmul) {dtype} {tuple(x.shape)} dim {dim} view {kind} "
+        f"threads {threads}"
+    )
 
     def check() -> None:
         got = ps.associative_reduce(torch.matmul, xv, dim)
@@ -333,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         done += 1
         case += 1
-    print(f"fuzz_kernels: seed {seed}: {done} cases in {time.monotonic() - start:.0f} s, "
-          f"{failures} failed")  # fmt: skip
+    print(
+        f"fuzz_kernels: seed {seed}: {done} cases in {time.monotonic() - start:.0f} s, "
+        f"{failures} failed"
+    )
     print(f"{done - failures} passed, {failures} failed")
     return 1 if failures else 0
 
