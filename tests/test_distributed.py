@@ -179,10 +179,24 @@ _MISMATCHES = {
         "initial given",
     ),
     "linear on one rank, log on the other": (
-        (psd.linear_scan, (2, 5, 3), 1, {}), (psd.log_linear_scan, (2, 5, 3), 1, {}), "rank 1"
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        (psd.log_linear_scan, (2, 5, 3), 1, {}),
+        "rank 1: log_linear_scan along",
+    ),
+    "a backward on one rank only": (
+        (psd.linear_scan, (2, 5, 3), 1, {"grad": True}),
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        "needs backward",
     ),
     "a rank whose own arguments are bad": (
-        (psd.linear_scan, (2, 5, 3), 1, {}), (psd.linear_scan, (2, 5, 3), 7, {}), "rejected"
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        (psd.linear_scan, (2, 5, 3), 7, {}),
+        "rank(s) 1 failed before the exchange",
+    ),
+    "a rank whose return_final is not a bool": (
+        (psd.linear_scan, (2, 5, 3), 1, {"return_final": None}),
+        (psd.linear_scan, (2, 5, 3), 1, {}),
+        "rank(s) 0 failed before the exchange",
     ),
 }  # fmt: skip
 
@@ -192,7 +206,7 @@ def _call(spec, rank):
     options = dict(options)
     dtype = options.pop("dtype", torch.float32)
     g = torch.Generator().manual_seed(rank)
-    tokens = torch.rand(shape, generator=g, dtype=dtype)
+    tokens = torch.rand(shape, generator=g, dtype=dtype).requires_grad_(options.pop("grad", False))
     if options.pop("initial", False):
         d = dim % len(shape) if -len(shape) <= dim < len(shape) else 0
         options["initial"] = torch.zeros(shape[:d] + shape[d + 1 :], dtype=dtype)
@@ -208,8 +222,12 @@ def _mismatch_worker(rank, world, init_file):
     )  # fmt: skip
     try:
         for what, (first, second, named) in _MISMATCHES.items():
-            own_error = rank == 1 and what == "a rank whose own arguments are bad"
-            expected = IndexError if own_error else RuntimeError
+            own_error = {
+                "a rank whose own arguments are bad": (1, IndexError),
+                "a rank whose return_final is not a bool": (0, TypeError),
+            }.get(what)
+            expected = own_error[1] if own_error and own_error[0] == rank else RuntimeError
+            own_error = own_error is not None and own_error[0] == rank
             with pytest.raises(expected) as info:
                 _call(first if rank == 0 else second, rank)
             if not own_error:

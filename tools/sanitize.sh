@@ -17,15 +17,16 @@ lib="$PWD/$out/_kernels_sanitized.so"
 
 # The flags of setup.py (minus -O3), plus the sanitizers; every .c file of the package
 # is a kernel source.
+export out
 flags=(-std=c11 -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined
        -fno-sanitize-recover=all -ffp-contract=off -fno-trapping-math -fopenmp
        -fvisibility=hidden -fPIC -Isrc/parascan/_csrc)
 mapfile -t sources < <(find src/parascan -name '*.c' | sort)
 rm -f "$out"/*.o
-for src in "${sources[@]}"; do  # one compiler per source, as many at once as cores
-    echo "$src"
-done | xargs -P "$(nproc)" -I{} sh -c 'gcc "$@" -c {} -o "$0/$(echo {} | tr / _).o"' \
-    "$out" "${flags[@]}"
+# One compiler per source, as many at once as cores (each path is an argument, never code).
+printf '%s\0' "${sources[@]}" | xargs -0 -P "$(nproc)" -n 1 \
+    bash -c 'src=${!#}; gcc "${@:1:$#-1}" -c "$src" -o "$out/${src//\//_}.o"' bash \
+    "${flags[@]}"
 gcc -fsanitize=address,undefined -fopenmp -shared "$out"/*.o -o "$lib" -lm
 echo "sanitize: built $lib from ${#sources[@]} sources"
 

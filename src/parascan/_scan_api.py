@@ -27,7 +27,7 @@ from parascan._op_utils import state_shape
 
 __all__ = ["Prepared", "cpu_fast_path", "final_state", "plain_eager", "prepare", "with_final"]
 
-ForwardFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
+ForwardFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool, bool], Tensor]
 
 
 @dataclass(frozen=True)
@@ -205,4 +205,5 @@ def cpu_fast_path(
             or (torch.is_grad_enabled() and initial.requires_grad)
         ):
             return None
-    return forward(gates, tokens, initial, dim, reverse)
+    # Every operand was checked above as check_operands would: verified.
+    return forward(gates, tokens, initial, dim, reverse, True)

@@ -27,6 +27,7 @@ lambda_{r+1}, which enters its local backward as a gradient of its last state.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -35,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._checks import FLOAT_DTYPES
-from parascan._op_utils import conj, state_shape
+from parascan._checks import FLOAT_DTYPES, describe
+from parascan._op_utils import conj
 from parascan._scan_api import Prepared, prepare
 from parascan.linear import linear_scan as local_linear_scan
 from parascan.linear.ops import linear_scan_backward_op
@@ -127,35 +128,39 @@ def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
 
 
 _HEADER_DIMS = 16  # state dims spelled out in the header; more are folded into a hash
+_HEADER_FIELDS = ("op", "dims", "dim", "reverse", "initial given", "backward", "dtype", "device")
+_OPS = {1: "linear_scan", 2: "log_linear_scan"}
 _DEVICE_TYPES = ("cpu", "cuda")
+_REJECTED = -1  # the op field of a rank that failed before its exchange (its own error)
+# The forward's first collective is one message of this fixed size on every rank,
+# sent after the local scan: the header, then the shard's (A, F) when they fit in
+# _INLINE_BYTES (the scan's only collective), else nothing (the states follow in a
+# second all-gather). Every rank sends the same number of bytes whatever its data,
+# so ranks that disagree, or one that failed, still meet, and all raise.
+_INLINE_BYTES = 16384
 
 
 def _header(semiring: _Semiring, p: Prepared, reverse: bool) -> Tensor:
-    """What every rank must agree on, as int64: the op, the number of dims, the
-    (non-negative) time dim, reverse, whether initial is given, the dtype, the
+    """What every rank must agree on, as int64 (see _HEADER_FIELDS): the op, the
+    number of dims, the (non-negative) time dim, reverse, whether initial is given,
+    whether a backward will run (it has collectives of its own), the dtype, the
     device type, and the shape without the time dim."""
     shape = p.tokens.shape
     dim = p.dim % len(shape)
     state = [*shape[:dim], *shape[dim + 1 :]]
     if len(state) > _HEADER_DIMS:
-        state = [*state[: _HEADER_DIMS - 1], hash(tuple(state[_HEADER_DIMS - 1 :])) % 2**62]
+        rest = ",".join(map(str, state[_HEADER_DIMS - 1 :])).encode()
+        state = [*state[: _HEADER_DIMS - 1], zlib.crc32(rest)]
     device = p.tokens.device.type
+    operands = (p.gates, p.tokens, p.initial)
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
     values = [
-        semiring.code, len(shape), dim, int(reverse), int(p.initial is not None),
+        semiring.code, len(shape), dim, int(reverse), int(p.initial is not None), int(backward),
         FLOAT_DTYPES.index(p.tokens.dtype),
-        _DEVICE_TYPES.index(device) if device in _DEVICE_TYPES else 2 + sum(map(ord, device)),
+        _DEVICE_TYPES.index(device) if device in _DEVICE_TYPES else zlib.crc32(device.encode()),
         *state, *[-1] * (_HEADER_DIMS - len(state)),
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.int64)
-
-
-_REJECTED = -1  # the op field of a rank whose own arguments were rejected
-# The forward's first collective is one message of this fixed size on every rank:
-# the header, then the shard's (A, F) when they fit (then it is the scan's only
-# collective), else padding (then it is started before the local scan, which it
-# overlaps, and the states follow in a second gather). Every rank sends the same
-# number of bytes whatever its data, so even ranks that disagree meet safely.
-_INLINE_BYTES = 16384
 
 
 def _wire_device(group: Any) -> torch.device:
@@ -169,68 +174,53 @@ def _real_view(t: Tensor) -> Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-class _Agreement:
-    """The forward's checked exchange of every rank's (A, F): see _INLINE_BYTES."""
-
-    def __init__(self, name: str, header: Tensor, payload_bytes: int, group: Any) -> None:
-        self.name, self.header, self.group = name, header, group
-        self.inline = payload_bytes <= _INLINE_BYTES
-        if not self.inline:
-            self.pending, self.received = self._start(None)
-
-    def _start(self, payload: Tensor | None) -> tuple[Any, list[Tensor]]:
-        device = _wire_device(self.group)
-        message = torch.zeros(self.header.numel() * 8 + _INLINE_BYTES, dtype=torch.uint8)
-        message = message.to(device)
-        message[: self.header.numel() * 8] = self.header.to(device).view(torch.uint8)
-        if payload is not None:
-            raw = _real_view(payload).contiguous().view(-1).view(torch.uint8)
-            message[self.header.numel() * 8 : self.header.numel() * 8 + raw.numel()] = raw
-        received = [torch.empty_like(message) for _ in range(dist.get_world_size(self.group))]
-        return dist.all_gather(received, message, group=self.group, async_op=True), received
-
-    def reject(self) -> None:
-        """This rank's arguments were rejected: meet the others' first message with
-        a header saying so, so that every rank raises."""
-        pending, _ = self._start(None)
-        pending.wait()
-
-    def exchange(self, parts: list[Tensor]) -> Tensor:
-        """Every rank's ``parts`` stacked, (world, len(parts), *shape), once every
-        rank's header agrees with this one's; RuntimeError on every rank otherwise."""
-        payload = torch.stack(parts)
-        if self.inline:
-            self.pending, self.received = self._start(payload)
-        self.pending.wait()
-        head = self.header.numel() * 8
-        _check_agreement(self.name, [m[:head].view(torch.int64) for m in self.received], self.group)
-        if not self.inline:
-            return _all_gather_stacked(parts, self.group)
-        wire = _real_view(payload)
-        rows = [
-            m[head : head + wire.numel() * wire.element_size()].view(wire.dtype).view(wire.shape)
-            for m in self.received
-        ]
-        gathered = torch.stack(rows).to(payload.device)
-        return torch.view_as_complex(gathered) if payload.is_complex() else gathered
+def _first_message(header: Tensor, payload: Tensor | None, group: Any) -> list[Tensor]:
+    """All-gather every rank's fixed-size message (header, then ``payload`` or
+    nothing); returns the messages, as bytes, in rank order."""
+    device, head = _wire_device(group), header.numel() * 8
+    message = torch.zeros(head + _INLINE_BYTES, dtype=torch.uint8, device=device)
+    message[:head] = header.to(device).view(torch.uint8)
+    if payload is not None:
+        raw = _real_view(payload).contiguous().view(-1).view(torch.uint8)
+        message[head : head + raw.numel()] = raw.to(device)
+    received = [torch.empty_like(message) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(received, message, group=group)
+    return received
 
 
-_HEADER_FIELDS = ("op", "dims", "dim", "reverse", "initial given", "dtype", "device type")
+def _reject(group: Any) -> None:
+    """This rank failed before its exchange: meet the others' first message with a
+    header saying so (every rank then raises), and return to raise its own error."""
+    _first_message(torch.full((len(_HEADER_FIELDS) + _HEADER_DIMS,), _REJECTED), None, group)
+
+
+def _exchange(name: str, header: Tensor, parts: list[Tensor], group: Any) -> Tensor:
+    """Every rank's ``parts`` stacked, (world, len(parts), *shape), once every rank's
+    header agrees with ``header``; the same RuntimeError on every rank otherwise."""
+    payload = torch.stack(parts)
+    wire = _real_view(payload)
+    nbytes = wire.numel() * wire.element_size()
+    inline = nbytes <= _INLINE_BYTES  # the same on every rank once the headers agree
+    received = _first_message(header, payload if inline else None, group)
+    head = header.numel() * 8
+    _check_agreement(name, [m[:head].view(torch.int64) for m in received], group)
+    if not inline:
+        return _all_gather_stacked(parts, group)
+    rows = [m[head : head + nbytes].view(wire.dtype).view(wire.shape) for m in received]
+    gathered = torch.stack(rows).to(payload.device)
+    return torch.view_as_complex(gathered) if payload.is_complex() else gathered
 
 
 def _describe_header(row: list[int]) -> str:
-    fields = dict(zip(_HEADER_FIELDS, row, strict=False))
+    f = dict(zip(_HEADER_FIELDS, row, strict=False))
     state = [x for x in row[len(_HEADER_FIELDS) :] if x >= 0]
-    dtype = FLOAT_DTYPES[fields["dtype"]] if 0 <= fields["dtype"] < len(FLOAT_DTYPES) else "?"
-    device = (
-        _DEVICE_TYPES[fields["device type"]]
-        if 0 <= fields["device type"] < len(_DEVICE_TYPES)
-        else "other"
-    )
+    dtype = FLOAT_DTYPES[f["dtype"]] if 0 <= f["dtype"] < len(FLOAT_DTYPES) else "?"
+    device = _DEVICE_TYPES[f["device"]] if 0 <= f["device"] < len(_DEVICE_TYPES) else "other"
     return (
-        f"dim {fields['dim']} of {fields['dims']}, shape without it {tuple(state)}, {dtype}, "
-        f"{device}, reverse={bool(fields['reverse'])}, initial "
-        f"{'given' if fields['initial given'] else 'not given'}"
+        f"{_OPS.get(f['op'], '?')} along dim {f['dim']} of {f['dims']}, shape without it "
+        f"{tuple(state)}, {dtype}, {device}, reverse={bool(f['reverse'])}, initial "
+        f"{'given' if f['initial given'] else 'not given'}, "
+        f"{'needs' if f['backward'] else 'no'} backward"
     )
 
 
@@ -244,7 +234,7 @@ def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
     rejected = [r for r, row in zip(ranks, rows, strict=True) if row[0] == _REJECTED]
     if rejected:
         raise RuntimeError(
-            f"{name}: rank(s) {', '.join(map(str, rejected))} rejected their arguments "
+            f"{name}: rank(s) {', '.join(map(str, rejected))} failed before the exchange "
             f"(their own error says why), so no rank can scan"
         )
     received = "; ".join(
@@ -252,8 +242,8 @@ def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
     )
     raise RuntimeError(
         f"{name}: expected every rank's shard to agree in all but the length of the time "
-        f"dim (shape, dtype, device type, dim, reverse, whether initial is given), but got "
-        f"{received}"
+        f"dim (op, shape, dtype, device type, dim, reverse, whether initial is given, whether "
+        f"a backward runs), but got {received}"
     )
 
 
@@ -275,18 +265,23 @@ class _ShardScan(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, semiring: _Semiring, gates: Tensor, tokens: Tensor, initial: Tensor | None,
-        dim: int, reverse: bool, backend: str, group: Any, agreement: _Agreement,
+        dim: int, reverse: bool, backend: str, group: Any, header: Tensor,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         position, world = _order(group, reverse)
         first = position == 0
         own_initial = initial if first else None
         # 1. the shard's map (scan positions are ranks in scan order)
-        _, local_final = semiring.scan(
-            gates, tokens, dim, initial=own_initial, reverse=reverse, return_final=True,
-            backend=backend,
-        )  # fmt: skip
-        total = semiring.total(gates, dim)
-        gathered = agreement.exchange([total, local_final])
+        try:
+            _, local_final = semiring.scan(
+                gates, tokens, dim, initial=own_initial, reverse=reverse, return_final=True,
+                backend=backend,
+            )  # fmt: skip
+            total = semiring.total(gates, dim)
+        except Exception:
+            _reject(group)  # the other ranks wait in the exchange: all of them raise
+            raise
+        # 2. the checked exchange of every rank's map
+        gathered = _exchange(semiring.name, header, [total, local_final], group)
         if reverse:  # ranks to scan positions
             gathered = gathered.flip(0)
         # 3. the entering state, and the global final state
@@ -343,24 +338,23 @@ def _distributed(
         p = prepare(name, gates, tokens, dim, initial, reverse, True, backend, names=names)
         if p.scalar:
             raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
-    except (TypeError, ValueError, RuntimeError):
-        if grouped:
-            # The other ranks wait in the first exchange: tell them, so that every
-            # rank raises instead of waiting for the collective's timeout.
-            rejected = torch.full((len(_HEADER_FIELDS) + _HEADER_DIMS,), _REJECTED)
-            _Agreement(name, rejected.long(), _INLINE_BYTES, group).reject()
+        if not isinstance(return_final, bool):
+            raise TypeError(
+                f"{name}: expected return_final to be a bool, but got {describe(return_final)}"
+            )
+        header = _header(semiring, p, reverse)
+    except Exception:
+        if grouped:  # the other ranks wait in the exchange: all of them raise
+            _reject(group)
         raise
     if not grouped:
         raise RuntimeError(
             f"{name}: expected an initialized torch.distributed process group "
             "(torch.distributed.init_process_group), but there is none"
         )
-    state = math.prod(state_shape(p.tokens, p.dim))
-    payload_bytes = 2 * state * p.tokens.element_size()  # (A, F): two states
-    agreement = _Agreement(name, _header(semiring, p, reverse), payload_bytes, group)
     out, final = _ShardScan.apply(
         semiring, p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend,
-        group, agreement,
+        group, header,
     )  # type: ignore[no-untyped-call]  # fmt: skip
     if not return_final:
         return out  # type: ignore[no-any-return]

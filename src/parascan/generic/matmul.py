@@ -67,10 +67,13 @@ def matrix_product_fast_path(
     x = elems.resolve_neg().movedim(dim, -3)
     batch = x.shape[:-3]
     x = x.reshape(-1, steps, d, d)  # a view unless the batch dims cannot merge
-    out = torch.empty((x.shape[0], d, d), dtype=dtype)  # written contiguously
-    check_operands("matrix_product", dtype, (x, (x.shape[0], steps, d, d)))
+    # The shapes the kernel indexes, from elems and dim alone (not from x: a guard
+    # that read x's own shape could not see a reshape gone wrong).
+    sequences = elems.numel() // (steps * d * d)
+    check_operands("matrix_product", dtype, (x, (sequences, steps, d, d)))
+    out = torch.empty((sequences, d, d), dtype=dtype)  # written contiguously
     args = ARG_STRUCTS["product"](
-        x.shape[0],
+        sequences,
         steps,
         d,
         x.data_ptr(),

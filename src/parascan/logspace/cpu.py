@@ -16,9 +16,11 @@ def forward(
     initial: torch.Tensor | None,
     dim: int,
     reverse: bool,
+    verified: bool = False,
 ) -> torch.Tensor:
-    """Same contract as ``reference.forward``; CPU tensors of one dtype."""
-    return _ckernels.forward("log_scan", log_gates, log_tokens, initial, dim, reverse)
+    """Same contract as ``reference.forward``; CPU tensors of one dtype
+    (``verified``: see parascan._ckernels.forward)."""
+    return _ckernels.forward("log_scan", log_gates, log_tokens, initial, dim, reverse, verified)
 
 
 def backward(
