@@ -39,16 +39,9 @@ import parascan as ps
 from parascan._ckernels import kernel_constants
 from parascan._native import kernel_library_path
 
-from conftest import assert_matches, log_loop_oracle, loop_oracle
+from conftest import DTYPES, assert_matches, log_loop_oracle, loop_oracle
 
-FIRST_ORDER_DTYPES = [
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-]
+FIRST_ORDER_DTYPES = DTYPES  # every dtype of the first-order scans
 MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
 GRAD_MAX_STEPS = 600  # gradients through the loop oracle's autograd graph
 

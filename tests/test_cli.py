@@ -86,6 +86,7 @@ BAD_LINES = {
     "bench --backend nope": "backend 'nope' cannot run on cpu",
     "bench --device foo": "'foo' is not a device name",
     "bench --device meta": "device type 'meta'",
+    "bench --device cpu:1": "the CPU is one device",
     "bench --plot /nonexistent-folder/sweep.png": "its folder does not exist",
     "info --bogus": "unrecognized arguments",
     "frobnicate": "invalid choice",

@@ -78,6 +78,8 @@ def _device_problem(text: str) -> str | None:
         return None
     if device.type != "cpu":
         return f"no checks or benchmarks for device type {device.type!r} (expected cpu or cuda)"
+    if device.index is not None:
+        return f"--device {text}: the CPU is one device, 'cpu' (its threads: torch.set_num_threads)"
     return None
 
 

@@ -213,12 +213,14 @@ def _exchange(name: str, header: Tensor, parts: list[Tensor], group: Any) -> Ten
 
 def _describe_header(row: list[int]) -> str:
     f = dict(zip(_HEADER_FIELDS, row, strict=False))
-    state = [x for x in row[len(_HEADER_FIELDS) :] if x >= 0]
+    state: list[int | str] = [x for x in row[len(_HEADER_FIELDS) :] if x >= 0]
+    if f["dims"] - 1 > _HEADER_DIMS:  # more dims than the header spells out: a hash last
+        state[-1] = f"(more dims, crc {state[-1]})"
     dtype = FLOAT_DTYPES[f["dtype"]] if 0 <= f["dtype"] < len(FLOAT_DTYPES) else "?"
     device = _DEVICE_TYPES[f["device"]] if 0 <= f["device"] < len(_DEVICE_TYPES) else "other"
     return (
         f"{_OPS.get(f['op'], '?')} along dim {f['dim']} of {f['dims']}, shape without it "
-        f"{tuple(state)}, {dtype}, {device}, reverse={bool(f['reverse'])}, initial "
+        f"({', '.join(map(str, state))}), {dtype}, {device}, reverse={bool(f['reverse'])}, initial "
         f"{'given' if f['initial given'] else 'not given'}, "
         f"{'needs' if f['backward'] else 'no'} backward"
     )
