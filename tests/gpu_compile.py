@@ -1,0 +1,138 @@
+"""The Triton kernels compiled for real NVIDIA GPUs, on a machine without one
+(run by test_triton_gpu_compile.py in a process of its own, without the interpreter:
+``python tests/gpu_compile.py [--full]`` prints one JSON line per kernel and target).
+
+Triton compiles a kernel for a named target (``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", arch, 32))``) to PTX and a cubin with no GPU present, and its
+bundled ``ptxas -v`` reports the registers and spills of each entry function. Every
+specialization the ``triton`` backend launches (pass mode, dtype, direction, initial
+state; _BLOCK_C fixed) must compile for sm_80 and sm_90 with no register spills and
+within the target's shared memory; a failure names the kernel and the figure.
+
+The default suite compiles every (mode, dtype, kernel) with ``reverse`` and an initial
+state (the code paths that add loads and index arithmetic); ``pytest -m slow`` compiles
+every combination of flags too. Integer arguments are compiled as int64, the widest
+specialization Triton can pick for them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels cannot be compiled
+    raise SystemExit("gpu_compile.py: run it without TRITON_INTERPRET=1")
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from parascan import _triton_scan as kernels
+
+# (mode, pointer dtype, complex): what _run launches. The log modes take real inputs.
+LINEAR_MODES = (kernels.LINEAR, kernels.LINEAR_BWD)
+LOG_MODES = (kernels.LOG, kernels.LOG_BWD)
+REAL = ("fp16", "bf16", "fp32", "fp64")
+PASSES = [(m, p, False) for m in LINEAR_MODES + LOG_MODES for p in REAL] + [
+    (m, p, True) for m in LINEAR_MODES for p in ("fp32", "fp64")
+]
+SUMMARY_PTRS = ("Mr_ptr", "Mi_ptr", "Fr_ptr", "Fi_ptr", "Cr_ptr", "Ci_ptr")
+
+
+def _specializations(full: bool) -> list[tuple[str, int, str, bool, dict[str, bool]]]:
+    flags = {
+        "_summaries": [{"REVERSE": r} for r in ((False, True) if full else (True,))],
+        "_carries": [{"HAS_INIT": h} for h in ((False, True) if full else (True,))],
+        "_apply": [
+            {"REVERSE": r, "HAS_INIT": h}
+            for r in ((False, True) if full else (True,))
+            for h in ((False, True) if full else (True,))
+        ],
+    }
+    return [
+        (name, mode, ptr, is_complex, f)
+        for mode, ptr, is_complex in PASSES
+        for name, options in flags.items()
+        for f in options
+    ]
+
+
+def _compile(name: str, mode: int, ptr: str, is_complex: bool, flags: dict[str, bool], arch: int):
+    fn = getattr(kernels, name)
+    acc = "fp64" if ptr == "fp64" else "fp32"
+    constexprs = {
+        "MODE": mode,
+        "IS_COMPLEX": is_complex,
+        "ACC": tl.float64 if acc == "fp64" else tl.float32,
+        "BLOCK_C": kernels._BLOCK_C,
+        **flags,
+    }
+    signature = {}
+    for param in inspect.signature(fn.fn).parameters:
+        if param in constexprs:
+            signature[param] = "constexpr"
+        elif param.endswith("_ptr"):
+            signature[param] = f"*{acc}" if param in SUMMARY_PTRS else f"*{ptr}"
+        else:
+            signature[param] = "i64"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
+def _ptxas_report(ptx: str, arch: int, tmp: Path) -> str:
+    target = re.search(r"\.target\s+(\w+)", ptx).group(1)  # sm_90a for arch 90
+    path = tmp / "kernel.ptx"
+    path.write_text(ptx)
+    done = subprocess.run(
+        [get_ptxas(arch).path, f"-arch={target}", "-v", "-o", str(tmp / "kernel.cubin"), path],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def describe(spec: tuple[str, int, str, bool, dict[str, bool]], arch: int) -> str:
+    name, mode, ptr, is_complex, flags = spec
+    return f"{name} MODE={mode} {ptr}{' complex' if is_complex else ''} {flags} sm_{arch}"
+
+
+def figures(spec: tuple[str, int, str, bool, dict[str, bool]], arch: int, tmp: Path) -> dict:
+    """What the compiled kernel uses: shared memory, registers, spilled bytes, or why
+    it did not compile."""
+    name, mode, ptr, is_complex, flags = spec
+    try:
+        compiled = _compile(name, mode, ptr, is_complex, flags, arch)
+        report = _ptxas_report(compiled.asm["ptx"], arch, tmp)
+    except Exception as exc:  # reported, and failed, by the test
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    registers = re.search(r"Used (\d+) registers", report)
+    return {
+        "cubin": "cubin" in compiled.asm,
+        "shared": compiled.metadata.shared,
+        "registers": int(registers.group(1)) if registers else None,
+        "spilled_bytes": sum(spills) if spills else None,
+        "report": report,
+    }
+
+
+def main() -> None:
+    full = "--full" in sys.argv
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in _specializations(full):
+            for arch in (80, 90):
+                row = {"what": describe(spec, arch), "arch": arch, **figures(spec, arch, Path(tmp))}
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

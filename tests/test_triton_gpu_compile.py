@@ -1,0 +1,61 @@
+"""The Triton kernels compile for real NVIDIA GPUs (sm_80, sm_90) on this CPU-only
+machine with no register spills and within the target's shared memory: every
+specialization the ``triton`` backend launches (see gpu_compile.py, which compiles
+them in a process of its own, since these tests run with TRITON_INTERPRET=1). A
+failure names the kernel and the figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HELPER = Path(__file__).with_name("gpu_compile.py")
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes one block may use: A100, H100
+
+
+def _report(full: bool) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(HELPER), *(["--full"] if full else [])],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def _check(rows: list[dict]) -> None:
+    assert rows, "gpu_compile.py compiled nothing"
+    problems = []
+    for row in rows:
+        what = row["what"]
+        if "error" in row:
+            problems.append(f"{what}: {row['error']}")
+        elif not row["cubin"] or row["registers"] is None or row["spilled_bytes"] is None:
+            problems.append(f"{what}: no cubin or no figures in ptxas's report: {row['report']}")
+        elif row["spilled_bytes"]:
+            problems.append(f"{what}: {row['spilled_bytes']} bytes spilled, "
+                            f"{row['registers']} registers")  # fmt: skip
+        elif row["shared"] > SHARED_LIMIT[row["arch"]]:
+            problems.append(f"{what}: {row['shared']} bytes of shared memory")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_pass_compiles_for_sm80_and_sm90_without_spills() -> None:
+    # every (mode, dtype, kernel) with reverse and an initial state
+    rows = _report(full=False)
+    assert len(rows) == 2 * 20 * 3  # 2 targets x 20 (mode, dtype) passes x 3 kernels
+    _check(rows)
+
+
+@pytest.mark.slow
+def test_every_flag_combination_compiles_without_spills() -> None:
+    rows = _report(full=True)
+    assert len(rows) == 2 * 20 * 8
+    _check(rows)
