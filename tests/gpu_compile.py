@@ -6,8 +6,9 @@ Triton compiles a kernel for a named target (``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", arch, 32))``) to PTX and a cubin with no GPU present, and its
 bundled ``ptxas -v`` reports the registers and spills of each entry function. Every
 specialization the ``triton`` backend launches (pass mode, dtype, direction, initial
-state; _BLOCK_C fixed) must compile for sm_80 and sm_90 with no register spills and
-within the target's shared memory; a failure names the kernel and the figure.
+state; _BLOCK_C fixed) must compile for NVIDIA sm_80 and sm_90 and AMD gfx942 with no
+register spills and within the target's shared memory; a failure names the kernel and
+the figure. NVIDIA's figures come from ptxas -v, AMD's from the assembly's metadata.
 
 The default suite compiles every (mode, dtype, kernel) with ``reverse`` and an initial
 state (the code paths that add loads and index arithmetic); ``pytest -m slow`` compiles
@@ -65,7 +66,15 @@ def _specializations(full: bool) -> list[tuple[str, int, str, bool, dict[str, bo
     ]
 
 
-def _compile(name: str, mode: int, ptr: str, is_complex: bool, flags: dict[str, bool], arch: int):
+# name -> Triton's target: NVIDIA A100 and H100, AMD MI300 (wave size 64)
+TARGETS = {
+    "sm_80": GPUTarget("cuda", 80, 32),
+    "sm_90": GPUTarget("cuda", 90, 32),
+    "gfx942": GPUTarget("hip", "gfx942", 64),
+}
+
+
+def _compile(name: str, mode: int, ptr: str, is_complex: bool, flags: dict[str, bool], arch: str):
     fn = getattr(kernels, name)
     acc = "fp64" if ptr == "fp64" else "fp32"
     constexprs = {
@@ -84,7 +93,7 @@ def _compile(name: str, mode: int, ptr: str, is_complex: bool, flags: dict[str, 
         else:
             signature[param] = "i64"
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return triton.compile(source, target=TARGETS[arch])
 
 
 def _ptxas_report(ptx: str, arch: int, tmp: Path) -> str:
@@ -100,36 +109,54 @@ def _ptxas_report(ptx: str, arch: int, tmp: Path) -> str:
     return done.stderr
 
 
-def describe(spec: tuple[str, int, str, bool, dict[str, bool]], arch: int) -> str:
-    name, mode, ptr, is_complex, flags = spec
-    return f"{name} MODE={mode} {ptr}{' complex' if is_complex else ''} {flags} sm_{arch}"
-
-
-def figures(spec: tuple[str, int, str, bool, dict[str, bool]], arch: int, tmp: Path) -> dict:
-    """What the compiled kernel uses: shared memory, registers, spilled bytes, or why
-    it did not compile."""
-    name, mode, ptr, is_complex, flags = spec
-    try:
-        compiled = _compile(name, mode, ptr, is_complex, flags, arch)
-        report = _ptxas_report(compiled.asm["ptx"], arch, tmp)
-    except Exception as exc:  # reported, and failed, by the test
-        return {"error": f"{type(exc).__name__}: {exc}"}
+def _nvidia_figures(compiled, arch: str, tmp: Path) -> dict:
+    report = _ptxas_report(compiled.asm["ptx"], int(arch.removeprefix("sm_")), tmp)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     registers = re.search(r"Used (\d+) registers", report)
     return {
-        "cubin": "cubin" in compiled.asm,
-        "shared": compiled.metadata.shared,
+        "binary": "cubin" in compiled.asm,
         "registers": int(registers.group(1)) if registers else None,
-        "spilled_bytes": sum(spills) if spills else None,
+        "spilled": sum(spills) if spills else None,
         "report": report,
     }
+
+
+def _amd_figures(compiled) -> dict:
+    # the AMDGPU assembly's own metadata: VGPRs, spilled registers and scratch bytes
+    asm = compiled.asm["amdgcn"]
+    vgprs = re.search(r"; NumVgprs: (\d+)", asm)
+    spills = [int(x) for x in re.findall(r"\.[sv]gpr_spill_count: (\d+)", asm)]
+    scratch = re.search(r"; ScratchSize: (\d+)", asm)
+    return {
+        "binary": "hsaco" in compiled.asm,
+        "registers": int(vgprs.group(1)) if vgprs else None,
+        "spilled": sum(spills) + int(scratch.group(1)) if spills and scratch else None,
+        "report": "\n".join(re.findall(r"^.*(?:Vgprs|Sgprs|Scratch|spill).*$", asm, re.M)),
+    }
+
+
+def describe(spec: tuple[str, int, str, bool, dict[str, bool]], arch: str) -> str:
+    name, mode, ptr, is_complex, flags = spec
+    return f"{name} MODE={mode} {ptr}{' complex' if is_complex else ''} {flags} {arch}"
+
+
+def figures(spec: tuple[str, int, str, bool, dict[str, bool]], arch: str, tmp: Path) -> dict:
+    """What the compiled kernel uses: shared memory, registers, spills (bytes on
+    NVIDIA; registers plus scratch bytes on AMD), or why it did not compile."""
+    name, mode, ptr, is_complex, flags = spec
+    try:
+        compiled = _compile(name, mode, ptr, is_complex, flags, arch)
+        found = _amd_figures(compiled) if arch == "gfx942" else _nvidia_figures(compiled, arch, tmp)
+    except Exception as exc:  # reported, and failed, by the test
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"shared": compiled.metadata.shared, **found}
 
 
 def main() -> None:
     full = "--full" in sys.argv
     with tempfile.TemporaryDirectory() as tmp:
         for spec in _specializations(full):
-            for arch in (80, 90):
+            for arch in TARGETS:
                 row = {"what": describe(spec, arch), "arch": arch, **figures(spec, arch, Path(tmp))}
                 print(json.dumps(row), flush=True)
 
