@@ -11,11 +11,13 @@ Summary of the algorithm (rank r of R, in scan order; ``reverse`` reverses it):
    applied to 0; the global final state composes all of them.
 4. Fix-up: the shard scanned again from its entering state (a second local pass).
 
-Before step 2 the ranks check that their shards agree in everything but the time
-length (shape, dtype, device type, dim, reverse, whether ``initial`` is given): a
-fixed-size header of int64 is all-gathered, started before the local scan so that
-it overlaps it, and every rank raises the same RuntimeError when any differ. The
-data all-gather would otherwise abort inside the collective or mix mismatched data.
+In step 2 the ranks also check that their calls agree in everything but the time
+length (the op, shape, dtype, device type, dim, reverse, whether ``initial`` is given,
+whether a backward runs): every rank's message of step 2 has one fixed size, an int64
+header followed by (A_r, F_r) when they fit in _INLINE_BYTES, and every rank raises a
+RuntimeError when the headers differ, or when a rank failed before it (its header says
+so). A data all-gather of mismatched shards would otherwise abort inside the
+collective or mix mismatched data.
 
 The backward is the same in reverse. The total gradient reaching the first state
 of rank r (lambda_r) obeys lambda_r = A_r^H lambda_{r+1} + mu_r, where mu_r is the
@@ -118,8 +120,7 @@ def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
     """all_gather of ``parts`` (tensors of one shape) stacked: (world, len(parts), *shape).
     Complex tensors travel as real pairs (not every backend reduces complex)."""
     payload = torch.stack(parts)
-    wire = torch.view_as_real(payload) if payload.is_complex() else payload
-    wire = wire.contiguous()
+    wire = _real_view(payload).contiguous()
     world = dist.get_world_size(group)
     received = [torch.empty_like(wire) for _ in range(world)]
     dist.all_gather(received, wire, group=group)
