@@ -7,9 +7,8 @@ The public API is listed in ``__all__``; see the README for the tour.
 """
 
 from parascan._backends import backends
+from parascan.first_order import linear_scan, log_linear_scan
 from parascan.generic import associative_reduce, associative_scan
-from parascan.linear import linear_scan
-from parascan.logspace import log_linear_scan
 from parascan.matrix import matrix_linear_scan
 
 __version__ = "0.1.0"

@@ -185,7 +185,7 @@ def forward(
 ) -> torch.Tensor:
     """Run the forward kernel ``name`` (``"linear_scan"`` or ``"log_scan"``): CPU
     tensors of one shape and dtype, ``initial`` of that shape without ``dim``.
-    ``verified``: the caller (the eager fast path, _scan_api.cpu_fast_path) has
+    ``verified``: the caller (the eager fast path, first_order.arguments.cpu_fast_path) has
     checked exactly what check_operands checks, a few microseconds not spent twice."""
     shape = tokens.shape
     if not verified:

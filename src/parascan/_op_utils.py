@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 __all__ = [
     "batch_first",
     "conj",
+    "plain_eager",
     "register_batch_first_vmap",
     "resolved",
     "resolved_optional",
@@ -65,3 +67,16 @@ def register_batch_first_vmap(
         return result, 0 if outputs == 1 else (0,) * outputs
 
     torch.library.register_vmap(name, rule)
+
+
+def plain_eager() -> bool:
+    """True when the call runs eagerly: no torch.compile, no torch.func transform, no
+    dispatch mode, no forward-mode AD level open (dual tensors carry their tangents
+    invisibly: a kernel called directly would drop them). Tensor subclasses, fake or
+    functional, are ruled out by the caller's exact type checks."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and forward_ad._current_level < 0
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from parascan._checks import describe
-from parascan.linear import linear_scan
+from parascan.first_order import linear_scan
 
 __all__ = ["scan"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from parascan._checks import describe
-from parascan.logspace import log_linear_scan
+from parascan.first_order import log_linear_scan
 
 __all__ = ["compute_in_parallel", "compute_in_parallel_special_case"]
 

@@ -28,7 +28,6 @@ lambda_{r+1}, which enters its local backward as a gradient of its last state.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,80 +39,51 @@ from torch import Tensor
 
 from parascan._checks import FLOAT_DTYPES, describe
 from parascan._op_utils import conj
-from parascan._scan_api import Prepared, prepare
-from parascan.linear import linear_scan as local_linear_scan
-from parascan.linear.ops import linear_scan_backward_op
-from parascan.logspace import log_linear_scan as local_log_linear_scan
-from parascan.logspace import reference as log_reference
-from parascan.logspace.ops import log_linear_scan_backward_op
+from parascan.first_order import linear_scan as local_linear_scan
+from parascan.first_order import log_linear_scan as local_log_linear_scan
+from parascan.first_order.arguments import Prepared, prepare
+from parascan.first_order.ops import backward_op
+from parascan.first_order.semiring import LINEAR, LOG, SEMIRINGS, Semiring, log_weight
 
 __all__ = ["linear_scan", "log_linear_scan"]
 
-Grads = tuple[Tensor, Tensor, Tensor]
-
 
 @dataclass(frozen=True)
-class _Semiring:
-    """What the distributed algorithm needs of a scan: the local scan, a shard's
-    map h -> A (x) h (+) F (its total A, how it applies), the state of no steps, the
-    local backward, and d(last state)/d(entering state) of a shard."""
+class _Sharded:
+    """A first-order scan sharded over ranks: its semiring (which composes the
+    shards' maps h -> A (x) h (+) F, A the ``total`` of the shard's gates), its
+    public name, and the local scan each rank runs."""
 
+    ring: Semiring
     name: str
-    code: int  # tells the ops apart in the ranks' agreement check
     scan: Callable[..., Any]
-    total: Callable[[Tensor, int], Tensor]
-    apply: Callable[[Tensor, Tensor, Tensor], Tensor]  # (A, F, h) -> A (x) h (+) F
-    empty: float
-    backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, int, bool, str], Grads]
-    multiplier: Callable[[Tensor, Tensor | None, Tensor, int, bool], Tensor]
+
+    def backward(
+        self, gates: Tensor, tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None,
+        dim: int, reverse: bool, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """The local fused backward (one pass on CPU; not differentiable again:
+        once_differentiable)."""
+        tokens_if_read = tokens if self.ring.backward_reads_tokens else None
+        return backward_op(self.ring)(  # type: ignore[no-any-return]
+            gates, tokens_if_read, out, grad, start, dim, reverse, backend
+        )
+
+    def multiplier(
+        self, total: Tensor, start: Tensor | None, out: Tensor, dim: int, reverse: bool
+    ) -> Tensor:
+        """d(last state)/d(entering state) across a non-empty shard: the product of
+        the steps' derivatives in their previous state. Linear: the gates' product.
+        Log: the product of exp(log a[t] + h[t-1] - h[t]) telescopes."""
+        if self.ring is LINEAR:
+            return total
+        last = out.select(dim, 0 if reverse else out.shape[dim] - 1)
+        entering = torch.full_like(last, self.ring.zero) if start is None else start
+        return log_weight(total + entering, last)
 
 
-def _linear_backward(
-    gates: Tensor, tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None, dim: int,
-    reverse: bool, backend: str,
-) -> Grads:  # fmt: skip
-    # The fused backward (one pass on CPU); not differentiable again (once_differentiable).
-    return linear_scan_backward_op(gates, out, grad, start, dim, reverse, backend)  # type: ignore[no-any-return]
-
-
-def _log_backward(
-    log_gates: Tensor, log_tokens: Tensor, out: Tensor, grad: Tensor, start: Tensor | None,
-    dim: int, reverse: bool, backend: str,
-) -> Grads:  # fmt: skip
-    return log_linear_scan_backward_op(  # type: ignore[no-any-return]
-        log_gates, log_tokens, out, grad, start, dim, reverse, backend
-    )
-
-
-def _log_multiplier(
-    total: Tensor, start: Tensor | None, out: Tensor, dim: int, reverse: bool
-) -> Tensor:
-    # The product of the step weights exp(log a[t] + h[t-1] - h[t]) telescopes.
-    last = out.select(dim, 0 if reverse else out.shape[dim] - 1)
-    entering = torch.full_like(last, -math.inf) if start is None else start
-    return log_reference.log_weight(total + entering, last)
-
-
-_LINEAR = _Semiring(
-    name="parascan.distributed.linear_scan",
-    code=1,
-    scan=local_linear_scan,
-    total=torch.prod,
-    apply=lambda a, f, h: a * h + f,
-    empty=0.0,
-    backward=_linear_backward,
-    multiplier=lambda total, start, out, dim, reverse: total,
-)
-_LOG = _Semiring(
-    name="parascan.distributed.log_linear_scan",
-    code=2,
-    scan=local_log_linear_scan,
-    total=torch.sum,
-    apply=lambda a, f, h: log_reference.logaddexp(a + h, f),
-    empty=-math.inf,
-    backward=_log_backward,
-    multiplier=_log_multiplier,
-)
+_LINEAR = _Sharded(LINEAR, "parascan.distributed.linear_scan", local_linear_scan)
+_LOG = _Sharded(LOG, "parascan.distributed.log_linear_scan", local_log_linear_scan)
 
 
 def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
@@ -130,7 +100,7 @@ def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
 
 _HEADER_DIMS = 16  # state dims spelled out in the header; more are folded into a hash
 _HEADER_FIELDS = ("op", "dims", "dim", "reverse", "initial given", "backward", "dtype", "device")
-_OPS = {1: "linear_scan", 2: "log_linear_scan"}
+_OPS = {ring.code: ring.op.removeprefix("parascan.") for ring in SEMIRINGS.values()}
 _DEVICE_TYPES = ("cpu", "cuda")
 _REJECTED = -1  # the op field of a rank that failed before its exchange (its own error)
 # The forward's first collective is one message of this fixed size on every rank,
@@ -141,7 +111,7 @@ _REJECTED = -1  # the op field of a rank that failed before its exchange (its ow
 _INLINE_BYTES = 16384
 
 
-def _header(semiring: _Semiring, p: Prepared, reverse: bool) -> Tensor:
+def _header(sharded: _Sharded, p: Prepared, reverse: bool) -> Tensor:
     """What every rank must agree on, as int64 (see _HEADER_FIELDS): the op, the
     number of dims, the (non-negative) time dim, reverse, whether initial is given,
     whether a backward will run (it has collectives of its own), the dtype, the
@@ -156,7 +126,7 @@ def _header(semiring: _Semiring, p: Prepared, reverse: bool) -> Tensor:
     operands = (p.gates, p.tokens, p.initial)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
     values = [
-        semiring.code, len(shape), dim, int(reverse), int(p.initial is not None), int(backward),
+        sharded.ring.code, len(shape), dim, int(reverse), int(p.initial is not None), int(backward),
         FLOAT_DTYPES.index(p.tokens.dtype),
         _DEVICE_TYPES.index(device) if device in _DEVICE_TYPES else zlib.crc32(device.encode()),
         *state, *[-1] * (_HEADER_DIMS - len(state)),
@@ -256,18 +226,18 @@ def _order(group: Any, reverse: bool) -> tuple[int, int]:
     return (world - 1 - rank if reverse else rank), world
 
 
-def _compose(semiring: _Semiring, maps: Tensor, upto: int, start: Tensor) -> Tensor:
+def _compose(ring: Semiring, maps: Tensor, upto: int, start: Tensor) -> Tensor:
     """h = A_q (x) h (+) F_q for q in scan positions [0, upto), from ``start``."""
     h = start
     for q in range(upto):
-        h = semiring.apply(maps[q, 0], maps[q, 1], h)
+        h = ring.step(maps[q, 0], h, maps[q, 1])
     return h
 
 
 class _ShardScan(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, semiring: _Semiring, gates: Tensor, tokens: Tensor, initial: Tensor | None,
+        ctx: Any, sharded: _Sharded, gates: Tensor, tokens: Tensor, initial: Tensor | None,
         dim: int, reverse: bool, backend: str, group: Any, header: Tensor,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         position, world = _order(group, reverse)
@@ -275,27 +245,27 @@ class _ShardScan(torch.autograd.Function):
         own_initial = initial if first else None
         # 1. the shard's map (scan positions are ranks in scan order)
         try:
-            _, local_final = semiring.scan(
+            _, local_final = sharded.scan(
                 gates, tokens, dim, initial=own_initial, reverse=reverse, return_final=True,
                 backend=backend,
             )  # fmt: skip
-            total = semiring.total(gates, dim)
+            total = sharded.ring.total(gates, dim)
         except Exception:
             _reject(group)  # the other ranks wait in the exchange: all of them raise
             raise
         # 2. the checked exchange of every rank's map
-        gathered = _exchange(semiring.name, header, [total, local_final], group)
+        gathered = _exchange(sharded.name, header, [total, local_final], group)
         if reverse:  # ranks to scan positions
             gathered = gathered.flip(0)
         # 3. the entering state, and the global final state
-        nothing = torch.full_like(local_final, semiring.empty)
-        entering = _compose(semiring, gathered, position, nothing)
-        final = _compose(semiring, gathered[position:], world - position, entering)
+        nothing = torch.full_like(local_final, sharded.ring.zero)
+        entering = _compose(sharded.ring, gathered, position, nothing)
+        final = _compose(sharded.ring, gathered[position:], world - position, entering)
         # 4. the shard from its entering state (the first rank: from initial)
         start = own_initial if first else entering
-        out = semiring.scan(gates, tokens, dim, initial=start, reverse=reverse, backend=backend)
+        out = sharded.scan(gates, tokens, dim, initial=start, reverse=reverse, backend=backend)
         ctx.save_for_backward(gates, tokens, out, start, total)
-        ctx.semiring, ctx.dim, ctx.reverse, ctx.backend = semiring, dim, reverse, backend
+        ctx.sharded, ctx.dim, ctx.reverse, ctx.backend = sharded, dim, reverse, backend
         ctx.group, ctx.position, ctx.world = group, position, world
         ctx.had_initial = initial is not None
         return out, final
@@ -304,12 +274,12 @@ class _ShardScan(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor, grad_final: Tensor) -> tuple[Tensor | None, ...]:
         gates, tokens, out, start, total = ctx.saved_tensors
-        semiring, dim, reverse, backend = ctx.semiring, ctx.dim, ctx.reverse, ctx.backend
+        sharded, dim, reverse, backend = ctx.sharded, ctx.dim, ctx.reverse, ctx.backend
         steps = out.shape[dim]
         # mu: the gradient of the entering state with nothing arriving from later
         # ranks; m: d(last state)/d(entering state) across this shard (1 if empty).
-        _, _, mu = semiring.backward(gates, tokens, out, grad_out, start, dim, reverse, backend)
-        m = semiring.multiplier(total, start, out, dim, reverse) if steps else torch.ones_like(mu)
+        _, _, mu = sharded.backward(gates, tokens, out, grad_out, start, dim, reverse, backend)
+        m = sharded.multiplier(total, start, out, dim, reverse) if steps else torch.ones_like(mu)
         gathered = _all_gather_stacked([mu, grad_final, m], ctx.group)
         if reverse:
             gathered = gathered.flip(0)
@@ -321,7 +291,7 @@ class _ShardScan(torch.autograd.Function):
         if steps:
             arriving = torch.zeros_like(grad_out)
             arriving.select(dim, 0 if reverse else steps - 1).copy_(carry)
-            grad_gates, grad_tokens, grad_start = semiring.backward(
+            grad_gates, grad_tokens, grad_start = sharded.backward(
                 gates, tokens, out, grad_out + arriving, start, dim, reverse, backend
             )
         else:
@@ -332,20 +302,20 @@ class _ShardScan(torch.autograd.Function):
 
 
 def _distributed(
-    semiring: _Semiring, gates: object, tokens: object, dim: object, group: Any,
-    initial: object, reverse: bool, return_final: bool, backend: str, names: tuple[str, str],
+    sharded: _Sharded, gates: object, tokens: object, dim: object, group: Any,
+    initial: object, reverse: bool, return_final: bool, backend: str,
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    name = semiring.name
+    name = sharded.name
     grouped = dist.is_available() and dist.is_initialized()
     try:
-        p = prepare(name, gates, tokens, dim, initial, reverse, True, backend, names=names)
+        p = prepare(sharded.ring, gates, tokens, dim, initial, reverse, True, backend, name=name)
         if p.scalar:
             raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
         if not isinstance(return_final, bool):
             raise TypeError(
                 f"{name}: expected return_final to be a bool, but got {describe(return_final)}"
             )
-        header = _header(semiring, p, reverse)
+        header = _header(sharded, p, reverse)
     except Exception:
         if grouped:  # the other ranks wait in the exchange: all of them raise
             _reject(group)
@@ -356,7 +326,7 @@ def _distributed(
             "(torch.distributed.init_process_group), but there is none"
         )
     out, final = _ShardScan.apply(
-        semiring, p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend,
+        sharded, p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend,
         group, header,
     )  # type: ignore[no-untyped-call]  # fmt: skip
     if not return_final:
@@ -417,9 +387,8 @@ def linear_scan(
         whatever the length: O(state) bytes, not O(T).
     """
     return _distributed(
-        _LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend,
-        ("gates", "tokens"),
-    )  # fmt: skip
+        _LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend
+    )
 
 
 @overload
@@ -456,6 +425,5 @@ def log_linear_scan(
     O(state) elements per rank, forward and backward.
     """
     return _distributed(
-        _LOG, log_gates, log_tokens, dim, group, initial, reverse, return_final, backend,
-        ("log_gates", "log_tokens"),
-    )  # fmt: skip
+        _LOG, log_gates, log_tokens, dim, group, initial, reverse, return_final, backend
+    )

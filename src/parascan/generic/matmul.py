@@ -19,7 +19,7 @@ from torch import Tensor
 
 from parascan._ckernels import ARG_STRUCTS, check_operands, kernel
 from parascan._native import kernel_library_error
-from parascan._scan_api import plain_eager
+from parascan._op_utils import plain_eager
 
 __all__ = ["matrix_product_fast_path"]
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
 
-from parascan._backends import resolve_backend, unavailable_reason
+from parascan._backends import resolve
 from parascan._checks import (
     FLOAT_DTYPES,
     accumulate_dtype,
@@ -18,8 +19,7 @@ from parascan._checks import (
     check_same_device,
     describe,
 )
-from parascan.matrix.cpu import DTYPES as CPU_DTYPES
-from parascan.matrix.ops import matrix_linear_scan_op
+from parascan.matrix.ops import ROW, matrix_linear_scan_op
 
 __all__ = ["matrix_linear_scan"]
 
@@ -154,20 +154,26 @@ def _apply(
     return out
 
 
-def _auto_backend(device: torch.device, dtype: torch.dtype, batch: int, steps: int, d: int) -> str:
-    """The compiled sequential kernel where it runs (CPU, real dtypes). Elsewhere the
-    cheaper of the sequential loop (``steps`` batched matrix-vector calls, each a
-    fixed launch cost plus 2 batch d^2 flops) and the parallel scan of affine maps
-    (about 2 steps batch products of 2 d^3 flops in O(sqrt(steps) + log steps)
-    calls), with rough per-device constants."""
-    kernel_dtype = accumulate_dtype(dtype) in CPU_DTYPES
-    if kernel_dtype and unavailable_reason("cpu", device) is None:
-        return "cpu"
-    launch, flops = (2e-5, 2e13) if device.type == "cuda" else (1e-5, 5e10)
-    sequential = steps * (2 * launch + 2 * batch * d * d / flops)
-    calls = 3 * (4 * min(64, math.isqrt(max(steps, 1))) + 4 * math.log2(max(steps, 2)))
-    parallel = calls * launch + 4 * steps * batch * d**3 / flops
-    return "torch" if parallel < sequential else "loop"
+def _auto_backend(
+    device: torch.device, batch: int, steps: int, d: int
+) -> Callable[[Sequence[str]], str]:
+    """``auto``'s choice among the backends that can run the call: the compiled
+    sequential kernel where it can (CPU, real dtypes). Elsewhere the cheaper of the
+    sequential loop (``steps`` batched matrix-vector calls, each a fixed launch cost
+    plus 2 batch d^2 flops) and the parallel scan of affine maps (about 2 steps batch
+    products of 2 d^3 flops in O(sqrt(steps) + log steps) calls), with rough
+    per-device constants."""
+
+    def choose(usable: Sequence[str]) -> str:
+        if "cpu" in usable:
+            return "cpu"
+        launch, flops = (2e-5, 2e13) if device.type == "cuda" else (1e-5, 5e10)
+        sequential = steps * (2 * launch + 2 * batch * d * d / flops)
+        calls = 3 * (4 * min(64, math.isqrt(max(steps, 1))) + 4 * math.log2(max(steps, 2)))
+        parallel = calls * launch + 4 * steps * batch * d**3 / flops
+        return "torch" if parallel < sequential else "loop"
+
+    return choose
 
 
 def _validate(
@@ -289,20 +295,8 @@ def matrix_linear_scan(
     batch = torch.broadcast_shapes(
         weights.shape[:-3], biases.shape[:-2], () if initial is None else initial.shape[:-1]
     )
-    if backend == "auto":
-        chosen = _auto_backend(biases.device, dtype, math.prod(batch), steps, d)
-    elif backend == "triton":
-        raise RuntimeError(
-            f"{_NAME}: backend 'triton' is not available: matrix_linear_scan has no Triton "
-            "kernel; use 'torch' or 'loop' (or 'auto', which chooses between them on GPUs)"
-        )
-    else:
-        chosen = resolve_backend(_NAME, backend, biases.device)
-        if chosen == "cpu" and accumulate_dtype(dtype) not in CPU_DTYPES:
-            raise RuntimeError(
-                f"{_NAME}: backend 'cpu' is not available for {dtype}: its kernel takes "
-                "real dtypes; use 'torch' or 'loop' (or 'auto')"
-            )
+    choose = _auto_backend(biases.device, math.prod(batch), steps, d)
+    chosen = resolve(ROW, backend, biases.device, dtype, choose)
     # One batch rank for all three (leading size-1 dims, views): the op's vmap rule
     # then puts the vmapped dim in front of every operand and they still broadcast.
     rank = len(batch)

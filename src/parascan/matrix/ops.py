@@ -8,25 +8,39 @@ autograd.Function around it (see linear/ops.py for why not register_autograd).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from parascan._checks import accumulate_dtype
+from parascan._backends import Backend, OpBackends, register
+from parascan._checks import FLOAT_DTYPES, accumulate_dtype
 from parascan._op_utils import batch_first, resolved, resolved_optional
 from parascan.matrix import cpu, parallel, reference
 
-__all__ = ["matrix_linear_scan_op", "result_shape"]
+__all__ = ["ROW", "matrix_linear_scan_op", "result_shape"]
 
-ScanFn = Callable[[Tensor, Tensor, "Tensor | None", bool], Tensor]
-
-_FORWARD: dict[str, ScanFn] = {
-    "cpu": cpu.forward,
-    "torch": parallel.forward,
-    "loop": reference.forward,
-}
+# The backend table's row of matrix_linear_scan. The C kernel takes real dtypes (half
+# types run in float32); the backward runs through the forward (api.py).
+ROW = register(
+    OpBackends(
+        op="parascan.matrix_linear_scan",
+        backends={
+            "cpu": Backend(
+                cpu.forward,
+                dtypes=tuple(d for d in FLOAT_DTYPES if accumulate_dtype(d) in cpu.DTYPES),
+                unsupported="{dtype}: its kernel takes real dtypes; use 'torch' or 'loop' "
+                "(or 'auto')",
+            ),
+            "torch": Backend(parallel.forward),
+            "loop": Backend(reference.forward),
+        },
+        missing={
+            "triton": "matrix_linear_scan has no Triton kernel; use 'torch' or 'loop' (or "
+            "'auto', which chooses between them on GPUs)"
+        },
+    )
+)
 
 
 def result_shape(weights: Tensor, biases: Tensor, initial: Tensor | None) -> tuple[int, ...]:
@@ -46,7 +60,8 @@ def matrix_linear_scan_op(
     acc = accumulate_dtype(dtype)
     weights, biases = resolved(weights).to(acc), resolved(biases).to(acc)
     initial = resolved_optional(initial)
-    out = _FORWARD[backend](weights, biases, None if initial is None else initial.to(acc), reverse)
+    forward = ROW.backends[backend].forward
+    out: Tensor = forward(weights, biases, None if initial is None else initial.to(acc), reverse)
     return out.to(dtype)
 
 

@@ -1,8 +1,9 @@
-"""The ``torch`` backend for linear_scan: a parallel chunked scan in pure PyTorch.
+"""The ``torch`` backend of the first-order scans: a parallel chunked scan in pure
+PyTorch, over either semiring (semiring.py).
 
-Summary of algorithm. The pair (a, b) stands for the affine map x -> a*x + b, and
-maps compose associatively (as they do in any semiring: log_linear_scan runs this
-same code with logaddexp and +), so time can be cut into K chunks of L ~ sqrt(T) steps:
+Summary of algorithm. The pair (a, b) stands for the map x -> a (x) x (+) b (the affine
+map x -> a*x + b in the linear semiring), and maps compose associatively, so time can
+be cut into K chunks of L ~ sqrt(T) steps:
   1. inside all chunks at once, walk the L positions: each chunk's local state
      (from a zero start) and the running product of its gates. That is L batched
      tensor ops, each over all K chunks and all channels;
@@ -17,38 +18,17 @@ The initial state is folded into the first token; reverse flips time.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from parascan._checks import accumulate_dtype
+from parascan.first_order.semiring import LINEAR, LOG, Semiring
 
-__all__ = ["LINEAR", "Semiring", "forward", "scan"]
+__all__ = ["forward_linear", "forward_log", "scan"]
 
 # Below this many steps one batched op per step is cheapest.
 SEQUENTIAL_STEPS = 32
-
-
-class Semiring(NamedTuple):
-    """The algebra of a first-order scan: ``step(a, s, b, out)`` writes the next
-    state from gate a, state s and token b into ``out``; ``compose(p, a, out)``
-    writes the gate of two steps in a row; ``one`` is the identity gate, ``zero``
-    the empty state (padding and the state before the first chunk)."""
-
-    step: Callable[[Tensor, Tensor, Tensor, Tensor], object]
-    compose: Callable[[Tensor, Tensor, Tensor], object]
-    one: float
-    zero: float
-
-
-LINEAR = Semiring(
-    step=lambda a, s, b, out: torch.addcmul(b, a, s, out=out),
-    compose=lambda p, a, out: torch.mul(p, a, out=out),
-    one=1.0,
-    zero=0.0,
-)
 
 
 def _scan_time_first(a: Tensor, b: Tensor, ring: Semiring) -> Tensor:
@@ -59,7 +39,7 @@ def _scan_time_first(a: Tensor, b: Tensor, ring: Semiring) -> Tensor:
         if steps:
             x[0] = b[0]
         for t in range(1, steps):
-            ring.step(a[t], x[t - 1], b[t], x[t])
+            ring.step_(a[t], x[t - 1], b[t], x[t])
         return x
     length = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
     chunks = -(-steps // length)
@@ -74,11 +54,11 @@ def _scan_time_first(a: Tensor, b: Tensor, ring: Semiring) -> Tensor:
     local[:, 0] = b[:, 0]
     prod[:, 0] = a[:, 0]
     for j in range(1, length):
-        ring.step(a[:, j], local[:, j - 1], b[:, j], local[:, j])
-        ring.compose(prod[:, j - 1], a[:, j], prod[:, j])
+        ring.step_(a[:, j], local[:, j - 1], b[:, j], local[:, j])
+        ring.compose_(prod[:, j - 1], a[:, j], prod[:, j])
     ends = _scan_time_first(prod[:, -1], local[:, -1], ring)
     entering = torch.cat([ends.new_full((1, *rest), ring.zero), ends[:-1]])
-    ring.step(prod, entering.unsqueeze(1).expand_as(prod), local, local)
+    ring.step_(prod, entering.unsqueeze(1).expand_as(prod), local, local)
     x.copy_(local.reshape(chunks * length, *rest)[:steps])
     return x
 
@@ -95,14 +75,14 @@ def _time_first(t: Tensor, dim: int, acc: torch.dtype, reverse: bool) -> Tensor:
 
 
 def scan(
+    ring: Semiring,
     gates: Tensor,
     tokens: Tensor,
     initial: Tensor | None,
     dim: int,
     reverse: bool,
-    ring: Semiring,
 ) -> Tensor:
-    """The chunked scan of ``ring``, with the contract of ``reference.forward``."""
+    """The chunked scan of ``ring``, with the contract of ``reference.loop``."""
     acc = accumulate_dtype(tokens.dtype)
     out = torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
     if tokens.shape[dim] == 0:
@@ -111,7 +91,7 @@ def scan(
     b = _time_first(tokens, dim, acc, reverse)
     if initial is not None:
         first = torch.empty_like(b[0])
-        ring.step(a[0], initial.to(acc), b[0], first)
+        ring.step_(a[0], initial.to(acc), b[0], first)
         b = torch.cat([first.unsqueeze(0), b[1:]])
     x = _scan_time_first(a, b, ring)
     if reverse:
@@ -119,12 +99,15 @@ def scan(
     return out.copy_(x.movedim(0, dim))
 
 
-def forward(
-    gates: Tensor,
-    tokens: Tensor,
-    initial: Tensor | None,
-    dim: int,
-    reverse: bool,
+def forward_linear(
+    gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool
 ) -> Tensor:
-    """Same contract as ``reference.forward``."""
-    return scan(gates, tokens, initial, dim, reverse, LINEAR)
+    """``scan`` in the linear semiring."""
+    return scan(LINEAR, gates, tokens, initial, dim, reverse)
+
+
+def forward_log(
+    log_gates: Tensor, log_tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool
+) -> Tensor:
+    """``scan`` in the log semiring."""
+    return scan(LOG, log_gates, log_tokens, initial, dim, reverse)

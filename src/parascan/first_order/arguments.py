@@ -1,17 +1,16 @@
-"""Argument handling shared by the public first-order scans (linear_scan,
-log_linear_scan): validation with the caller's name in every message, broadcasting,
-the final state, and the eager fast path that calls a C kernel directly."""
+"""Argument handling of the first-order scans (linear_scan, log_linear_scan, and
+their parascan.distributed versions): validation with the caller's name in every
+message, broadcasting, the backend (from the op's row of the backend table), the
+final state, and the eager fast path that calls a C kernel directly."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
 
-from parascan._backends import resolve_backend
+from parascan._backends import resolve
 from parascan._checks import (
     FLOAT_DTYPES,
     as_operand,
@@ -23,11 +22,12 @@ from parascan._checks import (
     result_dtype,
 )
 from parascan._native import kernel_library_error
-from parascan._op_utils import state_shape
+from parascan._op_utils import plain_eager, state_shape
+from parascan.first_order import cpu
+from parascan.first_order.ops import ROWS
+from parascan.first_order.semiring import Semiring
 
-__all__ = ["Prepared", "cpu_fast_path", "final_state", "plain_eager", "prepare", "with_final"]
-
-ForwardFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool, bool], Tensor]
+__all__ = ["Prepared", "cpu_fast_path", "final_state", "prepare", "with_final"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Prepared:
 
 
 def prepare(
-    name: str,
+    ring: Semiring,
     gates: object,
     tokens: object,
     dim: object,
@@ -53,11 +53,13 @@ def prepare(
     reverse: object,
     return_final: object,
     backend: object,
-    names: tuple[str, str] = ("gates", "tokens"),
+    name: str | None = None,
 ) -> Prepared:
-    """Validate a scan call; raises TypeError/ValueError/IndexError/RuntimeError
-    naming ``name`` and the offending argument before any kernel runs."""
-    gname, tname = names
+    """Validate a scan of ``ring``; raises TypeError/ValueError/IndexError/RuntimeError
+    naming ``name`` (the public function, ``ring.op`` by default) and the offending
+    argument before any kernel runs."""
+    name = ring.op if name is None else name
+    gname, tname = ring.operands
     tokens = as_operand(name, tname, tokens, allow_number=False)
     gates = as_operand(name, gname, gates, allow_number=True, like=tokens)
     check_dtype(name, gname, gates)
@@ -96,7 +98,7 @@ def prepare(
             f"{name}: expected bool reverse and return_final, but got "
             f"{describe(reverse)} and {describe(return_final)}"
         )
-    chosen = resolve_backend(name, backend, tokens.device)
+    chosen = resolve(ROWS[ring.name], backend, tokens.device, dtype, name=name)
     return Prepared(
         gates.to(dtype).expand(shape),
         tokens.to(dtype).expand(shape),
@@ -130,21 +132,8 @@ def with_final(
     return result, final.reshape(()) if p.scalar else final
 
 
-def plain_eager() -> bool:
-    """True when the call runs eagerly: no torch.compile, no torch.func transform, no
-    dispatch mode, no forward-mode AD level open (dual tensors carry their tangents
-    invisibly: a kernel called directly would drop them). Tensor subclasses, fake or
-    functional, are ruled out by the caller's exact type checks."""
-    return (
-        not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and forward_ad._current_level < 0
-    )
-
-
 def cpu_fast_path(
-    forward: ForwardFn,
+    ring: Semiring,
     gates: object,
     tokens: object,
     dim: object,
@@ -153,7 +142,7 @@ def cpu_fast_path(
     return_final: object,
     backend: object,
 ) -> Tensor | None:
-    """``forward`` (a cpu kernel) called directly, for the common call that needs
+    """The cpu kernel of ``ring`` called directly, for the common call that needs
     nothing of the op machinery: plain strided CPU tensors of one shape and dtype
     that need no gradient, no final state. Returns None (take the general path,
     which validates everything and owns every error message) for anything else.
@@ -206,4 +195,4 @@ def cpu_fast_path(
         ):
             return None
     # Every operand was checked above as check_operands would: verified.
-    return forward(gates, tokens, initial, dim, reverse, True)
+    return cpu.forward(ring, gates, tokens, initial, dim, reverse, True)

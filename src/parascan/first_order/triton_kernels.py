@@ -1,5 +1,5 @@
 """Triton kernels of the first-order scans (linear_scan, log_linear_scan), forward
-and fused backward, shared by linear/triton.py and logspace/triton.py.
+and fused backward, called by triton.py.
 
 Imported only when the ``triton`` backend runs (triton is an optional extra).
 
@@ -18,7 +18,8 @@ each with its own strides (broadcast inputs are read in place); a channel is an
    entering state, writing the results.
 
 Every pass accumulates in float32 (float64 for float64), with carries in that
-precision, and stores in the tensor's dtype. Modes:
+precision, and stores in the tensor's dtype. Modes (a forward's MODE is its
+semiring's code, semiring.py; a backward's is BACKWARD + that code):
 
 - ``LINEAR``: x[t] = a[t] x[t-1] + b[t] (real or complex).
 - ``LOG``: h[t] = logaddexp(la[t] + h[t-1], lb[t]) (real).
@@ -37,9 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LINEAR", "LINEAR_BWD", "LOG", "LOG_BWD", "backward", "forward"]
+__all__ = ["BACKWARD", "LINEAR", "LINEAR_BWD", "LOG", "LOG_BWD", "backward", "forward"]
 
-LINEAR, LOG, LINEAR_BWD, LOG_BWD = 0, 1, 2, 3
+LINEAR, LOG = 0, 1  # LINEAR.code, LOG.code
+BACKWARD = 2
+LINEAR_BWD, LOG_BWD = BACKWARD + LINEAR, BACKWARD + LOG
 _BLOCK_C = 32
 
 

@@ -1,0 +1,107 @@
+"""The one autograd.Function of the first-order scans, parametrized by the semiring.
+
+Forward and backward are torch.library ops with vmap rules (ops.py), so
+``generate_vmap_rule`` gives vmap, vmap(grad) and jacrev for free. The semiring
+travels by name (a string is a constant to torch.compile).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parascan.first_order.ops import backward_from_partials, backward_op, forward_op
+from parascan.first_order.semiring import LINEAR, SEMIRINGS
+
+__all__ = ["apply"]
+
+
+class _FirstOrderScan(torch.autograd.Function):
+    """x[t] = a[t] (x) x[t-1] (+) b[t] in the semiring named ``ring``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
+        backend: str, ring: str,
+    ) -> Tensor:  # fmt: skip
+        out: Tensor = forward_op(SEMIRINGS[ring])(gates, tokens, initial, dim, reverse, backend)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        gates, tokens, initial, dim, reverse, backend, ring = inputs
+        # only what the semiring's backward reads is kept alive
+        if not SEMIRINGS[ring].backward_reads_tokens:
+            tokens = None
+        ctx.save_for_backward(gates, tokens, output, initial)
+        ctx.save_for_forward(gates, tokens, output, initial)
+        ctx.dim, ctx.reverse, ctx.backend, ctx.ring = dim, reverse, backend, ring
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        gates, tokens, out, initial = ctx.saved_tensors
+        ring = SEMIRINGS[ctx.ring]
+        if torch.is_grad_enabled():
+            # create_graph (double backward, torch.func): the same equations through
+            # differentiable torch ops and the linear scan's Function.
+            partials = ring.partials(gates, tokens, out, initial, ctx.dim, ctx.reverse)
+            grads = backward_from_partials(
+                _linear_scan_fn(ctx.backend), partials, grad_out, ctx.dim, ctx.reverse
+            )
+        else:
+            grads = backward_op(ring)(
+                gates, tokens, out, grad_out, initial, ctx.dim, ctx.reverse, ctx.backend
+            )
+        need = ctx.needs_input_grad
+        return (
+            grads[0] if need[0] else None,
+            grads[1] if need[1] else None,
+            grads[2] if initial is not None and need[2] else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class _FirstOrderScanForwardMode(_FirstOrderScan):
+    """_FirstOrderScan with forward-mode AD (torch.func.jvp, jacfwd). Kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(
+        ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None,
+        *_: Any,
+    ) -> Tensor:  # fmt: skip
+        # The tangent obeys a linear recurrence with the steps' partials (w, d_a, d_b):
+        # dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),  dx[-1] = d initial.
+        gates, tokens, out, initial = ctx.saved_tensors
+        ring = SEMIRINGS[ctx.ring]
+        w, d_gates, d_tokens = ring.partials(gates, tokens, out, initial, ctx.dim, ctx.reverse)
+        drive = torch.zeros_like(out)
+        if tokens_t is not None:
+            drive = tokens_t if d_tokens is None else d_tokens * tokens_t
+        if gates_t is not None:
+            drive = drive + d_gates * gates_t
+        return apply(LINEAR.name, w, drive, initial_t, ctx.dim, ctx.reverse, ctx.backend)
+
+
+def _linear_scan_fn(backend: str) -> Any:
+    def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
+        return apply(LINEAR.name, a, b, h, dim, reverse, backend)
+
+    return scan
+
+
+def apply(
+    ring: str, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
+    backend: str,
+) -> Tensor:  # fmt: skip
+    """The differentiable scan in the semiring named ``ring`` of validated operands."""
+    fn = _FirstOrderScan if torch.compiler.is_compiling() else _FirstOrderScanForwardMode
+    out: Tensor = fn.apply(gates, tokens, initial, dim, reverse, backend, ring)  # type: ignore[no-untyped-call]
+    return out

@@ -1,0 +1,224 @@
+"""The raw ops of the first-order scans, registered with torch.library, and their
+rows of the backend table.
+
+Each semiring (semiring.py) gets two ops, made by one definition (``_define``):
+``parascan::<op>(gates, tokens, initial, dim, reverse, backend)`` and
+``parascan::<op>_backward(gates, tokens, out, grad_out, initial, dim, reverse,
+backend)`` (tokens None where the semiring's backward never reads them), for
+``linear_scan`` and ``log_linear_scan``. They take validated, broadcast inputs (gates
+and tokens of one shape and dtype, initial of that shape without ``dim``, or None)
+and a backend the table resolved. They carry fake kernels (torch.compile) and vmap
+rules; they are not differentiable themselves: autograd.py puts an
+autograd.Function around them, because ``torch.library.register_autograd`` breaks
+torch.func on torch 2.13.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parascan._backends import Backend, OpBackends, register
+from parascan._checks import FLOAT_DTYPES, accumulate_dtype
+from parascan._op_utils import (
+    conj,
+    register_batch_first_vmap,
+    resolved,
+    resolved_optional,
+    state_shape,
+)
+from parascan.first_order import chunked, cpu, reference, triton
+from parascan.first_order.semiring import LINEAR, LOG, SEMIRINGS, Partials, Semiring
+
+__all__ = [
+    "ROWS",
+    "backward_from_partials",
+    "backward_from_weights",
+    "backward_op",
+    "backward_via_scan",
+    "forward_op",
+    "gradient_chain",
+]
+
+ScanFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
+
+_REAL = tuple(d for d in FLOAT_DTYPES if not d.is_complex)
+
+
+def _row(ring: Semiring, triton_dtypes: tuple[torch.dtype, ...]) -> OpBackends:
+    return register(
+        OpBackends(
+            op=ring.op,
+            backends={
+                "cpu": Backend(cpu.forward, cpu.backward),
+                "triton": Backend(
+                    triton.forward,
+                    triton.backward,
+                    triton_dtypes,
+                    unsupported="complex inputs ({dtype}); use 'torch' or 'loop' (or 'auto')",
+                ),
+                "torch": Backend(chunked.scan),
+                "loop": Backend(reference.loop),
+            },
+        )
+    )
+
+
+# The backend table's rows of the first-order scans, by semiring name. The Triton
+# log-space kernel is real ("auto" takes the torch backend for complex inputs).
+ROWS = {"linear": _row(LINEAR, FLOAT_DTYPES), "log": _row(LOG, _REAL)}
+
+
+def gradient_chain(
+    scan: ScanFn, weights: Tensor, grad_out: Tensor, dim: int, reverse: bool
+) -> Tensor:
+    """g[t] = grad_out[t] + conj(weights[t+1]) g[t+1] (t-1 when reversed), g past the
+    end 0: the total gradient reaching each state of a recurrence whose step
+    multiplies the previous state by ``weights``. One linear scan (``scan``) run the
+    other way over the weights shifted by one step."""
+    steps = grad_out.shape[dim]
+    if steps == 0:
+        return torch.zeros_like(grad_out)
+    no_gate = torch.zeros_like(weights.narrow(dim, 0, 1))
+    if reverse:
+        a_next = torch.cat([no_gate, weights.narrow(dim, 0, steps - 1)], dim)
+    else:
+        a_next = torch.cat([weights.narrow(dim, 1, steps - 1), no_gate], dim)
+    return scan(conj(a_next), grad_out, None, dim, not reverse)
+
+
+def backward_from_partials(
+    scan: ScanFn, partials: Partials, grad_out: Tensor, dim: int, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of a first-order scan from its steps' partial derivatives
+    (w, d_a, d_b) = (dx[t]/dx[t-1], dx[t]/da[t], dx[t]/db[t]) (Semiring.partials):
+    the gradient reaching x[t] is g[t] = grad_out[t] + conj(w[t+1]) g[t+1], a linear
+    scan (``scan``) run the other way (Martin & Cundy, arXiv 1709.04057); then
+    dL/da = g conj(d_a), dL/db = g conj(d_b), dL/dinitial = conj(w[0]) g[0]. Torch
+    ops only, so it is differentiable whenever ``scan`` is."""
+    w, d_gates, d_tokens = partials
+    steps = grad_out.shape[dim]
+    if steps == 0:
+        zeros = torch.zeros_like(grad_out)
+        return zeros, zeros.clone(), grad_out.new_zeros(state_shape(grad_out, dim))
+    g = gradient_chain(scan, w, grad_out, dim, reverse)
+    first = steps - 1 if reverse else 0
+    grad_initial = conj(w.select(dim, first)) * g.select(dim, first)
+    grad_tokens = g if d_tokens is None else g * conj(d_tokens)
+    return g * conj(d_gates), grad_tokens, grad_initial
+
+
+def backward_via_scan(
+    scan: ScanFn,
+    gates: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    initial: Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of linear_scan (backward_from_partials in the linear semiring)."""
+    partials = LINEAR.partials(gates, None, out, initial, dim, reverse)
+    return backward_from_partials(scan, partials, grad_out, dim, reverse)
+
+
+def backward_from_weights(
+    scan: ScanFn,
+    log_gates: Tensor,
+    log_tokens: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    initial: Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of log_linear_scan (backward_from_partials in the log semiring,
+    whose partials are the step weights); ``scan`` is a linear scan."""
+    partials = LOG.partials(log_gates, log_tokens, out, initial, dim, reverse)
+    return backward_from_partials(scan, partials, grad_out, dim, reverse)
+
+
+def _define(ring: Semiring) -> tuple[Any, Any]:
+    """The forward and backward ops of ``ring``, with fake kernels and vmap rules."""
+    row = ROWS[ring.name]
+    linear_forward = ROWS["linear"].backends
+    name = "parascan::" + ring.op.removeprefix("parascan.")  # parascan::linear_scan
+
+    def forward(
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
+        backend: str,
+    ) -> Tensor:  # fmt: skip
+        return row.backends[backend].forward(  # type: ignore[no-any-return]
+            ring, resolved(gates), resolved(tokens), resolved_optional(initial), dim, reverse
+        )
+
+    forward.__doc__ = f"{ring.op} along ``dim``; a new contiguous tensor."
+    forward_op = torch.library.custom_op(name, forward, mutates_args=())
+
+    @forward_op.register_fake
+    def _(
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
+        backend: str,
+    ) -> Tensor:  # fmt: skip
+        torch._check(gates.shape == tokens.shape, lambda: f"{name}: shape mismatch")
+        torch._check(gates.dtype == tokens.dtype, lambda: f"{name}: dtype mismatch")
+        return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+
+    def backward(
+        gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
+        initial: Tensor | None, dim: int, reverse: bool, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        gates, out, grad_out = resolved(gates), resolved(out), resolved(grad_out)
+        tokens, initial = resolved_optional(tokens), resolved_optional(initial)
+        fused = row.backends[backend].backward
+        if fused is not None:
+            return fused(ring, gates, tokens, out, grad_out, initial, dim, reverse)  # type: ignore[no-any-return]
+        # Backends without a fused backward: the partials and one reverse linear scan
+        # of the same backend, accumulating half types in float32 like the forward.
+        acc = accumulate_dtype(out.dtype)
+
+        def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
+            return linear_forward[backend].forward(LINEAR, a, b, h, dim, reverse)  # type: ignore[no-any-return]
+
+        partials = ring.partials(
+            gates.to(acc), None if tokens is None else tokens.to(acc), out.to(acc),
+            None if initial is None else initial.to(acc), dim, reverse,
+        )  # fmt: skip
+        grads = backward_from_partials(scan, partials, grad_out.to(acc), dim, reverse)
+        return tuple(g.to(out.dtype) for g in grads)  # type: ignore[return-value]
+
+    backward.__doc__ = f"(grad_gates, grad_tokens, grad_initial) of {ring.op}, given its output."
+    backward_op = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
+
+    @backward_op.register_fake
+    def _(
+        gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
+        initial: Tensor | None, dim: int, reverse: bool, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        torch._check(gates.shape == out.shape, lambda: f"{name}_backward: shapes")
+        torch._check(grad_out.shape == out.shape, lambda: f"{name}_backward: shapes")
+        return (
+            torch.empty(out.shape, dtype=out.dtype, device=out.device),
+            torch.empty(out.shape, dtype=out.dtype, device=out.device),
+            torch.empty(state_shape(out, dim), dtype=out.dtype, device=out.device),
+        )
+
+    register_batch_first_vmap(name, forward_op, tensors=3, outputs=1)
+    register_batch_first_vmap(f"{name}_backward", backward_op, tensors=5, outputs=3)
+    return forward_op, backward_op
+
+
+_OPS = {name: _define(ring) for name, ring in SEMIRINGS.items()}
+
+
+def forward_op(ring: Semiring) -> Any:
+    """``parascan::linear_scan`` or ``parascan::log_linear_scan``."""
+    return _OPS[ring.name][0]
+
+
+def backward_op(ring: Semiring) -> Any:
+    """``parascan::linear_scan_backward`` or ``parascan::log_linear_scan_backward``."""
+    return _OPS[ring.name][1]
