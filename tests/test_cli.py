@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan import bench
-from parascan.check import run_check
-from parascan.cli import main
+from parascan.tools import bench
+from parascan.tools.check import run_check
+from parascan.tools.cli import main
 
 
 def test_info_reports_versions_and_backends(capsys) -> None:
@@ -138,7 +138,7 @@ def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
 
 
 def test_bench_never_reports_a_speed_for_a_wrong_generic_result(monkeypatch) -> None:
-    from parascan import bench_generic
+    from parascan.tools import bench_generic
 
     real = bench_generic.associative_reduce
     monkeypatch.setattr(bench_generic, "associative_reduce", lambda *a: real(*a) * 1.01)

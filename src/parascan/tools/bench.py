@@ -1,7 +1,7 @@
 """``parascan bench``: parascan against its peers and the machine's memory bandwidth.
 
 Summary of method. Every case (a shape, dim, dtype and thread count) is timed for
-each implementation: parascan's backends, and the peers of ``_peers.py``. Each
+each implementation: parascan's backends, and the peers of ``peers.py``. Each
 repetition times, back to back, two bandwidth limits and the implementation; the
 medians are reported, so ratios stay meaningful on a noisy shared machine:
   - ``limit``: ``torch.add(x, y)`` over tensors of the case's size, scaled to the
@@ -27,12 +27,15 @@ from typing import Any, TextIO
 
 import torch
 
-from parascan import _peers
 from parascan._backends import backends
-from parascan._sysinfo import summary
-from parascan._timing import elapsed as _elapsed
 from parascan._tolerance import TOLERANCE, relative_error
-from parascan.bench_generic import (
+from parascan.linear import chunked, linear_scan
+from parascan.linear import reference as linear_reference
+from parascan.linear.ops import backward_via_scan
+from parascan.logspace import log_linear_scan
+from parascan.logspace.ops import backward_from_weights
+from parascan.tools import peers
+from parascan.tools.bench_generic import (
     GENERIC_CASES,
     QUICK_GENERIC_CASES,
     GenericCase,
@@ -40,11 +43,8 @@ from parascan.bench_generic import (
     implementation_names,
     run_generic,
 )
-from parascan.linear import chunked, linear_scan
-from parascan.linear import reference as linear_reference
-from parascan.linear.ops import backward_via_scan
-from parascan.logspace import log_linear_scan
-from parascan.logspace.ops import backward_from_weights
+from parascan.tools.info import summary
+from parascan.tools.timing import elapsed as _elapsed
 
 __all__ = [
     "CUDA_CASES",
@@ -233,12 +233,12 @@ def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Ten
 
         impls.append((b, "parascan", fn, ""))
     if case.peers:
-        peers = _peers.LOG_PEERS if case.op == "log" else _peers.PEERS
-        for name, peer in peers.items():
-            if name in _peers.CUDA_ONLY and not case.device.startswith("cuda"):
+        table = peers.LOG_PEERS if case.op == "log" else peers.PEERS
+        for name, peer in table.items():
+            if name in peers.CUDA_ONLY and not case.device.startswith("cuda"):
                 continue
             like = torch.empty((), dtype=case.dtype, device=case.device).expand(case.shape)
-            why = _peers.unsupported(name, like, case.dim)
+            why = peers.unsupported(name, like, case.dim)
 
             def pfn(a: torch.Tensor, x: torch.Tensor, peer: Any = peer) -> torch.Tensor:
                 return peer(a, x, case.dim)  # type: ignore[no-any-return]

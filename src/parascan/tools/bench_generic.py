@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from parascan._timing import elapsed as _elapsed
 from parascan.generic import associative_reduce, associative_scan
 from parascan.linear import reference as linear_reference
 from parascan.matrix import matrix_linear_scan
+from parascan.tools.timing import elapsed as _elapsed
 
 __all__ = ["GENERIC_CASES", "QUICK_GENERIC_CASES", "GenericCase", "GenericRow", "run_generic"]
 
@@ -183,7 +183,7 @@ def _setup(case: GenericCase) -> tuple[list[Impl], Callable[[], object], torch.T
         limit = lambda: torch.bmm(w, b.unsqueeze(-1))  # noqa: E731
         want = matrix_linear_scan(w.double(), b.double(), backend="loop")
     elif case.kind == "first-order":
-        from parascan._peers import torch_associative_scan
+        from parascan.tools.peers import torch_associative_scan
 
         a = 0.9 + 0.1 * torch.rand(case.shape, generator=gen)
         x = torch.rand(case.shape, generator=gen)

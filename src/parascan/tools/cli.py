@@ -11,7 +11,7 @@ __all__ = ["main"]
 
 
 def _info(args: argparse.Namespace) -> int:
-    from parascan._sysinfo import summary
+    from parascan.tools.info import summary
 
     info = summary()
     if args.json:
@@ -28,13 +28,13 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from parascan.check import run_check
+    from parascan.tools.check import run_check
 
     return run_check(args.device)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from parascan import bench
+    from parascan.tools import bench
 
     if args.device.startswith("cuda"):
         return bench.run_bench(
