@@ -14,6 +14,11 @@ for more than 8192 steps the float64 chunked torch backend, itself tested agains
 the loop): a parascan result beyond its dtype's tolerance, or a peer beyond 1e-3
 relative, is reported as WRONG, never with a speed. log_linear_scan cases ("log"
 in the name) scan log a and log b and report the absolute error in log x.
+
+Workloads: ``DEFAULT_CASES`` (``parascan bench``) keeps the headline shapes for the
+fast backend and runs the slow implementations, once each, on a smaller shape;
+``FULL_CASES`` (``--full``) runs every case at full size; ``QUICK_CASES``
+(``--quick``) is a smoke test; ``CUDA_CASES`` is ``--device cuda``'s.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from parascan.logspace import log_linear_scan
 from parascan.logspace.ops import backward_from_weights
 from parascan.tools import peers
 from parascan.tools.bench_generic import (
-    GENERIC_CASES,
+    DEFAULT_GENERIC_CASES,
+    FULL_GENERIC_CASES,
     QUICK_GENERIC_CASES,
     GenericCase,
     format_generic,
@@ -49,7 +55,9 @@ from parascan.tools.timing import elapsed as _elapsed
 __all__ = [
     "CUDA_CASES",
     "DEFAULT_CASES",
-    "GENERIC_CASES",
+    "DEFAULT_GENERIC_CASES",
+    "FULL_CASES",
+    "FULL_GENERIC_CASES",
     "QUICK_CASES",
     "QUICK_GENERIC_CASES",
     "Case",
@@ -100,7 +108,9 @@ class Row:
 
 
 _MAJOR, _CONTIG = (8, 4096, 1536), (8, 1536, 4096)
-DEFAULT_CASES = [
+# `parascan bench --full`: every dtype, one thread against all, long sequences, both
+# layouts of log_linear_scan, every peer at the headline shapes (about 10 minutes on 2 cores).
+FULL_CASES = [
     Case("float32 time-major", _MAJOR, 1, peers=True),
     Case("float32 time-contiguous", _CONTIG, -1, peers=True),
     Case("float32 time-contiguous", _CONTIG, -1, backends=("cpu",), threads=1),
@@ -131,6 +141,29 @@ DEFAULT_CASES = [
         backends=("cpu",),
         peers=True,
         op="log",
+    ),
+]
+# `parascan bench` (no arguments, the README's first command; about a minute on 2 idle
+# cores): the fast backend at the headline shapes; every backend and peer, the slow ones
+# (the loop and chunked torch backends, the tree and log-space peers) timed once, on one
+# sequence of the same length with half the channels, a sixteenth of the headline's
+# elements; log_linear_scan likewise; one long sequence. Every ratio is to the limit
+# measured in the same run at the row's own shape.
+_MAJOR_SMALL, _CONTIG_SMALL = (1, 4096, 768), (1, 768, 4096)
+DEFAULT_CASES = [
+    Case("float32 time-major", _MAJOR, 1, backends=("cpu",)),
+    Case("float32 time-contiguous", _CONTIG, -1, backends=("cpu",)),
+    Case("float32 time-major", _MAJOR_SMALL, 1, peers=True),
+    Case("float32 time-contiguous", _CONTIG_SMALL, -1, peers=True),
+    Case("log float32 time-major", _MAJOR_SMALL, 1, backends=("cpu",), peers=True, op="log"),
+    Case("log float32 time-contiguous", _CONTIG_SMALL, -1, backends=("cpu",), peers=True, op="log"),
+    Case(
+        "float32 one long sequence",
+        (1, 2**22),
+        -1,
+        backward=False,
+        backends=("cpu", "torch"),
+        peers=True,
     ),
 ]
 # `parascan bench --device cuda`: accelerated-scan's published forward figures with its

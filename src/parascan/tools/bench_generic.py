@@ -28,7 +28,14 @@ from parascan.linear import reference as linear_reference
 from parascan.matrix import matrix_linear_scan
 from parascan.tools.timing import elapsed as _elapsed
 
-__all__ = ["GENERIC_CASES", "QUICK_GENERIC_CASES", "GenericCase", "GenericRow", "run_generic"]
+__all__ = [
+    "DEFAULT_GENERIC_CASES",
+    "FULL_GENERIC_CASES",
+    "QUICK_GENERIC_CASES",
+    "GenericCase",
+    "GenericRow",
+    "run_generic",
+]
 
 _TOLERANCE = 1e-3  # relative to the largest magnitude, float32 against float64
 
@@ -57,13 +64,22 @@ class GenericRow:
     note: str = ""
 
 
-GENERIC_CASES = [
+# `parascan bench --full`.
+FULL_GENERIC_CASES = [
     GenericCase("cumulative matmul", "cumprod", (8192, 64, 64)),
     GenericCase("product of matrices", "reduce", (1000, 32, 32)),
     GenericCase("product of matrices", "reduce", (1000, 64, 64)),
     GenericCase("product of matrices", "reduce", (1000, 128, 128)),
     GenericCase("matrix recurrence", "matrix", (8192, 64)),
     GenericCase("first-order combine", "first-order", (8, 1536, 4096)),
+]
+# `parascan bench`: one case per kind, smaller than --full's (the doubling scans and Python
+# loops are slow): the same peers, a few seconds each.
+DEFAULT_GENERIC_CASES = [
+    GenericCase("cumulative matmul", "cumprod", (1024, 64, 64)),
+    GenericCase("product of matrices", "reduce", (1000, 32, 32)),
+    GenericCase("matrix recurrence", "matrix", (1024, 64)),
+    GenericCase("first-order combine", "first-order", (1, 768, 4096)),
 ]
 QUICK_GENERIC_CASES = [
     GenericCase("cumulative matmul", "cumprod", (100, 8, 8)),
