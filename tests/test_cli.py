@@ -126,6 +126,19 @@ def test_bad_arguments_from_the_shell_print_no_traceback() -> None:
     assert "Traceback" not in done.stderr and "error: argument --repeat" in done.stderr
 
 
+def test_bench_backend_times_only_that_backend() -> None:
+    # a case restricted to other backends is left out (it once ran every backend)
+    cases = [
+        bench.Case("cpu only", (1, 8, 2048), -1, backward=False, backends=("cpu",)),
+        bench.Case("any", (1, 8, 2048), -1, backward=False),
+    ]
+    out = io.StringIO()
+    status = bench.run_bench(cases=cases, backend_names=["torch"], repeat=1, as_json=True, out=out)
+    assert status == 0
+    rows = json.loads(out.getvalue())["rows"]
+    assert [(r["case"], r["impl"]) for r in rows] == [("any", "torch")]
+
+
 def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
     from parascan.linear import ops
 

@@ -256,7 +256,7 @@ def _error(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Tensor], str]]:
     """(name, kind, scan(gates, tokens), reason it cannot run or "")."""
-    names = case.backends or tuple(backends(case.device))
+    names = tuple(backends(case.device)) if case.backends is None else case.backends
     impls: list[tuple[str, str, Callable[..., torch.Tensor], str]] = []
     scan = log_linear_scan if case.op == "log" else linear_scan
     for b in names:
@@ -454,13 +454,14 @@ def run_bench(
     else 0 (a wrong peer is reported, not an error of this program)."""
     cases = list(cases or DEFAULT_CASES)
     generic = list(generic_cases or [])
-    if backend_names:
+    if backend_names:  # only these backends; a case that runs none of them is left out
         cases = [
             replace(
                 c, backends=tuple(b for b in (c.backends or backend_names) if b in backend_names)
             )
             for c in cases
         ]
+        cases = [c for c in cases if c.backends]
     steps = sum(len(_implementations(c)) for c in cases)
     if plot_path:
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
