@@ -126,6 +126,32 @@ def test_bad_arguments_from_the_shell_print_no_traceback() -> None:
     assert "Traceback" not in done.stderr and "error: argument --repeat" in done.stderr
 
 
+# `parascan bench` as on a fresh install (torch without numpy, which torch warns about when
+# first imported), its default workload cut to one small case per kind: at least 2^17
+# elements, so every implementation is called once per sample.
+_NO_NUMPY_BENCH = """
+import sys
+sys.modules["numpy"] = None  # import numpy raises ImportError
+from parascan.tools import bench, cli
+shape = (1, 64, 2048)
+bench.DEFAULT_CASES[:] = [
+    bench.Case("linear", shape, -1, peers=True), bench.Case("log", shape, 1, peers=True, op="log")
+]
+bench.DEFAULT_GENERIC_CASES[:] = bench.QUICK_GENERIC_CASES
+sys.exit(cli.main(["bench", "--repeat", "1"]))
+"""
+
+
+def test_bench_without_numpy_prints_no_warning() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_NUMPY_BENCH], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert "numpy" not in done.stderr.lower(), done.stderr
+    assert "warning" not in done.stderr.lower(), done.stderr
+    assert "torch assoc_scan" in done.stdout and "heinsen (log)" in done.stdout
+
+
 def test_bench_backend_times_only_that_backend() -> None:
     # a case restricted to other backends is left out (it once ran every backend)
     cases = [
