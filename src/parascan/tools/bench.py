@@ -143,12 +143,12 @@ FULL_CASES = [
         op="log",
     ),
 ]
-# `parascan bench` (no arguments, the README's first command; about a minute on 2 idle
-# cores): the fast backend at the headline shapes; every backend and peer, the slow ones
-# (the loop and chunked torch backends, the tree and log-space peers) timed once, on one
-# sequence of the same length with half the channels, a sixteenth of the headline's
-# elements; log_linear_scan likewise; one long sequence. Every ratio is to the limit
-# measured in the same run at the row's own shape.
+# `parascan bench` (no arguments, the README's first command; under two minutes on 2 cores:
+# 108 s measured on a shared machine at load average 6): the fast backend at the headline
+# shapes; every backend and peer, the slow ones (the loop and chunked torch backends, the
+# tree and log-space peers) timed once, on one sequence of the same length with half the
+# channels, a sixteenth of the headline's elements; log_linear_scan likewise; one long
+# sequence. Every ratio is to the limit measured in the same run at the row's own shape.
 _MAJOR_SMALL, _CONTIG_SMALL = (1, 4096, 768), (1, 768, 4096)
 DEFAULT_CASES = [
     Case("float32 time-major", _MAJOR, 1, backends=("cpu",)),
