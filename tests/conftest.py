@@ -2,7 +2,7 @@
 
 - Uninitialized memory is filled with NaN (torch's deterministic mode does this for
   every torch.empty), so an output element a kernel forgets to write fails a test.
-- The tolerance table (parascan._tolerance, shared with `parascan check`) for
+- The tolerance table (parascan.tools.tolerance, shared with `parascan check`) for
   comparisons against the float64 oracle.
 - The oracle: a float64 sequential loop written here, independently of parascan.
 """
@@ -19,7 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from parascan._tolerance import TOLERANCE
+from parascan.tools.tolerance import TOLERANCE
 
 # A skipped test of installed code fails the run (skip_policy.py).
 pytest_plugins = ["skip_policy"]

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan import bench
-from parascan.check import run_check
-from parascan.cli import main
+from parascan.tools import bench
+from parascan.tools.bench_generic import implementation_names
+from parascan.tools.check import run_check
+from parascan.tools.cli import main
 
 
 def test_info_reports_versions_and_backends(capsys) -> None:
@@ -88,6 +89,7 @@ BAD_LINES = {
     "bench --device meta": "device type 'meta'",
     "bench --device cpu:1": "the CPU is one device",
     "bench --plot /nonexistent-folder/sweep.png": "its folder does not exist",
+    "bench --quick --full": "not allowed with argument --quick",
     "info --bogus": "unrecognized arguments",
     "frobnicate": "invalid choice",
 }
@@ -124,6 +126,45 @@ def test_bad_arguments_from_the_shell_print_no_traceback() -> None:
     assert "Traceback" not in done.stderr and "error: argument --repeat" in done.stderr
 
 
+# `parascan bench` as on a fresh install (torch without numpy, which torch warns about when
+# first imported), its default workload cut to one small case per kind: at least 2^17
+# elements, so every implementation is called once per sample.
+_NO_NUMPY_BENCH = """
+import sys
+sys.modules["numpy"] = None  # import numpy raises ImportError
+from parascan.tools import bench, cli
+shape = (1, 64, 2048)
+bench.DEFAULT_CASES[:] = [
+    bench.Case("linear", shape, -1, peers=True), bench.Case("log", shape, 1, peers=True, op="log")
+]
+bench.DEFAULT_GENERIC_CASES[:] = bench.QUICK_GENERIC_CASES
+sys.exit(cli.main(["bench", "--repeat", "1"]))
+"""
+
+
+def test_bench_without_numpy_prints_no_warning() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_NUMPY_BENCH], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert "numpy" not in done.stderr.lower(), done.stderr
+    assert "warning" not in done.stderr.lower(), done.stderr
+    assert "torch assoc_scan" in done.stdout and "heinsen (log)" in done.stdout
+
+
+def test_bench_backend_times_only_that_backend() -> None:
+    # a case restricted to other backends is left out (it once ran every backend)
+    cases = [
+        bench.Case("cpu only", (1, 8, 2048), -1, backward=False, backends=("cpu",)),
+        bench.Case("any", (1, 8, 2048), -1, backward=False),
+    ]
+    out = io.StringIO()
+    status = bench.run_bench(cases=cases, backend_names=["torch"], repeat=1, as_json=True, out=out)
+    assert status == 0
+    rows = json.loads(out.getvalue())["rows"]
+    assert [(r["case"], r["impl"]) for r in rows] == [("any", "torch")]
+
+
 def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
     from parascan.linear import ops
 
@@ -138,7 +179,7 @@ def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
 
 
 def test_bench_never_reports_a_speed_for_a_wrong_generic_result(monkeypatch) -> None:
-    from parascan import bench_generic
+    from parascan.tools import bench_generic
 
     real = bench_generic.associative_reduce
     monkeypatch.setattr(bench_generic, "associative_reduce", lambda *a: real(*a) * 1.01)
@@ -155,12 +196,45 @@ def test_bench_never_reports_a_speed_for_a_wrong_generic_result(monkeypatch) -> 
     assert len(wrong) == 1 and "associative_reduce" in wrong[0]
 
 
+def test_default_bench_times_every_backend_and_peer_and_the_headline_shapes() -> None:
+    cases = bench.DEFAULT_CASES
+    names = {name for c in cases for name, *_ in bench._implementations(c)}
+    peers = set(bench.peers.PEERS) - bench.peers.CUDA_ONLY | set(bench.peers.LOG_PEERS)
+    assert names == set(ps.backends("cpu")) | peers
+    for shape, dim in (((8, 4096, 1536), 1), ((8, 1536, 4096), -1)):
+        assert any(c.shape == shape and c.dim == dim and c.backward for c in cases)
+    generic = {name for c in bench.DEFAULT_GENERIC_CASES for name in implementation_names(c)}
+    assert generic == {name for c in bench.FULL_GENERIC_CASES for name in implementation_names(c)}
+
+
+@pytest.mark.parametrize(
+    ("flags", "workload"),
+    [
+        ([], (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES)),
+        (["--full"], (bench.FULL_CASES, bench.FULL_GENERIC_CASES)),
+        (["--quick"], (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES)),
+    ],
+)
+def test_bench_runs_the_default_full_or_quick_workload(flags, workload, monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.append(kw) or 0)
+    assert main(["bench", "--json", *flags]) == 0
+    assert (seen[0]["cases"], seen[0]["generic_cases"]) == workload
+
+
 @pytest.mark.slow
-def test_default_bench_workload_is_correct_for_every_backend() -> None:
-    """The full default workload (minutes): every parascan result matches the float64
-    reference."""
+@pytest.mark.parametrize("workload", ["default", "full"])
+def test_bench_workload_is_correct_for_every_backend(workload) -> None:
+    """The default workload (a minute or two) and --full (minutes): every parascan result
+    matches the float64 reference."""
+    cases, generic_cases = {
+        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES),
+        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES),
+    }[workload]
     out = io.StringIO()
-    status = bench.run_bench(generic_cases=bench.GENERIC_CASES, repeat=1, as_json=True, out=out)
+    status = bench.run_bench(
+        cases=cases, generic_cases=generic_cases, repeat=1, as_json=True, out=out
+    )
     assert status == 0
     result = json.loads(out.getvalue())
     assert all(r["correct"] for r in result["rows"] if r["kind"] == "parascan")

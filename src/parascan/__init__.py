@@ -6,10 +6,18 @@
 The public API is listed in ``__all__``; see the README for the tour.
 """
 
-from parascan._backends import backends
-from parascan.first_order import linear_scan, log_linear_scan
-from parascan.generic import associative_reduce, associative_scan
-from parascan.matrix import matrix_linear_scan
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch without numpy (parascan's only dependency is torch) warns "Failed to initialize
+    # NumPy" when it is first imported; parascan never uses numpy, so a fresh install stays
+    # quiet (`parascan bench` opened with it). Only this import, only that message: the
+    # program's own warning filters are restored as they were.
+    _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    from parascan._backends import backends
+    from parascan.first_order import linear_scan, log_linear_scan
+    from parascan.generic import associative_reduce, associative_scan
+    from parascan.matrix import matrix_linear_scan
 
 __version__ = "0.1.0"
 

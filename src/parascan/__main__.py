@@ -1,5 +1,5 @@
 import sys
 
-from parascan.cli import main
+from parascan.tools.cli import main
 
 sys.exit(main())

@@ -23,12 +23,19 @@ from typing import Any
 
 import torch
 
-from parascan._timing import elapsed as _elapsed
+from parascan.first_order.reference import linear_loop
 from parascan.generic import associative_reduce, associative_scan
-from parascan.linear import reference as linear_reference
 from parascan.matrix import matrix_linear_scan
+from parascan.tools.timing import elapsed as _elapsed
 
-__all__ = ["GENERIC_CASES", "QUICK_GENERIC_CASES", "GenericCase", "GenericRow", "run_generic"]
+__all__ = [
+    "DEFAULT_GENERIC_CASES",
+    "FULL_GENERIC_CASES",
+    "QUICK_GENERIC_CASES",
+    "GenericCase",
+    "GenericRow",
+    "run_generic",
+]
 
 _TOLERANCE = 1e-3  # relative to the largest magnitude, float32 against float64
 
@@ -57,13 +64,22 @@ class GenericRow:
     note: str = ""
 
 
-GENERIC_CASES = [
+# `parascan bench --full`.
+FULL_GENERIC_CASES = [
     GenericCase("cumulative matmul", "cumprod", (8192, 64, 64)),
     GenericCase("product of matrices", "reduce", (1000, 32, 32)),
     GenericCase("product of matrices", "reduce", (1000, 64, 64)),
     GenericCase("product of matrices", "reduce", (1000, 128, 128)),
     GenericCase("matrix recurrence", "matrix", (8192, 64)),
     GenericCase("first-order combine", "first-order", (8, 1536, 4096)),
+]
+# `parascan bench`: one case per kind, smaller than --full's (the doubling scans and Python
+# loops are slow): the same peers, a few seconds each.
+DEFAULT_GENERIC_CASES = [
+    GenericCase("cumulative matmul", "cumprod", (1024, 64, 64)),
+    GenericCase("product of matrices", "reduce", (1000, 32, 32)),
+    GenericCase("matrix recurrence", "matrix", (1024, 64)),
+    GenericCase("first-order combine", "first-order", (1, 768, 4096)),
 ]
 QUICK_GENERIC_CASES = [
     GenericCase("cumulative matmul", "cumprod", (100, 8, 8)),
@@ -183,7 +199,7 @@ def _setup(case: GenericCase) -> tuple[list[Impl], Callable[[], object], torch.T
         limit = lambda: torch.bmm(w, b.unsqueeze(-1))  # noqa: E731
         want = matrix_linear_scan(w.double(), b.double(), backend="loop")
     elif case.kind == "first-order":
-        from parascan._peers import torch_associative_scan
+        from parascan.tools.peers import torch_associative_scan
 
         a = 0.9 + 0.1 * torch.rand(case.shape, generator=gen)
         x = torch.rand(case.shape, generator=gen)
@@ -192,7 +208,7 @@ def _setup(case: GenericCase) -> tuple[list[Impl], Callable[[], object], torch.T
             "torch assoc_scan": lambda: torch_associative_scan(a, x, -1),
         }
         limit = lambda: torch.add(a, x)  # noqa: E731
-        want = linear_reference.forward(a.double(), x.double(), None, -1, False)
+        want = linear_loop(a.double(), x.double(), None, -1, False)
     else:
         raise ValueError(f"unknown generic case kind {case.kind!r}")
     sources = dict(_IMPLS[case.kind])

@@ -1,7 +1,7 @@
 """``parascan bench``: parascan against its peers and the machine's memory bandwidth.
 
 Summary of method. Every case (a shape, dim, dtype and thread count) is timed for
-each implementation: parascan's backends, and the peers of ``_peers.py``. Each
+each implementation: parascan's backends, and the peers of ``peers.py``. Each
 repetition times, back to back, two bandwidth limits and the implementation; the
 medians are reported, so ratios stay meaningful on a noisy shared machine:
   - ``limit``: ``torch.add(x, y)`` over tensors of the case's size, scaled to the
@@ -14,6 +14,11 @@ for more than 8192 steps the float64 chunked torch backend, itself tested agains
 the loop): a parascan result beyond its dtype's tolerance, or a peer beyond 1e-3
 relative, is reported as WRONG, never with a speed. log_linear_scan cases ("log"
 in the name) scan log a and log b and report the absolute error in log x.
+
+Workloads: ``DEFAULT_CASES`` (``parascan bench``) keeps the headline shapes for the
+fast backend and runs the slow implementations, once each, on a smaller shape;
+``FULL_CASES`` (``--full``) runs every case at full size; ``QUICK_CASES``
+(``--quick``) is a smoke test; ``CUDA_CASES`` is ``--device cuda``'s.
 """
 
 from __future__ import annotations
@@ -27,29 +32,31 @@ from typing import Any, TextIO
 
 import torch
 
-from parascan import _peers
 from parascan._backends import backends
-from parascan._sysinfo import summary
-from parascan._timing import elapsed as _elapsed
-from parascan._tolerance import TOLERANCE, relative_error
-from parascan.bench_generic import (
-    GENERIC_CASES,
+from parascan.first_order import linear_scan, log_linear_scan
+from parascan.first_order.chunked import forward_linear
+from parascan.first_order.ops import backward_from_weights, backward_via_scan
+from parascan.first_order.reference import linear_loop
+from parascan.tools import peers
+from parascan.tools.bench_generic import (
+    DEFAULT_GENERIC_CASES,
+    FULL_GENERIC_CASES,
     QUICK_GENERIC_CASES,
     GenericCase,
     format_generic,
     implementation_names,
     run_generic,
 )
-from parascan.linear import chunked, linear_scan
-from parascan.linear import reference as linear_reference
-from parascan.linear.ops import backward_via_scan
-from parascan.logspace import log_linear_scan
-from parascan.logspace.ops import backward_from_weights
+from parascan.tools.info import summary
+from parascan.tools.timing import elapsed as _elapsed
+from parascan.tools.tolerance import TOLERANCE, relative_error
 
 __all__ = [
     "CUDA_CASES",
     "DEFAULT_CASES",
-    "GENERIC_CASES",
+    "DEFAULT_GENERIC_CASES",
+    "FULL_CASES",
+    "FULL_GENERIC_CASES",
     "QUICK_CASES",
     "QUICK_GENERIC_CASES",
     "Case",
@@ -100,7 +107,9 @@ class Row:
 
 
 _MAJOR, _CONTIG = (8, 4096, 1536), (8, 1536, 4096)
-DEFAULT_CASES = [
+# `parascan bench --full`: every dtype, one thread against all, long sequences, both
+# layouts of log_linear_scan, every peer at the headline shapes (about 10 minutes on 2 cores).
+FULL_CASES = [
     Case("float32 time-major", _MAJOR, 1, peers=True),
     Case("float32 time-contiguous", _CONTIG, -1, peers=True),
     Case("float32 time-contiguous", _CONTIG, -1, backends=("cpu",), threads=1),
@@ -131,6 +140,29 @@ DEFAULT_CASES = [
         backends=("cpu",),
         peers=True,
         op="log",
+    ),
+]
+# `parascan bench` (no arguments, the README's first command; under two minutes on 2 cores:
+# 108 s measured on a shared machine at load average 6): the fast backend at the headline
+# shapes; every backend and peer, the slow ones (the loop and chunked torch backends, the
+# tree and log-space peers) timed once, on one sequence of the same length with half the
+# channels, a sixteenth of the headline's elements; log_linear_scan likewise; one long
+# sequence. Every ratio is to the limit measured in the same run at the row's own shape.
+_MAJOR_SMALL, _CONTIG_SMALL = (1, 4096, 768), (1, 768, 4096)
+DEFAULT_CASES = [
+    Case("float32 time-major", _MAJOR, 1, backends=("cpu",)),
+    Case("float32 time-contiguous", _CONTIG, -1, backends=("cpu",)),
+    Case("float32 time-major", _MAJOR_SMALL, 1, peers=True),
+    Case("float32 time-contiguous", _CONTIG_SMALL, -1, peers=True),
+    Case("log float32 time-major", _MAJOR_SMALL, 1, backends=("cpu",), peers=True, op="log"),
+    Case("log float32 time-contiguous", _CONTIG_SMALL, -1, backends=("cpu",), peers=True, op="log"),
+    Case(
+        "float32 one long sequence",
+        (1, 2**22),
+        -1,
+        backward=False,
+        backends=("cpu", "torch"),
+        peers=True,
     ),
 ]
 # `parascan bench --device cuda`: accelerated-scan's published forward figures with its
@@ -196,9 +228,9 @@ def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torc
     high = torch.complex128 if case.dtype.is_complex else torch.float64
     a, b, g = gates.cpu().to(high), tokens.cpu().to(high), grad.cpu().to(high)
     scan = (
-        linear_reference.forward
+        linear_loop
         if case.shape[case.dim] <= _LOOP_REFERENCE_STEPS
-        else chunked.forward
+        else forward_linear
     )
     if case.op == "log":  # log of the linear recurrence on exp(inputs), in float64
         out = scan(a.exp(), b.exp(), None, case.dim, False).log()
@@ -223,7 +255,7 @@ def _error(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Tensor], str]]:
     """(name, kind, scan(gates, tokens), reason it cannot run or "")."""
-    names = case.backends or tuple(backends(case.device))
+    names = tuple(backends(case.device)) if case.backends is None else case.backends
     impls: list[tuple[str, str, Callable[..., torch.Tensor], str]] = []
     scan = log_linear_scan if case.op == "log" else linear_scan
     for b in names:
@@ -233,12 +265,12 @@ def _implementations(case: Case) -> list[tuple[str, str, Callable[..., torch.Ten
 
         impls.append((b, "parascan", fn, ""))
     if case.peers:
-        peers = _peers.LOG_PEERS if case.op == "log" else _peers.PEERS
-        for name, peer in peers.items():
-            if name in _peers.CUDA_ONLY and not case.device.startswith("cuda"):
+        table = peers.LOG_PEERS if case.op == "log" else peers.PEERS
+        for name, peer in table.items():
+            if name in peers.CUDA_ONLY and not case.device.startswith("cuda"):
                 continue
             like = torch.empty((), dtype=case.dtype, device=case.device).expand(case.shape)
-            why = _peers.unsupported(name, like, case.dim)
+            why = peers.unsupported(name, like, case.dim)
 
             def pfn(a: torch.Tensor, x: torch.Tensor, peer: Any = peer) -> torch.Tensor:
                 return peer(a, x, case.dim)  # type: ignore[no-any-return]
@@ -421,13 +453,14 @@ def run_bench(
     else 0 (a wrong peer is reported, not an error of this program)."""
     cases = list(cases or DEFAULT_CASES)
     generic = list(generic_cases or [])
-    if backend_names:
+    if backend_names:  # only these backends; a case that runs none of them is left out
         cases = [
             replace(
                 c, backends=tuple(b for b in (c.backends or backend_names) if b in backend_names)
             )
             for c in cases
         ]
+        cases = [c for c in cases if c.backends]
     steps = sum(len(_implementations(c)) for c in cases)
     if plot_path:
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))

@@ -11,7 +11,7 @@ __all__ = ["main"]
 
 
 def _info(args: argparse.Namespace) -> int:
-    from parascan._sysinfo import summary
+    from parascan.tools.info import summary
 
     info = summary()
     if args.json:
@@ -28,27 +28,39 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from parascan.check import run_check
+    from parascan.tools.check import run_check
 
     return run_check(args.device)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from parascan import bench
+    from parascan.tools import bench
 
     if args.device.startswith("cuda"):
         return bench.run_bench(
             cases=[replace(c, device=args.device) for c in bench.CUDA_CASES],
             backend_names=args.backend, repeat=args.repeat, as_json=args.json,
         )  # fmt: skip
-    return bench.run_bench(
-        cases=bench.QUICK_CASES if args.quick else bench.DEFAULT_CASES,
-        generic_cases=bench.QUICK_GENERIC_CASES if args.quick else bench.GENERIC_CASES,
+    workload = "quick" if args.quick else "full" if args.full else "default"
+    cases, generic_cases = {
+        "quick": (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES),
+        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES),
+        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES),
+    }[workload]
+    status = bench.run_bench(
+        cases=cases,
+        generic_cases=generic_cases,
         backend_names=args.backend,
         repeat=args.repeat,
         as_json=args.json,
         plot_path=args.plot,
     )
+    if workload == "default" and not args.json:
+        print(
+            "\nThe default workload: the slow implementations on smaller shapes, timed once. "
+            "`parascan bench --full` runs the whole workload (about 10 minutes on 2 cores)."
+        )
+    return status
 
 
 def _positive_int(text: str) -> int:
@@ -135,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--backend", action="append", help="backend to time (repeatable)")
     p.add_argument("--repeat", type=_positive_int, default=5, help="timed runs per case (median)")
-    p.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="the whole workload: every dtype, thread count and peer at full size (minutes)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument(
         "--plot", metavar="FILE.png", help="also sweep T and plot time against T (matplotlib)"

@@ -11,14 +11,13 @@ import torch
 
 from parascan._backends import backends
 from parascan._checks import FLOAT_DTYPES
-from parascan._tolerance import TOLERANCE, relative_error
+from parascan.first_order import linear_scan, log_linear_scan
+from parascan.first_order.reference import linear_loop
 from parascan.generic import associative_reduce, associative_scan
 from parascan.generic import reference as generic_reference
-from parascan.linear import linear_scan
-from parascan.linear import reference as linear_reference
-from parascan.logspace import log_linear_scan
 from parascan.matrix import matrix_linear_scan
 from parascan.matrix import reference as matrix_reference
+from parascan.tools.tolerance import TOLERANCE, relative_error
 
 __all__ = ["run_check"]
 
@@ -62,7 +61,7 @@ def _forward_checks(backend: str, device: str) -> Iterator[CheckResult]:
                 gates, tokens, dim, initial=initial, reverse=reverse, return_final=True,
                 backend=backend,
             )  # fmt: skip
-            want = linear_reference.forward(
+            want = linear_loop(
                 gates.to(_high(dtype)), tokens.to(_high(dtype)),
                 None if initial is None else initial.to(_high(dtype)), dim, reverse,
             )  # fmt: skip
@@ -100,7 +99,7 @@ def _log_checks(backend: str, device: str) -> Iterator[CheckResult]:
         tokens = tokens if dtype.is_complex else tokens.abs()
         tokens[:, :3] = 0  # log 0 for the first steps
         h = log_linear_scan(gates.log(), tokens.log(), 1, backend=backend)
-        want = linear_reference.forward(
+        want = linear_loop(
             gates.to(_high(dtype)), tokens.to(_high(dtype)), None, 1, False
         )
         err = relative_error(h.exp(), want)
