@@ -128,9 +128,12 @@ def _matrix_checks(backend: str, device: str) -> Iterator[CheckResult]:
     dtypes = [torch.float32, torch.float64] + ([] if backend == "cpu" else [torch.complex128])
     for dtype in dtypes:
         gen = torch.Generator().manual_seed(13)
-        w = torch.randn(2, 1, 67, 6, 6, generator=gen, dtype=torch.float64) / 3
-        b = torch.randn(3, 67, 6, generator=gen, dtype=torch.float64)
-        h = torch.randn(6, generator=gen, dtype=torch.float64)
+        # complex dtypes get complex inputs and a complex128 reference (a real one
+        # would hide a wrong imaginary part)
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        w = torch.randn(2, 1, 67, 6, 6, generator=gen, dtype=wide) / 3
+        b = torch.randn(3, 67, 6, generator=gen, dtype=wide)
+        h = torch.randn(6, generator=gen, dtype=wide)
         worst = 0.0
         for reverse in (False, True):
             want = matrix_reference.forward(w, b, h, reverse)
