@@ -4,7 +4,7 @@ api.py         the public function and its autograd.Function
 ops.py         the torch.library ops (fake kernels, vmap rules) and the backward identity
 reference.py   the sequential loop: the ``loop`` backend and the oracle
 chunked.py     the ``torch`` backend: a parallel chunked scan in pure PyTorch
-cpu.py         the ``cpu`` backend: ctypes bindings to cpu_kernel.c
+cpu.py         the ``cpu`` backend: ctypes bindings to first_order/scan.c
 """
 
 from parascan.linear.api import linear_scan

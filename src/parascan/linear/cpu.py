@@ -1,11 +1,11 @@
-"""The ``cpu`` backend for linear_scan: ctypes bindings to cpu_kernel.c (the
-shared machinery is parascan._ckernels)."""
+"""The ``cpu`` backend for linear_scan: the C kernels of first_order/scan.c in the
+linear semiring, through parascan._native.bindings."""
 
 from __future__ import annotations
 
 import torch
 
-from parascan import _ckernels
+from parascan._native import bindings
 
 __all__ = ["backward", "forward"]
 
@@ -19,8 +19,8 @@ def forward(
     verified: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``reference.forward``; CPU tensors of one dtype
-    (``verified``: see parascan._ckernels.forward)."""
-    return _ckernels.forward("linear_scan", gates, tokens, initial, dim, reverse, verified)
+    (``verified``: see parascan._native.bindings.scan_forward)."""
+    return bindings.scan_forward("linear", gates, tokens, initial, dim, reverse, verified)
 
 
 def backward(
@@ -32,7 +32,5 @@ def backward(
     reverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward: reads gates, out and grad_out once; writes the gradients of
-    gates, tokens and initial once (see cpu_kernel.h for the equations)."""
-    return _ckernels.backward(
-        "linear_scan", "linear_bwd", (gates, out, grad_out), initial, dim, reverse
-    )
+    gates, tokens and initial once (see _native/abi.h for the equations)."""
+    return bindings.scan_backward("linear", gates, None, out, grad_out, initial, dim, reverse)

@@ -1,11 +1,11 @@
-"""The ``cpu`` backend for log_linear_scan: ctypes bindings to cpu_kernel.c (the
-shared machinery is parascan._ckernels)."""
+"""The ``cpu`` backend for log_linear_scan: the C kernels of first_order/scan.c in
+the log semiring, through parascan._native.bindings."""
 
 from __future__ import annotations
 
 import torch
 
-from parascan import _ckernels
+from parascan._native import bindings
 
 __all__ = ["backward", "forward"]
 
@@ -19,8 +19,8 @@ def forward(
     verified: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``reference.forward``; CPU tensors of one dtype
-    (``verified``: see parascan._ckernels.forward)."""
-    return _ckernels.forward("log_scan", log_gates, log_tokens, initial, dim, reverse, verified)
+    (``verified``: see parascan._native.bindings.scan_forward)."""
+    return bindings.scan_forward("log", log_gates, log_tokens, initial, dim, reverse, verified)
 
 
 def backward(
@@ -33,7 +33,7 @@ def backward(
     reverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward: reads both inputs, out and grad_out once; writes the
-    gradients of both inputs and of initial once (equations in cpu_kernel.h)."""
-    return _ckernels.backward(
-        "log_scan", "log_bwd", (log_gates, log_tokens, out, grad_out), initial, dim, reverse
+    gradients of both inputs and of initial once (equations in _native/abi.h)."""
+    return bindings.scan_backward(
+        "log", log_gates, log_tokens, out, grad_out, initial, dim, reverse
     )
