@@ -7,11 +7,11 @@ compiler still installs parascan, with the `cpu` backend reported unavailable.
 from setuptools import Extension, setup
 
 KERNEL_SOURCES = [
-    "src/parascan/_csrc/parallel.c",
-    "src/parascan/linear/cpu_kernel.c",
-    "src/parascan/logspace/cpu_kernel.c",
-    "src/parascan/matrix/cpu_kernel.c",
-    "src/parascan/generic/cpu_kernel.c",
+    "src/parascan/_native/abi.c",
+    "src/parascan/_native/parallel.c",
+    "src/parascan/first_order/scan.c",
+    "src/parascan/matrix/recurrence.c",
+    "src/parascan/generic/matmul.c",
 ]
 
 setup(
@@ -19,7 +19,7 @@ setup(
         Extension(
             "parascan._kernels",
             sources=KERNEL_SOURCES,
-            include_dirs=["src/parascan/_csrc"],
+            include_dirs=["src/parascan/_native"],
             extra_compile_args=[
                 "-std=c11",
                 "-O3",

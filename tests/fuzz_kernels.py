@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import parascan as ps
-from parascan._ckernels import kernel_constants
 from parascan._native import kernel_library_path
+from parascan._native.bindings import kernel_constants
 
 from conftest import DTYPES, assert_matches, log_loop_oracle, loop_oracle
 

@@ -1,12 +1,12 @@
-"""The ``cpu`` backend of the first-order scans: the C kernels (one forward and one
-fused backward template, instantiated per semiring and dtype), called through
-parascan._native.bindings."""
+"""The ``cpu`` backend of the first-order scans: the C kernels of this folder (one
+forward and one fused backward template, scan_forward.h and scan_backward.h,
+instantiated per semiring and dtype in scan.c), through parascan._native.bindings."""
 
 from __future__ import annotations
 
 import torch
 
-from parascan import _ckernels
+from parascan._native import bindings
 from parascan.first_order.semiring import Semiring
 
 __all__ = ["backward", "forward"]
@@ -22,9 +22,8 @@ def forward(
     verified: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``reference.loop``; CPU tensors of one dtype (``verified``:
-    the caller checked the operands, see parascan._native.bindings.scan_forward)."""
-    name = "linear_scan" if ring.name == "linear" else "log_scan"
-    return _ckernels.forward(name, gates, tokens, initial, dim, reverse, verified)
+    see parascan._native.bindings.scan_forward)."""
+    return bindings.scan_forward(ring.name, gates, tokens, initial, dim, reverse, verified)
 
 
 def backward(
@@ -37,12 +36,9 @@ def backward(
     dim: int,
     reverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused backward: reads gates (and tokens when the semiring's partials need
+    """Fused backward: reads gates (and tokens, when the semiring's partials need
     them), out and grad_out once; writes the gradients of gates, tokens and initial
-    once."""
-    if ring.name == "linear":
-        inputs: tuple[torch.Tensor, ...] = (gates, out, grad_out)
-        return _ckernels.backward("linear_scan", "linear_bwd", inputs, initial, dim, reverse)
-    assert tokens is not None
-    inputs = (gates, tokens, out, grad_out)
-    return _ckernels.backward("log_scan", "log_bwd", inputs, initial, dim, reverse)
+    once (the equations: _native/abi.h)."""
+    if not ring.backward_reads_tokens:
+        tokens = None
+    return bindings.scan_backward(ring.name, gates, tokens, out, grad_out, initial, dim, reverse)

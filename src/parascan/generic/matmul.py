@@ -1,5 +1,5 @@
 """``associative_reduce(torch.matmul, x, dim)`` on the CPU by the C kernel of
-generic/cpu_kernel.c: each sequence of square matrices multiplied left to right in
+generic/matmul.c: each sequence of square matrices multiplied left to right in
 cache, on torch's threads, with one call instead of one per tree level.
 
 It is a fast path for the plain eager call only: float32 or float64 CPU tensors
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._ckernels import ARG_STRUCTS, check_operands, kernel
 from parascan._native import kernel_library_error
+from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
 from parascan._op_utils import plain_eager
 
 __all__ = ["matrix_product_fast_path"]
@@ -70,9 +70,9 @@ def matrix_product_fast_path(
     # The shapes the kernel indexes, from elems and dim alone (not from x: a guard
     # that read x's own shape could not see a reshape gone wrong).
     sequences = elems.numel() // (steps * d * d)
-    check_operands("matrix_product", dtype, (x, (sequences, steps, d, d)))
+    check_operands("matmul_reduce", dtype, (x, (sequences, steps, d, d)))
     out = torch.empty((sequences, d, d), dtype=dtype)  # written contiguously
-    args = ARG_STRUCTS["product"](
+    args = ARG_STRUCTS["matmul"](
         sequences,
         steps,
         d,
@@ -82,7 +82,7 @@ def matrix_product_fast_path(
         torch.get_num_threads(),
         _SIMD,
     )
-    status = kernel("matrix_product", dtype)(args)
+    status = kernel("matmul_reduce", dtype)(args)
     if status == 2:  # no memory for the kernel's scratch: the tree needs none
         return None
     if status != 0:

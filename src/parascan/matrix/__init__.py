@@ -4,7 +4,7 @@ api.py         the public function, its autograd.Function and the choice of stra
 ops.py         the torch.library op (fake kernel, vmap rule)
 reference.py   the sequential loop: the ``loop`` backend
 parallel.py    the ``torch`` backend: a parallel scan of affine maps
-cpu.py         the ``cpu`` backend: ctypes bindings to cpu_kernel.c
+cpu.py         the ``cpu`` backend: ctypes bindings to recurrence.c
 """
 
 from parascan.matrix.api import matrix_linear_scan

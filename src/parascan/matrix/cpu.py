@@ -1,4 +1,4 @@
-"""The ``cpu`` backend of matrix_linear_scan: ctypes bindings to cpu_kernel.c."""
+"""The ``cpu`` backend of matrix_linear_scan: ctypes bindings to recurrence.c."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from parascan._ckernels import ARG_STRUCTS, check_operands, kernel
+from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
 
 __all__ = ["DTYPES", "forward"]
 
@@ -39,13 +39,13 @@ def forward(weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bo
     nbatch = w.shape[0]
     out = torch.empty((nbatch, steps, d), dtype=biases.dtype)  # written contiguously
     check_operands(
-        "matrix_scan_fwd", biases.dtype, (w, (nbatch, steps, d, d)), (b, (nbatch, steps, d)),
-        (h, (nbatch, d)),
+        "matrix_linear_scan_fwd", biases.dtype, (w, (nbatch, steps, d, d)),
+        (b, (nbatch, steps, d)), (h, (nbatch, d)),
     )  # fmt: skip
-    args = ARG_STRUCTS["matrix"](
+    args = ARG_STRUCTS["matrix_linear_scan"](
         nbatch, steps, d, w.data_ptr(), *w.stride(), b.data_ptr(), b.stride(0), b.stride(1),
         h.data_ptr(), h.stride(0), out.data_ptr(), reverse, torch.get_num_threads(),
     )  # fmt: skip
-    if kernel("matrix_scan_fwd", biases.dtype)(args) != 0:
+    if kernel("matrix_linear_scan_fwd", biases.dtype)(args) != 0:
         raise RuntimeError(f"parascan: matrix_linear_scan CPU kernel rejected {tuple(w.shape)}")
     return out.view(*batch, steps, d)

@@ -1,5 +1,6 @@
-/* Products of sequences of square matrices; see cpu_kernel.h for the algorithm and ABI. */
-#include "cpu_kernel.h"
+/* Products of sequences of square matrices; see matmul.h for the algorithm, abi.h
+ * for the ABI. */
+#include "matmul.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -10,14 +11,12 @@
 #define PS_AVX2_FMA __attribute__((target("avx2,fma")))
 #endif
 
-PS_API int64_t ps_product_args_size(void) { return (int64_t)sizeof(ps_product_args); }
-
 /* A batch of at least this many sequences is shared among threads by sequence;
  * a smaller one has its sequences cut into segments of at least
  * PS_PRODUCT_MIN_SEGMENT matrices, up to this many pieces of work in all. */
 enum { PS_PRODUCT_ITEMS = 16, PS_PRODUCT_MIN_SEGMENT = 8 };
 
-PS_API int64_t ps_product_constants(int64_t *out, int64_t n) {
+PS_API int64_t ps_matmul_constants(int64_t *out, int64_t n) {
     const int64_t values[] = {PS_PRODUCT_ITEMS, PS_PRODUCT_MIN_SEGMENT};
     for (int64_t i = 0; i < n && i < 2; i++) out[i] = values[i];
     return 2;
@@ -64,7 +63,7 @@ PS_PORTABLE_MM(f64, double, 4)
 #ifdef PS_PRODUCT_AVX2
 /* The same tiles in registers: 4 rows by 2 vectors, eight independent sums, which
  * cover the latency of the fused multiply-adds; one vector wide at the edge. */
-#define PS_AVX2_MM(SFX, T, VEC, SET0, LOAD, BCAST, STORE, V)                           \
+#define PS_AVX2_MM(SFX, T, VEC, SET0, LOAD, BCAST, STORE, VFMADD, V)                   \
     PS_AVX2_FMA static void ps_mm_##SFX##_avx2(int64_t d, int64_t dr, int64_t dc,      \
                                                const T *a, const T *b, int64_t ldb,    \
                                                T *c) {                                 \
@@ -77,11 +76,11 @@ PS_PORTABLE_MM(f64, double, 4)
                 for (int64_t k = 0; k < d; k++) {                                      \
                     const VEC b0 = LOAD(b + k * ldb + j), b1 = LOAD(b + k * ldb + j + V); \
                     VEC x = BCAST(a0 + k), y = BCAST(a1 + k);                          \
-                    c00 = FMA(x, b0, c00), c01 = FMA(x, b1, c01);                      \
-                    c10 = FMA(y, b0, c10), c11 = FMA(y, b1, c11);                      \
+                    c00 = VFMADD(x, b0, c00), c01 = VFMADD(x, b1, c01);                \
+                    c10 = VFMADD(y, b0, c10), c11 = VFMADD(y, b1, c11);                \
                     x = BCAST(a2 + k), y = BCAST(a3 + k);                              \
-                    c20 = FMA(x, b0, c20), c21 = FMA(x, b1, c21);                      \
-                    c30 = FMA(y, b0, c30), c31 = FMA(y, b1, c31);                      \
+                    c20 = VFMADD(x, b0, c20), c21 = VFMADD(x, b1, c21);                \
+                    c30 = VFMADD(y, b0, c30), c31 = VFMADD(y, b1, c31);                \
                 }                                                                      \
                 T *o = c + i * dc + j;                                                 \
                 STORE(o, c00), STORE(o + V, c01), o += dc;                             \
@@ -96,32 +95,28 @@ PS_PORTABLE_MM(f64, double, 4)
             VEC c0 = SET0(), c1 = c0, c2 = c0, c3 = c0;                                \
             for (int64_t k = 0; k < d; k++) {                                          \
                 const VEC b0 = LOAD(b + k * ldb + j);                                  \
-                c0 = FMA(BCAST(a0 + k), b0, c0), c1 = FMA(BCAST(a1 + k), b0, c1);      \
-                c2 = FMA(BCAST(a2 + k), b0, c2), c3 = FMA(BCAST(a3 + k), b0, c3);      \
+                c0 = VFMADD(BCAST(a0 + k), b0, c0), c1 = VFMADD(BCAST(a1 + k), b0, c1); \
+                c2 = VFMADD(BCAST(a2 + k), b0, c2), c3 = VFMADD(BCAST(a3 + k), b0, c3); \
             }                                                                          \
             T *o = c + i * dc + j;                                                     \
             STORE(o, c0), STORE(o + dc, c1), STORE(o + 2 * dc, c2), STORE(o + 3 * dc, c3); \
         }                                                                              \
     }
 
-#define FMA _mm256_fmadd_ps
 PS_AVX2_MM(f32, float, __m256, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_broadcast_ss,
-           _mm256_storeu_ps, 8)
-#undef FMA
-#define FMA _mm256_fmadd_pd
+           _mm256_storeu_ps, _mm256_fmadd_ps, 8)
 PS_AVX2_MM(f64, double, __m256d, _mm256_setzero_pd, _mm256_loadu_pd, _mm256_broadcast_sd,
-           _mm256_storeu_pd, 4)
-#undef FMA
+           _mm256_storeu_pd, _mm256_fmadd_pd, 4)
 #endif
 
 /* The per-dtype driver. A block holds a d x d matrix in dr x dc storage (see the
  * block products). Every member owns three: the running product, the next one, and
  * M[t] when it cannot be read in place (unit column stride and d a multiple of V). */
-#define PS_PRODUCT(SFX, T, V)                                                          \
-    typedef void (*ps_mm_fn_##SFX)(int64_t, int64_t, int64_t, const T *, const T *,   \
+#define PS_MATMUL_REDUCE(SFX, T, V)                                                    \
+    typedef void (*ps_mm_fn_##SFX)(int64_t, int64_t, int64_t, const T *, const T *,    \
                                    int64_t, T *);                                      \
     typedef struct {                                                                   \
-        const ps_product_args *p;                                                      \
+        const ps_matmul_args *p;                                                       \
         int64_t dr, dc, segs;                                                          \
         T *res;  /* batch * segs segment products, when segs > 1 */                    \
         T *work; /* three blocks per member */                                         \
@@ -129,15 +124,15 @@ PS_AVX2_MM(f64, double, __m256d, _mm256_setzero_pd, _mm256_loadu_pd, _mm256_broa
     } ps_product_ctx_##SFX;                                                            \
                                                                                        \
     /* The d x d matrix at m (strides row, col) into dst (row stride ld). */           \
-    static void ps_copy_##SFX(int64_t d, const T *m, int64_t row, int64_t col, T *dst,  \
+    static void ps_copy_##SFX(int64_t d, const T *m, int64_t row, int64_t col, T *dst, \
                               int64_t ld) {                                            \
         for (int64_t i = 0; i < d; i++)                                                \
             for (int64_t j = 0; j < d; j++) dst[i * ld + j] = m[i * row + j * col];    \
     }                                                                                  \
                                                                                        \
     static void ps_product_member_##SFX(const void *vctx, int64_t member, int64_t size) { \
-        const ps_product_ctx_##SFX *c = (const ps_product_ctx_##SFX *)vctx;           \
-        const ps_product_args *p = c->p;                                               \
+        const ps_product_ctx_##SFX *c = (const ps_product_ctx_##SFX *)vctx;            \
+        const ps_matmul_args *p = c->p;                                                \
         const int64_t d = p->d, dr = c->dr, dc = c->dc, block = dr * dc, segs = c->segs; \
         const int direct = d == dc && p->x_col == 1;                                   \
         T *acc = c->work + member * 3 * block, *next = acc + block, *bcopy = next + block; \
@@ -178,10 +173,10 @@ PS_AVX2_MM(f64, double, __m256d, _mm256_setzero_pd, _mm256_loadu_pd, _mm256_broa
         }                                                                              \
     }                                                                                  \
                                                                                        \
-    PS_API int ps_matrix_product_##SFX(const ps_product_args *p) {                     \
+    PS_API int ps_matmul_reduce_##SFX(const ps_matmul_args *p) {                       \
         if (p->batch < 0 || p->steps < 1 || p->d < 0) return 1;                        \
         if (p->batch == 0 || p->d == 0) return 0;                                      \
-        const int64_t d = p->d, dr = (d + 3) / 4 * 4, dc = (d + V - 1) / V * V;       \
+        const int64_t d = p->d, dr = (d + 3) / 4 * 4, dc = (d + V - 1) / V * V;        \
         const int64_t segs = ps_product_segments(p->batch, p->steps), items = p->batch * segs; \
         /* Threads only when the work is worth a team (about 2^20 multiply-adds). */   \
         const double work = (double)p->batch * (double)p->steps * (double)d * (double)d * (double)d; \
@@ -204,11 +199,11 @@ PS_AVX2_MM(f64, double, __m256d, _mm256_setzero_pd, _mm256_loadu_pd, _mm256_broa
 
 #ifdef PS_PRODUCT_AVX2
 #define PS_PRODUCT_PICK_AVX2(SFX)                                                      \
-    if (p->simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))         \
+    if (p->simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))    \
         ctx.mm = ps_mm_##SFX##_avx2;
 #else
 #define PS_PRODUCT_PICK_AVX2(SFX)
 #endif
 
-PS_PRODUCT(f32, float, 8)
-PS_PRODUCT(f64, double, 4)
+PS_MATMUL_REDUCE(f32, float, 8)
+PS_MATMUL_REDUCE(f64, double, 4)

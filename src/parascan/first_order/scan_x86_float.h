@@ -1,7 +1,8 @@
-/* One instantiation of the AVX2 time-contiguous kernels (see cpu_kernel_x86.h),
- * included once per type. The includer defines XS (name suffix), XT (storage
- * type), XLD(p) / XST(p, v) (scalar load as float / store from float); the 8-wide
- * conversions are ps_widen8_XS and ps_narrow8_XS. */
+/* One instantiation of linear_scan's AVX2 time-contiguous kernels (see scan_x86.h),
+ * included once per type computed in float32 (float32, bfloat16, float16). The
+ * includer defines XS (name suffix), XT (storage type), XLD(p) / XST(p, v) (scalar
+ * load as float / store from float); the 8-wide conversions are ps_widen8_XS and
+ * ps_narrow8_XS. */
 
 #define XCAT2(a, b) a##_##b
 #define XCAT(a, b) XCAT2(a, b)
@@ -77,7 +78,7 @@ PS_AVX2 static void XFN(ps_fwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
 }
 
 PS_AVX2 static void XFN(ps_bwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) {
-    const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
+    const ps_scan_bwd_args *p = (const ps_scan_bwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps;
     const int rev = st < 0;
     const XT *H = (const XT *)p->initial;
@@ -175,7 +176,7 @@ static ps_task_fn XFN(ps_fwd_tc_fast)(const ps_scan_fwd_args *p) {
     return XFN(ps_fwd_tc_avx2);
 }
 
-static ps_task_fn XFN(ps_bwd_tc_fast)(const ps_linear_bwd_args *p) {
+static ps_task_fn XFN(ps_bwd_tc_fast)(const ps_scan_bwd_args *p) {
     const int64_t s = p->out_stride[1];
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
         !__builtin_cpu_supports("f16c"))

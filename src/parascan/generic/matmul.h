@@ -17,28 +17,15 @@
  * result. With d a multiple of the vector width and unit column stride, M[t] is
  * read in place.
  */
-#ifndef PARASCAN_GENERIC_CPU_KERNEL_H
-#define PARASCAN_GENERIC_CPU_KERNEL_H
+#ifndef PARASCAN_GENERIC_MATMUL_H
+#define PARASCAN_GENERIC_MATMUL_H
 
-#include "parallel.h"
+#include "abi.h" /* ps_matmul_args */
 
-/* Every member is 64 bits wide: Python passes the struct as a flat int64 array.
- * x is (batch, steps, d, d) with any strides, in elements; out is contiguous
- * (batch, d, d). */
-typedef struct {
-    int64_t batch, steps, d;
-    const void *x;
-    int64_t x_batch, x_step, x_row, x_col;
-    void *out;
-    int64_t nthreads;
-    int64_t simd; /* 0: the portable block products even where AVX2 is there (tests) */
-} ps_product_args;
-
-PS_API int64_t ps_product_args_size(void);
 /* For tests: out[] = {PS_PRODUCT_ITEMS, PS_PRODUCT_MIN_SEGMENT}; returns the count. */
-PS_API int64_t ps_product_constants(int64_t *out, int64_t n);
+PS_API int64_t ps_matmul_constants(int64_t *out, int64_t n);
 /* 0 on success; 1 for a bad shape, 2 when the scratch memory cannot be allocated. */
-PS_API int ps_matrix_product_f32(const ps_product_args *args);
-PS_API int ps_matrix_product_f64(const ps_product_args *args);
+PS_API int ps_matmul_reduce_f32(const ps_matmul_args *args);
+PS_API int ps_matmul_reduce_f64(const ps_matmul_args *args);
 
 #endif

@@ -1,4 +1,6 @@
-"""Locate and load the compiled C kernels (one shared library, loaded with ctypes).
+"""parascan's native layer: the C kernels, built into one shared library and loaded
+with ctypes. This module locates and loads the library; ``bindings`` calls it; the C
+sources shared by the kernels are beside them (abi.h: the argument structs).
 
 Nothing is compiled here: the library is built by ``pip install`` (setup.py). When it
 is missing or stale the ``cpu`` backend is unavailable and says why.
@@ -15,12 +17,12 @@ from pathlib import Path
 __all__ = ["kernel_library", "kernel_library_error", "kernel_library_path"]
 
 _STEM = "_kernels"
-ABI_VERSION = 5
+ABI_VERSION = 6  # abi.h: PS_ABI_VERSION
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # setup.py builds parascan._kernels
     candidates = [here / (_STEM + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
     # Another build of the same sources (tools/sanitize.sh: with AddressSanitizer and
     # UBSan), for testing; never needed otherwise.

@@ -1,18 +1,23 @@
-/* AVX2 paths for float32, bfloat16 and float16 time-contiguous data (inner == 1),
- * chosen at run time by cpu_kernel.c when the CPU has AVX2 (and F16C) and every
- * operand steps through time with stride +1 (or -1 when reversed). Everything
- * else uses the portable tiles in scan_forward_impl.h. Half types are widened to
- * float32 on load and rounded (to nearest even) on store, 8 at a time.
+/* linear_scan's AVX2 paths (scan.c names them per dtype; the portable templates
+ * call them where the CPU and the strides allow, else do the work themselves):
+ * time-contiguous data (inner == 1) in float32, bfloat16, float16 (scan_x86_float.h)
+ * and complex64, when the CPU has AVX2 (and F16C) and every operand steps through
+ * time with stride +1 (or -1 when reversed); float32's long-sequence reduce and
+ * scan; and the half types' time-major rows. Everything else uses the portable
+ * tiles of scan_forward.h and scan_backward.h. Half types are widened to float32 on
+ * load and rounded (to nearest even) on store, 8 at a time. The time-contiguous
+ * and row paths compute what the portable code computes, multiply then add, to
+ * the bit; the float32 long-sequence paths reassociate (see there).
  *
  * Summary of algorithm. A work unit is 8 rows. Eight steps of the 8 rows are
  * loaded as 8 vectors (one per row) and transposed in registers, so that vector
  * k holds step k of all 8 rows; the 8 recurrences then advance together with one
- * fused multiply-add per step, and the results are transposed back and stored.
+ * multiply and add per step, and the results are transposed back and stored.
  * A group with fewer than 8 rows reads its last row in the missing lanes and
  * never stores them. Steps past the last whole tile run as scalar code.
  */
-#ifndef PARASCAN_LINEAR_CPU_KERNEL_X86_H
-#define PARASCAN_LINEAR_CPU_KERNEL_X86_H
+#ifndef PARASCAN_SCAN_X86_H
+#define PARASCAN_SCAN_X86_H
 
 #include <immintrin.h>
 
@@ -109,7 +114,7 @@ static inline int64_t ps_row(int64_t r0, int64_t r, int64_t nr) { return r0 + (r
 #define XT float
 #define XLD(p) (*(p))
 #define XST(p, v) (*(p) = (v))
-#include "cpu_kernel_x86_impl.h"
+#include "scan_x86_float.h"
 /* The long-sequence reduce for float32: 8 chunks (rows of `steps` steps, time
  * stride st = +1 or -1, rows `row_stride` apart) to their final state from zero
  * and the product of their gates. Only the chunk's affine map is needed, so its
@@ -235,12 +240,12 @@ static ps_task_fn ps_long_scan_f32_fast(const ps_scan_fwd_args *p) {
 #define XT ps_bf16
 #define XLD(p) ps_bf16_to_f32(*(p))
 #define XST(p, v) (*(p) = ps_f32_to_bf16(v))
-#include "cpu_kernel_x86_impl.h"
+#include "scan_x86_float.h"
 #define XS f16
 #define XT ps_f16
 #define XLD(p) ps_f16_to_f32(*(p))
 #define XST(p, v) (*(p) = ps_f32_to_f16(v))
-#include "cpu_kernel_x86_impl.h"
+#include "scan_x86_float.h"
 
 /* Half-type time-major rows (channels contiguous), 8 channels at a time with
  * AVX2 conversions (F16C for float16); the portable row loops call these when the
@@ -407,7 +412,7 @@ PS_AVX2 static void ps_fwd_tc_c64_avx2(const void *vp, int64_t u0, int64_t u1) {
 }
 
 PS_AVX2 static void ps_bwd_tc_c64_avx2(const void *vp, int64_t u0, int64_t u1) {
-    const ps_linear_bwd_args *p = (const ps_linear_bwd_args *)vp;
+    const ps_scan_bwd_args *p = (const ps_scan_bwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps;
     const int rev = st < 0;
     const ps_c64 *H = (const ps_c64 *)p->initial;
@@ -464,7 +469,7 @@ static ps_task_fn ps_fwd_tc_fast_c64(const ps_scan_fwd_args *p) {
     return ps_fwd_tc_c64_avx2;
 }
 
-static ps_task_fn ps_bwd_tc_fast_c64(const ps_linear_bwd_args *p) {
+static ps_task_fn ps_bwd_tc_fast_c64(const ps_scan_bwd_args *p) {
     const int64_t s = p->out_stride[1];
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
     if (!ps_unit_time_stride(s) || p->gates_stride[1] != s || p->grad_out_stride[1] != s ||

@@ -1,32 +1,16 @@
-/* What the first-order scan kernels (linear_scan, log_linear_scan) share: the
- * forward ABI, the work-unit sizes, and the naming macros of the per-dtype
- * templates (scan_forward_impl.h and each op's backward).
- *
- * Every tensor is seen as a 3-d strided view (outer, steps, inner) with the scan
- * running along `steps`; strides are in elements of the storage type (a complex
- * element counts as one), any sign, zero for broadcast dimensions. Python passes
- * the argument structs as flat int64 arrays (every member is 64 bits wide) and
- * checks their sizes once against its own layout.
+/* What the first-order scan kernels (first_order/) share: the work-unit sizes
+ * and the helpers that run them, the arithmetic of each accumulation type, and the
+ * naming macros of the templates (first_order/scan_forward.h, scan_backward.h).
+ * The argument structs and their layout are in abi.h.
  */
-#ifndef PARASCAN_SCAN_COMMON_H
-#define PARASCAN_SCAN_COMMON_H
+#ifndef PARASCAN_COMMON_H
+#define PARASCAN_COMMON_H
 
+#include "abi.h"
 #include "parallel.h"
 
 #include <stdint.h>
 #include <stdlib.h>
-
-/* forward: out[o, t, c] = STEP(gates[o, t, c], out[o, t-1, c], tokens[o, t, c]),
- * out[o, -1, c] = initial[o, c] (the op's empty state when initial is NULL);
- * reverse != 0 runs time backwards (out[t+1] feeds out[t]). */
-typedef struct {
-    int64_t outer, steps, inner;
-    const void *gates;   int64_t gates_stride[3];
-    const void *tokens;  int64_t tokens_stride[3];
-    const void *initial; int64_t initial_stride[2]; /* NULL: the empty state */
-    void *out;           int64_t out_stride[3];
-    int64_t reverse, nthreads;
-} ps_scan_fwd_args;
 
 /* The hot loops are compiled twice (x86-64-v3: AVX2 + FMA + F16C, and the
  * baseline) and the CPU picks at load time, so one build runs on any x86-64. */
@@ -42,6 +26,14 @@ typedef struct {
 #define PS_SIMD _Pragma("omp simd")
 #else
 #define PS_SIMD
+#endif
+
+/* Always inlined: a call left in a loop stops it from vectorizing, and gcc's
+ * heuristics decline to inline these once they have many callers. */
+#if defined(__GNUC__)
+#define PS_MATH static inline __attribute__((always_inline))
+#else
+#define PS_MATH static inline
 #endif
 
 enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
@@ -97,21 +89,33 @@ static inline void ps_run_units(int64_t outer, int64_t inner, int64_t nthreads, 
     }
 }
 
-/* Template naming: FN(name) is name_SFX for the dtype being instantiated. */
+/* Token pasting: PS_CAT(a, b) is a_b, after expanding a and b. */
 #define PS_CAT2(a, b) a##_##b
 #define PS_CAT(a, b) PS_CAT2(a, b)
-#define FN(name) PS_CAT(name, SFX)
 
 /* Point a time-indexed operand at its last step and negate its time stride
  * (needs `steps` and ST in scope). */
 #define PS_FLIP(ptr, stride) \
     do { (ptr) = (ST *)(ptr) + (steps - 1) * (stride)[1]; (stride)[1] = -(stride)[1]; } while (0)
 
-/* Complex arithmetic on interleaved (re, im) pairs, the layout torch uses:
- * T_fma(a, s, b) = a s + b, T_cfma(a, s, b) = conj(a) s + b, T_mulc(g, x) = g conj(x);
- * loads and stores component by component (whole-struct copies keep gcc from
+/* The arithmetic of each accumulation type T (ps_f32, ps_f64, ps_c64, ps_c128), on
+ * which the semirings (first_order/semiring_*.h) and the backward are built:
+ * T_fma(a, s, b) = a s + b, T_cfma(a, s, b) = conj(a) s + b, T_mulc(g, x) = g conj(x),
+ * T_add(a, b) = a + b, T_zero() = 0. conj is the identity on real types. */
+#define PS_REAL_OPS(T, R)                                                         \
+    PS_MATH R T##_fma(R a, R s, R b) { return a * s + b; }                        \
+    PS_MATH R T##_cfma(R a, R s, R b) { return a * s + b; }                       \
+    PS_MATH R T##_mulc(R g, R x) { return g * x; }                                \
+    PS_MATH R T##_add(R a, R b) { return a + b; }                                 \
+    PS_MATH R T##_zero(void) { return (R)0; }
+PS_REAL_OPS(ps_f32, float)
+PS_REAL_OPS(ps_f64, double)
+#undef PS_REAL_OPS
+
+/* Complex numbers are interleaved (re, im) pairs, the layout torch uses; loads and
+ * stores go component by component (whole-struct copies keep gcc from
  * vectorizing). */
-#define PS_COMPLEX_OPS(T)                                                         \
+#define PS_COMPLEX_OPS(T, R)                                                      \
     static inline T T##_fma(T a, T s, T b) {                                      \
         return (T){a.re * s.re - a.im * s.im + b.re, a.re * s.im + a.im * s.re + b.im}; \
     }                                                                             \
@@ -120,9 +124,12 @@ static inline void ps_run_units(int64_t outer, int64_t inner, int64_t nthreads, 
     }                                                                             \
     static inline T T##_mulc(T g, T x) {                                          \
         return (T){g.re * x.re + g.im * x.im, g.im * x.re - g.re * x.im};         \
-    }
-PS_COMPLEX_OPS(ps_c64)
-PS_COMPLEX_OPS(ps_c128)
+    }                                                                             \
+    static inline T T##_add(T a, T b) { return (T){a.re + b.re, a.im + b.im}; }   \
+    static inline T T##_zero(void) { return (T){(R)0, (R)0}; }
+PS_COMPLEX_OPS(ps_c64, float)
+PS_COMPLEX_OPS(ps_c128, double)
+#undef PS_COMPLEX_OPS
 #define PS_LOAD_COMPLEX(p) ((ACC){(p)->re, (p)->im})
 #define PS_STORE_COMPLEX(p, v) \
     do { const ACC v_ = (v); (p)->re = v_.re; (p)->im = v_.im; } while (0)

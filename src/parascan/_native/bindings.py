@@ -1,4 +1,4 @@
-"""ctypes bindings shared by the C kernels (linear_scan, log_linear_scan,
+"""ctypes bindings of the C kernels (linear_scan, log_linear_scan,
 matrix_linear_scan, and the matrix products of associative_reduce).
 
 Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
@@ -6,9 +6,9 @@ scan dim, without copying when its strides allow it (contiguous, transposed,
 sliced and broadcast inputs all do). Outputs are new contiguous tensors. Inputs
 arrive with lazy conj/neg views resolved (each op's ops.py).
 
-The argument structs of the C headers are passed as flat int64 arrays, in the
-structs' member order (every member is 64 bits wide): building one array is a
-single call, which keeps a small scan's Python overhead to a few microseconds.
+The argument structs of abi.h are passed as flat int64 arrays, in the structs'
+member order (every member is 64 bits wide): building one array is a single call,
+which keeps a small scan's Python overhead to a few microseconds.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import torch
 from parascan._native import kernel_library
 
 __all__ = [
+    "ARG_FIELDS",
     "ARG_STRUCTS",
-    "backward",
     "check_operands",
     "dims3",
-    "forward",
     "kernel",
     "kernel_constants",
+    "scan_backward",
+    "scan_forward",
     "state2",
     "view3",
 ]
@@ -43,23 +44,43 @@ _SUFFIX = {
     torch.complex128: "c128",
 }
 
-# Struct name -> flat int64 array type; the sizes are checked against the library.
+
+def _tensor(name: str, dims: int) -> tuple[str, ...]:
+    """A tensor's members: its data pointer, then its strides (``name_stride[i]``)."""
+    return (name, *(f"{name}_stride[{i}]" for i in range(dims)))
+
+
+# The argument structs of abi.h (ps_<name>_args), member by member: the one Python
+# copy of their layouts. Each is passed as a flat int64 array of that many members,
+# its size checked against the library's ps_<name>_args_size() once.
+ARG_FIELDS: dict[str, tuple[str, ...]] = {
+    "scan_fwd": (
+        "outer", "steps", "inner", *_tensor("gates", 3), *_tensor("tokens", 3),
+        *_tensor("initial", 2), *_tensor("out", 3), "reverse", "nthreads",
+    ),
+    "scan_bwd": (
+        "outer", "steps", "inner", *_tensor("gates", 3), *_tensor("tokens", 3),
+        *_tensor("out", 3), *_tensor("grad_out", 3), *_tensor("initial", 2),
+        *_tensor("grad_gates", 3), *_tensor("grad_tokens", 3), *_tensor("grad_initial", 2),
+        "reverse", "nthreads",
+    ),
+    "matrix_linear_scan": (
+        "batch", "steps", "d", "weights", "w_batch", "w_step", "w_row", "w_col",
+        "biases", "b_batch", "b_step", "initial", "i_batch", "out", "reverse", "nthreads",
+    ),
+    "matmul": (
+        "batch", "steps", "d", "x", "x_batch", "x_step", "x_row", "x_col", "out",
+        "nthreads", "simd",
+    ),
+}  # fmt: skip
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
-    # outer, steps, inner, gates, stride[3], tokens, stride[3], initial, stride[2],
-    # out, stride[3], reverse, nthreads
-    "scan_fwd": ctypes.c_int64 * 20,
-    # outer, steps, inner, gates, stride[3], out, stride[3], grad_out, stride[3],
-    # initial, stride[2], grad_gates, stride[3], grad_tokens, stride[3],
-    # grad_initial, stride[2], reverse, nthreads
-    "linear_bwd": ctypes.c_int64 * 31,
-    # as linear_bwd, with tokens (pointer, stride[3]) after gates
-    "log_bwd": ctypes.c_int64 * 35,
-    # batch, steps, d, weights, stride[4], biases, stride[2], initial, stride,
-    # out, reverse, nthreads
-    "matrix": ctypes.c_int64 * 16,
-    # batch, steps, d, x, stride[4], out, nthreads, simd
-    "product": ctypes.c_int64 * 11,
+    name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()
 }
+
+# The first-order scans' C entry points per semiring (first_order/scan.c).
+_SCAN_OP = {"linear": "linear_scan", "log": "log_linear_scan"}
+_SCAN_FWD = {s: f"{op}_fwd" for s, op in _SCAN_OP.items()}
+_SCAN_BWD = {s: f"{op}_bwd" for s, op in _SCAN_OP.items()}
 
 
 @functools.cache
@@ -79,7 +100,8 @@ def _checked_library() -> ctypes.CDLL:
 
 @functools.cache
 def kernel(name: str, dtype: torch.dtype) -> Any:
-    """The C entry ``ps_<name>_<dtype suffix>``, e.g. ``kernel("linear_scan_fwd", f32)``."""
+    """The C entry ``ps_<name>_<dtype suffix>``, e.g. ``kernel("linear_scan_fwd", f32)``
+    for ``ps_linear_scan_fwd_f32``."""
     fn = getattr(_checked_library(), f"ps_{name}_{_SUFFIX[dtype]}")
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p]
@@ -89,7 +111,7 @@ def kernel(name: str, dtype: torch.dtype) -> Any:
 _CONSTANT_NAMES = {
     "scan": ("BLOCK", "ROWS", "TILE", "LONG_STEPS", "LONG_ROWS", "LONG_CHUNKS", "LONG_MIN_LEN",
              "LONG_CHUNK_BYTES"),
-    "product": ("PRODUCT_ITEMS", "PRODUCT_MIN_SEGMENT"),
+    "matmul": ("PRODUCT_ITEMS", "PRODUCT_MIN_SEGMENT"),
 }  # fmt: skip
 
 
@@ -174,8 +196,8 @@ def state2(
     return t2, (t2.data_ptr(), t2.stride(0), t2.stride(1))
 
 
-def forward(
-    name: str,
+def scan_forward(
+    semiring: str,
     gates: torch.Tensor,
     tokens: torch.Tensor,
     initial: torch.Tensor | None,
@@ -183,17 +205,17 @@ def forward(
     reverse: bool,
     verified: bool = False,
 ) -> torch.Tensor:
-    """Run the forward kernel ``name`` (``"linear_scan"`` or ``"log_scan"``): CPU
-    tensors of one shape and dtype, ``initial`` of that shape without ``dim``.
-    ``verified``: the caller (the eager fast path, first_order.arguments.cpu_fast_path) has
-    checked exactly what check_operands checks, a few microseconds not spent twice."""
+    """The first-order scan of ``semiring`` (``"linear"``: linear_scan, ``"log"``:
+    log_linear_scan) by its C forward: CPU tensors of one shape and dtype,
+    ``initial`` of that shape without ``dim``. ``verified``: the caller (the eager
+    fast path, first_order.arguments.cpu_fast_path) has checked exactly what check_operands
+    checks, a few microseconds not spent twice."""
+    entry = _SCAN_FWD[semiring]
     shape = tokens.shape
     if not verified:
-        dim = _time_dim(name, dim, tokens.dim())
+        dim = _time_dim(_SCAN_OP[semiring], dim, tokens.dim())
         state = (*shape[:dim], *shape[dim + 1 :])
-        check_operands(
-            f"{name}_fwd", tokens.dtype, (gates, shape), (tokens, shape), (initial, state)
-        )
+        check_operands(entry, tokens.dtype, (gates, shape), (tokens, shape), (initial, state))
     dim %= len(shape)
     dims = dims3(shape, dim)
     out = torch.empty(shape, dtype=tokens.dtype)
@@ -203,41 +225,49 @@ def forward(
         *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
         x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
     )  # fmt: skip
-    if kernel(f"{name}_fwd", tokens.dtype)(args) != 0:
-        raise RuntimeError(f"parascan: {name} CPU kernel rejected shape {dims}")
+    if kernel(entry, tokens.dtype)(args) != 0:
+        raise RuntimeError(f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims}")
     del h_keep
     return out
 
 
-def backward(
-    name: str,
-    struct: str,
-    inputs: tuple[torch.Tensor, ...],
+def scan_backward(
+    semiring: str,
+    gates: torch.Tensor,
+    tokens: torch.Tensor | None,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
     initial: torch.Tensor | None,
     dim: int,
     reverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the fused backward kernel ``name`` (``"linear_scan"`` or ``"log_scan"``),
-    whose argument struct ``struct`` lists the ``inputs`` (all of the output's shape,
-    the forward's output and grad_out among them), then initial, then the gradients
-    of gates, tokens and initial, which are returned as new tensors."""
-    out = inputs[0]  # every input has the shape and dtype of the gradients
-    dim = _time_dim(name, dim, out.dim())
-    shape = out.shape
+    """The fused backward of ``semiring``'s scan (see scan_forward): reads gates,
+    tokens (log only: the linear backward never reads them, and takes None), the
+    forward's ``out`` and ``grad_out`` once, and returns the gradients of gates,
+    tokens and initial as new tensors, each written once (equations in abi.h)."""
+    entry = _SCAN_BWD[semiring]
+    dim = _time_dim(_SCAN_OP[semiring], dim, gates.dim())
+    shape = gates.shape  # every tensor has the shape and dtype of the gradients
     state = (*shape[:dim], *shape[dim + 1 :])
-    check_operands(f"{name}_bwd", out.dtype, *((t, shape) for t in inputs), (initial, state))
-    dims = dims3(shape, dim)
-    grad_gates = torch.empty(shape, dtype=out.dtype)
-    grad_tokens = torch.empty(shape, dtype=out.dtype)
-    grad_initial = torch.empty(state, dtype=out.dtype)
-    views = [view3(t, dims) for t in (*inputs, grad_gates, grad_tokens)]
-    fields = [(v.data_ptr(), *strides) for v, strides in views]
-    h_keep, h = state2(initial, dims[0], dims[2])
-    args = ARG_STRUCTS[struct](
-        *dims, *(x for f in fields[:-2] for x in f), *h, *(x for f in fields[-2:] for x in f),
-        grad_initial.data_ptr(), dims[2], 1, reverse, torch.get_num_threads(),
+    check_operands(
+        entry, gates.dtype, (gates, shape), (tokens, shape), (out, shape), (grad_out, shape),
+        (initial, state),
     )  # fmt: skip
-    if kernel(f"{name}_bwd", out.dtype)(args) != 0:
-        raise RuntimeError(f"parascan: {name} CPU kernel rejected shape {dims}")
-    del h_keep, views
+    dims = dims3(shape, dim)
+    grad_gates = torch.empty(shape, dtype=gates.dtype)
+    grad_tokens = torch.empty(shape, dtype=gates.dtype)
+    grad_initial = torch.empty(state, dtype=gates.dtype)
+    (a, a_s), (x, x_s), (gx, gx_s) = view3(gates, dims), view3(out, dims), view3(grad_out, dims)
+    (ga, ga_s), (gb, gb_s) = view3(grad_gates, dims), view3(grad_tokens, dims)
+    b, b_s = view3(tokens, dims) if tokens is not None else (None, (0, 0, 0))
+    h_keep, h = state2(initial, dims[0], dims[2])
+    args = ARG_STRUCTS["scan_bwd"](
+        *dims, a.data_ptr(), *a_s, 0 if b is None else b.data_ptr(), *b_s,
+        x.data_ptr(), *x_s, gx.data_ptr(), *gx_s, *h, ga.data_ptr(), *ga_s,
+        gb.data_ptr(), *gb_s, grad_initial.data_ptr(), dims[2], 1,
+        reverse, torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel(entry, gates.dtype)(args) != 0:
+        raise RuntimeError(f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims}")
+    del h_keep
     return grad_gates, grad_tokens, grad_initial

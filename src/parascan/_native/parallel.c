@@ -1,6 +1,5 @@
 #define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE under -std=c11 */
 #include "parallel.h"
-#include "scan_common.h"
 
 #include <omp.h>
 #if defined(__linux__)
@@ -56,19 +55,3 @@ void ps_prefer_huge_pages(void *ptr, int64_t bytes) {
     (void)bytes;
 #endif
 }
-
-/* The library's ABI version, checked by Python before anything else is called
- * (_native.py): bump it whenever an argument struct or entry point changes. */
-PS_API int64_t ps_abi_version(void) { return 5; }
-
-PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
-    const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,
-                              PS_LONG_ROWS, PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES};
-    const int64_t count = (int64_t)(sizeof values / sizeof values[0]);
-    for (int64_t i = 0; i < n && i < count; i++) out[i] = values[i];
-    return count;
-}
-
-/* Python passes the argument structs as flat int64 arrays (every member is 64
- * bits wide); it checks their sizes once against its own layout. */
-PS_API int64_t ps_scan_fwd_args_size(void) { return (int64_t)sizeof(ps_scan_fwd_args); }

@@ -1,18 +1,18 @@
-/* The forward kernels of a first-order scan, s[t] = STEP(a[t], s[t-1], b[t]),
- * instantiated once per dtype by each op's cpu_kernel.c (after scan_common.h).
- * linear_scan steps with a * s + b; log_linear_scan with logaddexp(a + s, b),
- * the same algebra in the log semiring. The includer defines:
- *   SFX        name suffix (f32, ...)        ST   storage type     ACC  accumulation type
- *   LD(p)      load *p as ACC                STO(p, v)  store ACC v to *p
- *   FMA(a,s,b) one step                      ZERO  the empty state  ONE  the identity gate
- *   COMPOSE(a, q)  optional: the gate of two steps, a after q (default FMA(a, q, ZERO))
- *   PS_FWD_ENTRY  the exported entry's name, without the dtype suffix
+/* The forward of a first-order scan, out[t] = STEP(a[t], out[t-1], b[t]), one
+ * template for every semiring and dtype: scan_instance.h instantiates it once per
+ * (semiring, dtype). linear_scan steps with a * s + b; log_linear_scan with
+ * logaddexp(a + s, b), the same algebra in the log semiring, so its tiles, threads
+ * and long-sequence chunking carry over. The block defines (scan_instance.h):
+ *   ST   storage type     ACC  accumulation type    LD(p) / STO(p, v)  load / store
+ *   STEP(a, s, b)  one step      ZERO  the empty state     ONE  the identity gate
+ *   COMPOSE(a, q)  the gate of two steps, a after q
+ *   FN(name)  the block's own name for a function   PS_FWD_ENTRY  its exported entry
  *   PS_ACC_IS_STORAGE  defined when ACC and ST are one type (enables long chunks)
  * and optionally PS_FWD_TC_FAST: a function that returns a faster time-contiguous
  * worker for the given arguments, or NULL; PS_REDUCE8_FAST: a faster reduce of 8
  * long-sequence chunks, returning 0 when it did the work; PS_LONG_SCAN_FAST: the
- * same as PS_FWD_TC_FAST for the chunks of a long sequence (phase 3 below); PS_FWD_ROW_FAST: faster
- * unit-stride time-major rows, the same.
+ * same as PS_FWD_TC_FAST for the chunks of a long sequence (phase 3 below);
+ * PS_FWD_ROW_FAST: faster unit-stride time-major rows, the same.
  *
  * Summary of algorithm. The recurrence is sequential in time and independent
  * across (outer, inner), so parallelism and SIMD come from the independent
@@ -40,13 +40,13 @@ static inline void FN(fwd_row)(int64_t n, ACC *restrict s,
 #endif
         PS_SIMD
         for (int64_t c = 0; c < n; ++c) {
-            const ACC v = FMA(LD(a + c), s[c], LD(b + c));
+            const ACC v = STEP(LD(a + c), s[c], LD(b + c));
             s[c] = v;
             STO(x + c, v);
         }
     } else {
         for (int64_t c = 0; c < n; ++c) {
-            const ACC v = FMA(LD(a + c * as), s[c], LD(b + c * bs));
+            const ACC v = STEP(LD(a + c * as), s[c], LD(b + c * bs));
             s[c] = v;
             STO(x + c * xs, v);
         }
@@ -125,16 +125,11 @@ PS_HOT static void FN(fwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
             FN(gather)(ta, n, nr, a + t0 * gs[1], gs[0], gs[1]);
             FN(gather)(tb, n, nr, b + t0 * ts[1], ts[0], ts[1]);
             for (int64_t k = 0; k < n; ++k)
-                for (int64_t r = 0; r < PS_ROWS; ++r) ta[k][r] = s[r] = FMA(ta[k][r], s[r], tb[k][r]);
+                for (int64_t r = 0; r < PS_ROWS; ++r) ta[k][r] = s[r] = STEP(ta[k][r], s[r], tb[k][r]);
             FN(scatter)(x + t0 * xs[1], xs[0], xs[1], ta, n, nr);
         }
     }
 }
-
-#ifndef COMPOSE
-#define COMPOSE(a, q) FMA((a), (q), ZERO)
-#define PS_COMPOSE_IS_DEFAULT
-#endif
 
 #ifdef PS_ACC_IS_STORAGE
 /* Long sequences with few chains (inner == 1, few rows): the time axis is cut into
@@ -181,7 +176,7 @@ static void FN(reduce8)(const ST *a, const ST *b, int64_t row_a, int64_t row_b, 
         FN(gather)(tb, n, PS_ROWS, b + t0 * sb, row_b, sb);
         for (int64_t k = 0; k < n; ++k)
             for (int64_t r = 0; r < PS_ROWS; ++r) {
-                s[r] = FMA(ta[k][r], s[r], tb[k][r]);
+                s[r] = STEP(ta[k][r], s[r], tb[k][r]);
                 q[r] = COMPOSE(ta[k][r], q[r]);
             }
     }
@@ -268,7 +263,7 @@ static void FN(long_row)(const FN(long_job) *job, int64_t o, int64_t me, int64_t
         ps_team_barrier();
         for (int64_t k = 0; k < PS_LONG_CHUNKS; ++k) {
             carry[k] = entering;
-            entering = FMA(prod[k], entering, state[k]);
+            entering = STEP(prod[k], entering, state[k]);
         }
         job->scan(&p, g0, g1);
         *parity ^= 1;
@@ -304,7 +299,7 @@ static void FN(fwd_long)(const ps_scan_fwd_args *p, int64_t nthreads) {
 
 #endif
 
-PS_API int FN(PS_FWD_ENTRY)(const ps_scan_fwd_args *args) {
+PS_API int PS_FWD_ENTRY(const ps_scan_fwd_args *args) {
     if (args->outer < 0 || args->steps < 0 || args->inner < 0) return -1;
     if (args->outer == 0 || args->steps == 0 || args->inner == 0) return 0;
     ps_scan_fwd_args p = *args;
@@ -331,8 +326,3 @@ PS_API int FN(PS_FWD_ENTRY)(const ps_scan_fwd_args *args) {
     ps_run_units(p.outer, p.inner, nthreads, tc, FN(fwd_time_major), &p);
     return 0;
 }
-
-#ifdef PS_COMPOSE_IS_DEFAULT
-#undef COMPOSE
-#undef PS_COMPOSE_IS_DEFAULT
-#endif

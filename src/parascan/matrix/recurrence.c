@@ -1,7 +1,5 @@
-/* matrix_linear_scan CPU kernel; see cpu_kernel.h for the ABI. */
-#include "cpu_kernel.h"
-
-PS_API int64_t ps_matrix_args_size(void) { return (int64_t)sizeof(ps_matrix_args); }
+/* matrix_linear_scan CPU kernel; see recurrence.h for the algorithm, abi.h for the ABI. */
+#include "recurrence.h"
 
 /* y = W x + b for one step. Row-major W: d dot products over contiguous rows.
  * Column-major W (a transposed view): d column updates, contiguous along y.
@@ -40,7 +38,7 @@ PS_API int64_t ps_matrix_args_size(void) { return (int64_t)sizeof(ps_matrix_args
 #define PS_MATRIX_TASK(SFX, T)                                                         \
     PS_MATVEC(SFX, T)                                                                  \
     static void ps_matrix_task_##SFX(const void *ctx, int64_t begin, int64_t end) {    \
-        const ps_matrix_args *a = (const ps_matrix_args *)ctx;                         \
+        const ps_matrix_linear_scan_args *a = (const ps_matrix_linear_scan_args *)ctx; \
         const T *w = (const T *)a->weights;                                            \
         const T *bias = (const T *)a->biases;                                          \
         const T *init = (const T *)a->initial;                                         \
@@ -61,7 +59,7 @@ PS_API int64_t ps_matrix_args_size(void) { return (int64_t)sizeof(ps_matrix_args
             }                                                                          \
         }                                                                              \
     }                                                                                  \
-    PS_API int ps_matrix_scan_fwd_##SFX(const ps_matrix_args *a) {                     \
+    PS_API int ps_matrix_linear_scan_fwd_##SFX(const ps_matrix_linear_scan_args *a) { \
         if (a->batch < 0 || a->steps < 0 || a->d < 0) return 1;                        \
         if (a->batch == 0 || a->steps == 0 || a->d == 0) return 0;                     \
         /* A thread per batch range when there is enough work to share. */             \

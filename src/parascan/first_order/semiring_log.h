@@ -1,5 +1,20 @@
-/* Scalar math for the log-space scan, written so that gcc vectorizes the loops
- * that call it (no libm calls, no branches: selects and bit casts only).
+/* The log semiring, logaddexp as the sum and + as the product: the algebra of
+ * log_linear_scan, out[t] = logaddexp(gates[t] + out[t-1], tokens[t]), the linear
+ * scan of exp(out) in log space. Defined once here, with the scalar math it needs,
+ * for every accumulation type T (ps_f32, ps_f64, ps_c64, ps_c128); scan_instance.h
+ * binds the names to the macros the templates use, as for semiring_linear.h:
+ *   T_log_step(a, s, b)        logaddexp(a + s, b), one step of the scan
+ *   T_log_compose(a, q)        a + q, the gate of two steps
+ *   T_log_zero()               -inf (the log of 0), the empty state
+ *   T_log_one()                0 (the log of 1), the identity gate
+ * backward step weights from the step's gate a, token b, previous output prev and
+ * output h (each 0 where h = -inf):
+ *   T_log_bwd_weight(a, prev, h)   wu = exp(a + prev - h)
+ *   T_log_gate_weight(w, prev)     wu (the weight of the gate is that of out[t-1])
+ *   T_log_token_weight(b, h)       wb = exp(b - h)
+ *
+ * The scalar math is written so that gcc vectorizes the loops that call it (no
+ * libm calls, no branches: selects and bit casts only).
  *
  * float32: exp and log1p are polynomial approximations with errors of about one
  * ulp (exp: range reduction by ln 2 in two parts, degree-7 Taylor polynomial on
@@ -12,23 +27,15 @@
  * derivative of h = logaddexp(x, y) in x, is defined as 0 when h = -inf (both
  * x and y are -inf: log(0 + 0), whose gradient flows nowhere).
  */
-#ifndef PARASCAN_LOGSPACE_LOGMATH_H
-#define PARASCAN_LOGSPACE_LOGMATH_H
+#ifndef PARASCAN_SEMIRING_LOG_H
+#define PARASCAN_SEMIRING_LOG_H
 
-#include "parallel.h"
+#include "common.h"
 
 #include <math.h>
 #include <stdint.h>
 
 #define PS_LN2_F 0.693147180559945309f
-
-/* Always inlined: a call left in a loop stops it from vectorizing, and gcc's
- * heuristics decline to inline these once they have many callers. */
-#if defined(__GNUC__)
-#define PS_MATH static inline __attribute__((always_inline))
-#else
-#define PS_MATH static inline
-#endif
 
 /* exp(x) for x <= 88 (+inf above; 0 below -87, where the exact value is under
  * 1.7e-38); NaN stays NaN. */
@@ -125,5 +132,49 @@ static inline void ps_clog_weight(double xr, double xi, double hr, double hi_,
     *wr = m * cos(xi - hi_);
     *wi = m * sin(xi - hi_);
 }
+
+/* The semiring, per accumulation type: T_log_step and T_log_weight (the weight
+ * exp(x - h) above) for each T, then what every T builds from them. */
+enum { ps_log_token_weight_is_one = 0, ps_log_zero_gate_grad_from_empty = 0 };
+
+PS_MATH float ps_f32_log_step(float a, float s, float b) { return ps_logaddexp_f32(a + s, b); }
+PS_MATH float ps_f32_log_weight(float x, float h) { return ps_log_weight_f32(x, h); }
+PS_MATH double ps_f64_log_step(double a, double s, double b) { return ps_logaddexp_f64(a + s, b); }
+PS_MATH double ps_f64_log_weight(double x, double h) { return ps_log_weight_f64(x, h); }
+
+/* Complex: in double for both widths. */
+#define PS_LOG_COMPLEX_MATH(T, R)                                                    \
+    static inline T T##_log_step(T a, T s, T b) {                                    \
+        double hr, hi;                                                               \
+        ps_clogaddexp((double)a.re + s.re, (double)a.im + s.im, b.re, b.im, &hr, &hi); \
+        return (T){(R)hr, (R)hi};                                                    \
+    }                                                                                \
+    static inline T T##_log_weight(T x, T h) {                                       \
+        double wr, wi;                                                               \
+        ps_clog_weight(x.re, x.im, h.re, h.im, &wr, &wi);                            \
+        return (T){(R)wr, (R)wi};                                                    \
+    }
+PS_LOG_COMPLEX_MATH(ps_c64, float)
+PS_LOG_COMPLEX_MATH(ps_c128, double)
+#undef PS_LOG_COMPLEX_MATH
+
+#define PS_LOG_SEMIRING(T, A, ZERO_, ONE_)                                           \
+    PS_MATH A T##_log_compose(A a, A q) { return T##_add(a, q); }                    \
+    PS_MATH A T##_log_zero(void) { return ZERO_; }                                   \
+    PS_MATH A T##_log_one(void) { return ONE_; }                                     \
+    PS_MATH A T##_log_bwd_weight(A a, A prev, A h) {                                 \
+        return T##_log_weight(T##_add(a, prev), h);                                  \
+    }                                                                                \
+    PS_MATH A T##_log_gate_weight(A w, A prev) {                                     \
+        (void)prev;                                                                  \
+        return w;                                                                    \
+    }                                                                                \
+    PS_MATH A T##_log_token_weight(A b, A h) { return T##_log_weight(b, h); }
+
+PS_LOG_SEMIRING(ps_f32, float, -INFINITY, 0.0f)
+PS_LOG_SEMIRING(ps_f64, double, -INFINITY, 0.0)
+PS_LOG_SEMIRING(ps_c64, ps_c64, ((ps_c64){-INFINITY, 0.0f}), ((ps_c64){0.0f, 0.0f}))
+PS_LOG_SEMIRING(ps_c128, ps_c128, ((ps_c128){-INFINITY, 0.0}), ((ps_c128){0.0, 0.0}))
+#undef PS_LOG_SEMIRING
 
 #endif

@@ -1,0 +1,100 @@
+/* The C ABI of parascan's kernel library: every argument struct an entry point
+ * takes, in one place. parascan/_native/bindings.py mirrors each struct as a list
+ * of field names (ARG_FIELDS) and checks its size against ps_<name>_args_size()
+ * once; bump PS_ABI_VERSION whenever a struct or an entry point changes.
+ *
+ * Every member is 64 bits wide (int64_t or a pointer), so Python passes a struct
+ * as a flat int64 array in member order. Strides are in elements of the storage
+ * type (a complex element counts as one), of any sign, zero for a broadcast
+ * dimension. An entry point returns 0 on success.
+ *
+ * Entry points (<sfx>: f16, bf16, f32, f64, c64, c128 unless said otherwise):
+ *   ps_linear_scan_fwd_<sfx>, ps_log_linear_scan_fwd_<sfx>   (ps_scan_fwd_args)
+ *   ps_linear_scan_bwd_<sfx>, ps_log_linear_scan_bwd_<sfx>   (ps_scan_bwd_args)
+ *   ps_matrix_linear_scan_fwd_{f32,f64}                      (ps_matrix_linear_scan_args)
+ *   ps_matmul_reduce_{f32,f64}                                (ps_matmul_args)
+ */
+#ifndef PARASCAN_ABI_H
+#define PARASCAN_ABI_H
+
+#include "parallel.h"
+
+#include <stdint.h>
+
+#define PS_ABI_VERSION 6
+
+/* The first-order scans (first_order/): every tensor is seen as a 3-d strided
+ * view (outer, steps, inner) with the scan running along `steps`; states
+ * (initial, grad_initial) as 2-d views (outer, inner). reverse != 0 runs time
+ * backwards (out[t+1] feeds out[t]).
+ *
+ * forward: out[o, t, c] = STEP(gates[o, t, c], out[o, t-1, c], tokens[o, t, c]),
+ * out[o, -1, c] = initial[o, c] (the semiring's empty state when initial is NULL):
+ *   linear_scan      STEP(a, s, b) = a s + b,               empty state 0
+ *   log_linear_scan  STEP(a, s, b) = logaddexp(a + s, b),   empty state -inf */
+typedef struct {
+    int64_t outer, steps, inner;
+    const void *gates;   int64_t gates_stride[3];
+    const void *tokens;  int64_t tokens_stride[3];
+    const void *initial; int64_t initial_stride[2]; /* NULL: the empty state */
+    void *out;           int64_t out_stride[3];
+    int64_t reverse, nthreads;
+} ps_scan_fwd_args;
+
+/* backward (fused): with the step weights of the semiring (first_order/semiring_*.h)
+ * w[t] = d out[t] / d out[t-1], wa[t] = d out[t] / d gates[t], wb[t] = d out[t] / d tokens[t]
+ * and g[t] = grad_out[t] + conj(w[t+1]) g[t+1] (g[steps] = 0):
+ *   grad_gates[t] = g[t] conj(wa[t]), grad_tokens[t] = g[t] conj(wb[t]),
+ *   grad_initial = conj(w[0]) g[0].
+ *   linear_scan      w = gates, wa = out[t-1], wb = 1 (tokens is never read: NULL)
+ *   log_linear_scan  w = wa = exp(gates[t] + out[t-1] - out[t]), wb = exp(tokens[t] - out[t])
+ *                    (each 0 where out[t] = -inf) */
+typedef struct {
+    int64_t outer, steps, inner;
+    const void *gates;    int64_t gates_stride[3];
+    const void *tokens;   int64_t tokens_stride[3];   /* NULL for linear_scan */
+    const void *out;      int64_t out_stride[3];
+    const void *grad_out; int64_t grad_out_stride[3];
+    const void *initial;  int64_t initial_stride[2];  /* NULL: the empty state */
+    void *grad_gates;     int64_t grad_gates_stride[3];
+    void *grad_tokens;    int64_t grad_tokens_stride[3];
+    void *grad_initial;   int64_t grad_initial_stride[2];
+    int64_t reverse, nthreads;
+} ps_scan_bwd_args;
+
+/* matrix_linear_scan (matrix/recurrence.h): x[t] = W[t] @ x[t-1] + b[t].
+ * ``out`` is contiguous (batch, steps, d). A batch stride of 0 shares a tensor
+ * across the batch (broadcasting). W may have any row and column strides (a
+ * transposed view is read in place); b and initial have unit stride along d. */
+typedef struct {
+    int64_t batch, steps, d;
+    const void *weights;
+    int64_t w_batch, w_step, w_row, w_col;
+    const void *biases;
+    int64_t b_batch, b_step;
+    const void *initial; /* never NULL: Python passes zeros for "no initial" */
+    int64_t i_batch;
+    void *out;
+    int64_t reverse, nthreads;
+} ps_matrix_linear_scan_args;
+
+/* associative_reduce(torch.matmul) (generic/matmul.h): the product of each batch
+ * element's sequence of square matrices. x is (batch, steps, d, d) with any
+ * strides; out is contiguous (batch, d, d). */
+typedef struct {
+    int64_t batch, steps, d;
+    const void *x;
+    int64_t x_batch, x_step, x_row, x_col;
+    void *out;
+    int64_t nthreads;
+    int64_t simd; /* 0: the portable block products even where AVX2 is there (tests) */
+} ps_matmul_args;
+
+/* What Python checks before anything else is called (abi.c). */
+PS_API int64_t ps_abi_version(void);
+PS_API int64_t ps_scan_fwd_args_size(void);
+PS_API int64_t ps_scan_bwd_args_size(void);
+PS_API int64_t ps_matrix_linear_scan_args_size(void);
+PS_API int64_t ps_matmul_args_size(void);
+
+#endif
