@@ -2,14 +2,23 @@
 
 - Uninitialized memory is filled with NaN (torch's deterministic mode does this for
   every torch.empty), so an output element a kernel forgets to write fails a test.
-- The tolerance table (parascan.tools.tolerance, shared with `parascan check`) for
-  comparisons against the float64 oracle.
-- The oracle: a float64 sequential loop written here, independently of parascan.
+- The tolerance table (parascan.tools.tolerance, shared with ``parascan check``) for
+  comparisons against the float64 oracles (oracles.py), in ``assert_matches``.
+- Seeded random inputs (``gen``, ``random_gates``, ``random_tokens``).
+- The one backend/device fixture, ``target``: every test that takes a ``target``
+  argument runs once per entry of ``targets()``: each backend ``ps.backends("cpu")``
+  lists, the Triton kernels in Triton's interpreter on CPU tensors (where a test asks
+  for them: the interpreter is slow), and, on a machine with CUDA, every backend
+  ``ps.backends("cuda")`` lists, on CUDA tensors. Narrow it with
+  ``@pytest.mark.targets(backends=..., interpreter=True)``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 # Triton kernels (the ``triton`` backend, when triton is installed) run in Triton's
 # interpreter on CPU tensors in these tests. The flag must be set before torch imports
@@ -19,6 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+import parascan as ps
 from parascan.tools.tolerance import TOLERANCE
 
 # A skipped test of installed code fails the run (skip_policy.py).
@@ -42,37 +52,23 @@ def oracle_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    """``actual`` (any dtype) against a float64 ``expected``, with the tolerance of
-    ``dtype``; the absolute part scales with the largest expected magnitude, since
-    errors accumulate relative to the running state rather than to each element."""
+    """``actual`` (any dtype, any device) against a float64 ``expected``, with the
+    tolerance of ``dtype``; the absolute part scales with the largest expected
+    magnitude, since errors accumulate relative to the running state rather than to
+    each element."""
     rtol, atol = TOLERANCE[dtype]
     scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    torch.testing.assert_close(actual.to(expected.dtype), expected, rtol=rtol, atol=atol * scale)
+    actual = actual.detach().to(device=expected.device, dtype=expected.dtype)
+    torch.testing.assert_close(actual, expected.detach(), rtol=rtol, atol=atol * scale)
 
 
-def loop_oracle(
-    gates: torch.Tensor | float,
-    tokens: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None = None,
-    reverse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x[t] = gates[t] x[t-1] + tokens[t], one step at a time; returns (x, final).
-    Differentiable by ordinary autograd, so it is the gradient oracle too."""
-    if not isinstance(gates, torch.Tensor):
-        gates = torch.tensor(gates, dtype=tokens.dtype)
-    a, b = torch.broadcast_tensors(gates, tokens)
-    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
-    steps = b.shape[0]
-    state = torch.zeros_like(b.sum(0)) if initial is None else initial.expand(b.shape[1:])
-    state = state + torch.zeros_like(b.sum(0))  # result dtype
-    out: list[torch.Tensor] = [state] * steps
-    for t in reversed(range(steps)) if reverse else range(steps):
-        state = a[t] * state + b[t]
-        out[t] = state
-    x = torch.stack(out).movedim(0, dim) if steps else (a * b).movedim(0, dim)
-    return x, state
+# --- seeded inputs --------------------------------------------------------------------
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
 
 
 def random_gates(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -91,29 +87,48 @@ def random_tokens(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
     return real.to(dtype)
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(1234)
+# --- the backend/device fixture ---------------------------------------------------------
 
 
-def log_loop_oracle(
-    log_gates: torch.Tensor,
-    log_tokens: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None = None,
-    reverse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t]) one step at a time with
-    torch.logaddexp (real inputs; use it in float64); returns (h, final).
-    Differentiable where no step adds -inf to -inf."""
-    a, b = torch.broadcast_tensors(log_gates, log_tokens)
-    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
-    steps = b.shape[0]
-    state = torch.full_like(b.sum(0), -float("inf")) if initial is None else initial
-    state = state.expand(b.shape[1:])
-    out: list[torch.Tensor] = [state] * steps
-    for t in reversed(range(steps)) if reverse else range(steps):
-        state = torch.logaddexp(a[t] + state, b[t])
-        out[t] = state
-    h = torch.stack(out).movedim(0, dim) if steps else (a + b).movedim(0, dim)
-    return h, state
+@dataclass(frozen=True)
+class Target:
+    """One backend on one device type: what a test's ``target`` argument holds."""
+
+    backend: str
+    device: str  # "cpu" or "cuda"
+
+    @property
+    def interpreted(self) -> bool:
+        """The Triton kernels run step by step in Python: keep shapes tiny."""
+        return self.backend == "triton" and self.device == "cpu"
+
+    def __str__(self) -> str:
+        if self.interpreted:
+            return "triton-interpreter"
+        return self.backend if self.device == "cpu" else f"{self.device}-{self.backend}"
+
+
+def triton_interpreter_available() -> bool:
+    return (
+        importlib.util.find_spec("triton") is not None
+        and os.environ.get("TRITON_INTERPRET") == "1"
+    )
+
+
+def targets(*, backends: Iterable[str] | None = None, interpreter: bool = False) -> list[Target]:
+    """The targets a test runs on: the CPU backends, the Triton interpreter when
+    ``interpreter`` (and triton is installed), the CUDA backends when CUDA is
+    available; only those named in ``backends`` when given."""
+    found = [Target(b, "cpu") for b in ps.backends("cpu")]
+    if interpreter and triton_interpreter_available():
+        found.append(Target("triton", "cpu"))
+    if torch.cuda.is_available():
+        found += [Target(b, "cuda") for b in ps.backends("cuda")]
+    return [t for t in found if backends is None or t.backend in backends]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "target" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("targets")
+        chosen = targets(**(marker.kwargs if marker else {}))
+        metafunc.parametrize("target", chosen, ids=[str(t) for t in chosen])

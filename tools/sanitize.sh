@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The C kernels built with AddressSanitizer and UBSan, under the differential fuzzer
-# (tests/fuzz_kernels.py) against the float64 loops.
+# (tests/native/fuzz_kernels.py) against the float64 loops.
 #
 #   bash tools/sanitize.sh [SECONDS [SEED]]     # default: 240 s, a new seed (printed)
 #
@@ -39,7 +39,7 @@ PARASCAN_KERNEL_LIBRARY="$lib" \
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
 ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$PWD/$out/report" \
 UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$PWD/$out/report" \
-    python tests/fuzz_kernels.py --seconds "$seconds" ${seed:+--seed "$seed"} || status=$?
+    python tests/native/fuzz_kernels.py --seconds "$seconds" ${seed:+--seed "$seed"} || status=$?
 if compgen -G "$out/report.*" > /dev/null; then
     echo "sanitize: sanitizer reports:"
     cat "$out"/report.*

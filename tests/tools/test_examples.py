@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
 
 
 @pytest.mark.parametrize("mode", [[], ["--seq-parallel"]])

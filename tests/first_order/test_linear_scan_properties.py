@@ -1,4 +1,4 @@
-"""Hypothesis property tests for the algebra of linear_scan."""
+"""Hypothesis property tests for the algebra of linear_scan, on every target."""
 
 from __future__ import annotations
 
@@ -8,27 +8,28 @@ from hypothesis import strategies as st
 
 import parascan as ps
 
-from conftest import assert_matches
-
-BACKENDS = ps.backends("cpu")
+from conftest import Target, assert_matches, random_tokens, targets
+from oracles import linear_loop
 
 
 @st.composite
 def problems(draw, max_steps: int = 70):
-    """A random recurrence: shape, dim, dtype, backend, reverse and seeded inputs."""
+    """A random recurrence: shape, dim, dtype, backend, reverse and seeded inputs (on
+    the target's device)."""
     ndim = draw(st.integers(1, 3))
     shape = draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim))
     dim = draw(st.integers(-ndim, ndim - 1))
     shape[dim] = draw(st.integers(0, max_steps))
     dtype = draw(st.sampled_from([torch.float64, torch.complex128]))
-    backend = draw(st.sampled_from(BACKENDS))
+    target: Target = draw(st.sampled_from(targets()))
     reverse = draw(st.booleans())
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     gates = (torch.rand(shape, generator=gen, dtype=torch.float64) * 1.6 - 0.8).to(dtype)
     tokens = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     state = shape[: dim % ndim] + shape[dim % ndim + 1 :]
     initial = torch.randn(state, generator=gen, dtype=torch.float64).to(dtype)
-    return gates, tokens, initial, dim, reverse, backend
+    on = target.device
+    return gates.to(on), tokens.to(on), initial.to(on), dim, reverse, target.backend
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,38 +76,66 @@ def test_scanning_a_concatenation_continues_from_the_final_state(problem, data) 
     assert_matches(end, whole_final, torch.float64)
 
 
-@settings(max_examples=60, deadline=None)
-@given(problems())
-def test_backward_is_a_reverse_scan(problem) -> None:
-    """dL/dtokens = the scan of the upstream gradient run the other way, over the
-    conjugated gates shifted by one step (arXiv 1709.04057)."""
-    gates, tokens, initial, dim, reverse, backend = problem
-    tokens = tokens.clone().requires_grad_()
-    upstream = torch.randn_like(tokens)
-    out = ps.linear_scan(gates, tokens, dim, initial=initial, reverse=reverse, backend=backend)
-    (grad,) = torch.autograd.grad(out, tokens, upstream)
-    steps = tokens.shape[dim]
-    if steps == 0:
-        return
+def _shifted(gates: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:
+    """The gates one step later in scan order (the next step's gate), 0 past the end."""
+    steps = gates.shape[dim]
     no_gate = torch.zeros_like(gates.narrow(dim, 0, 1))
     if reverse:
-        shifted = torch.cat([no_gate, gates.narrow(dim, 0, steps - 1)], dim)
-    else:
-        shifted = torch.cat([gates.narrow(dim, 1, steps - 1), no_gate], dim)
-    want = ps.linear_scan(shifted.conj(), upstream, dim, reverse=not reverse, backend=backend)
-    assert_matches(grad, want, torch.float64)
+        return torch.cat([no_gate, gates.narrow(dim, 0, steps - 1)], dim)
+    return torch.cat([gates.narrow(dim, 1, steps - 1), no_gate], dim)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_gradients_are_the_reverse_scan_of_the_float64_loop(problem) -> None:
+    """Every gradient against autograd through the float64 loop (oracles.py), and
+    that loop's gradients against the identity (arXiv 1709.04057): dL/dtokens is the
+    upstream gradient scanned the other way over the conjugated gates shifted by one
+    step, dL/dgates[t] = dL/dtokens[t] * conj(x[t-1]) and dL/dinitial is the
+    gradient of the first step times conj(its gate): the reverse scan computed by
+    the loop itself, independently of parascan."""
+    gates, tokens, initial, dim, reverse, backend = problem
+    steps = tokens.shape[dim]
+    leaves = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
+    wide = [t.detach().cpu().clone().requires_grad_() for t in (gates, tokens, initial)]
+    upstream = random_tokens(tuple(tokens.shape), tokens.dtype, torch.Generator().manual_seed(7))
+    out = ps.linear_scan(*leaves[:2], dim, initial=leaves[2], reverse=reverse, backend=backend)
+    got = torch.autograd.grad(out, leaves, upstream.to(out.device), allow_unused=True,
+                              materialize_grads=True)  # fmt: skip
+    x, _ = linear_loop(*wide[:2], dim, wide[2], reverse)
+    want = torch.autograd.grad(x, wide, upstream, allow_unused=True, materialize_grads=True)
+    for g, w in zip(got, want, strict=True):
+        assert_matches(g, w, torch.float64)
+    if steps == 0:
+        return
+    a, h0 = gates.cpu(), initial.cpu()
+    grad_tokens, _ = linear_loop(_shifted(a, dim, reverse).conj(), upstream, dim,
+                                 reverse=not reverse)  # fmt: skip
+    before = h0.unsqueeze(dim)  # the state before the first step, in scan order
+    if reverse:  # x[t+1], and the initial state at the end
+        previous = torch.cat([x.detach().narrow(dim, 1, steps - 1), before], dim)
+    else:  # x[t-1], and the initial state at the start
+        previous = torch.cat([before, x.detach().narrow(dim, 0, steps - 1)], dim)
+    first = grad_tokens.select(dim, steps - 1 if reverse else 0)
+    first_gate = a.select(dim, steps - 1 if reverse else 0)
+    for g, identity in zip(
+        want, (grad_tokens * previous.conj(), grad_tokens, first * first_gate.conj()), strict=True
+    ):
+        assert_matches(g, identity, torch.float64)
 
 
 @settings(max_examples=40, deadline=None)
 @given(problems(max_steps=20))
-def test_all_backends_agree(problem) -> None:
+def test_all_backends_agree_with_the_loop(problem) -> None:
     gates, tokens, initial, dim, reverse, _ = problem
-    results = [
-        ps.linear_scan(gates, tokens, dim, initial=initial, reverse=reverse, backend=b)
-        for b in BACKENDS
-    ]
-    for r in results[1:]:
-        assert_matches(r, results[0], torch.float64)
+    want, _ = linear_loop(gates.cpu(), tokens.cpu(), dim, initial.cpu(), reverse)
+    for target in targets(backends=None):
+        on = target.device
+        got = ps.linear_scan(
+            gates.to(on), tokens.to(on), dim, initial=initial.to(on), reverse=reverse,
+            backend=target.backend,
+        )  # fmt: skip
+        assert_matches(got, want, torch.float64)
 
 
 @settings(max_examples=40, deadline=None)

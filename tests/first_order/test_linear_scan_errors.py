@@ -75,9 +75,12 @@ def test_unavailable_triton_backend_says_why(monkeypatch) -> None:
 
 def test_errors_come_before_any_kernel(monkeypatch) -> None:
     calls = []
-    from parascan.linear import ops
+    from dataclasses import replace
 
-    monkeypatch.setitem(ops._FORWARD, "torch", lambda *a: calls.append(a))
+    from parascan.first_order.ops import ROWS
+
+    linear = ROWS["linear"].backends
+    monkeypatch.setitem(linear, "torch", replace(linear["torch"], forward=calls.append))
     with pytest.raises(ValueError):
         ps.linear_scan(T, T, 1, initial=torch.ones(3), backend="torch")
     assert calls == []

@@ -1,6 +1,7 @@
-"""parascan.distributed.linear_scan on real gloo process groups (2 and 4 ranks,
-torch.multiprocessing): outputs, the global final state and every gradient against
-parascan.linear_scan of the whole sequence in one process."""
+"""parascan.distributed.linear_scan and log_linear_scan on real gloo process groups
+(2 and 4 ranks, torch.multiprocessing): each rank's shard of the output, the global
+final state and every gradient against the float64 loop of the whole sequence
+(oracles.py), which every rank runs on its own."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import parascan as ps
 import parascan.distributed as psd
+
+from conftest import assert_matches
+from oracles import linear_loop, log_loop
 
 # (shape of the whole sequence, dim, shard lengths per world size)
 CASES = [
@@ -46,14 +49,26 @@ def _inputs(shape, dim, dtype, seed):
     return gates.to(dtype), tokens.to(dtype), initial
 
 
+def _oracle(gates, tokens, dim, initial, reverse, log):  # type: ignore[no-untyped-def]
+    """(x, final) of the whole sequence in linear space (the loop of the
+    exponentials for log inputs, where log 0 = -inf is an ordinary 0), and the log
+    values where the inputs are real logs."""
+    if not log:
+        out, final = linear_loop(gates, tokens, dim, initial, reverse)
+        return out, final, None
+    x, x_final = linear_loop(
+        gates.exp(), tokens.exp(), dim, None if initial is None else initial.exp(), reverse
+    )
+    logs = None if gates.is_complex() else log_loop(gates, tokens, dim, initial, reverse)
+    return x, x_final, logs
+
+
 def _check_case(
     rank, world, shape, dim, lengths, dtype, reverse, with_initial, shared_gates, log=False
 ):
     d = dim % len(shape)
     make = _log_inputs if log else _inputs
-    scan, shard_scan = (
-        (ps.log_linear_scan, psd.log_linear_scan) if log else (ps.linear_scan, psd.linear_scan)
-    )
+    shard_scan = psd.log_linear_scan if log else psd.linear_scan
     gates, tokens, initial = make(shape, dim, dtype, seed=sum(lengths) + world)
     if shared_gates:  # one gate per channel, the same tensor on every rank
         gates = gates.narrow(d, 0, 1).clone()
@@ -62,19 +77,13 @@ def _check_case(
     final_weights = torch.randn((world, *initial.shape), generator=g, dtype=torch.float64)
     final_weights = final_weights.to(dtype)
 
-    # One process, the whole sequence: the expected shard, final and gradients.
+    # The whole sequence, one step at a time: the expected shard, final and gradients
+    # of a loss of x (exp of the output for log inputs) and of the final states.
     leaves = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
-    out, final = scan(
-        leaves[0], leaves[1], dim, initial=leaves[2] if with_initial else None,
-        reverse=reverse, return_final=True,
-    )  # fmt: skip
-    finite = torch.isfinite(out.real) if log else torch.ones_like(out.real, dtype=torch.bool)
-    weights = torch.where(finite, weights, 0)  # log 0 results: no gradient through them
-    final_weights = torch.where(torch.isfinite(final.real), final_weights, 0)
-    loss = (torch.where(finite, out, 0) * weights).real.sum()
-    loss = (
-        loss + (torch.where(torch.isfinite(final.real), final, 0) * final_weights.sum(0)).real.sum()
+    x, x_final, logs = _oracle(
+        leaves[0], leaves[1], dim, leaves[2] if with_initial else None, reverse, log
     )
+    loss = (x * weights).real.sum() + (x_final * final_weights.sum(0)).real.sum()
     want_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
 
     start = sum(lengths[:rank])
@@ -89,12 +98,15 @@ def _check_case(
         mine[0], mine[1], dim, initial=mine[2] if with_initial else None,
         reverse=reverse, return_final=True,
     )  # fmt: skip
-    torch.testing.assert_close(got, out.detach().narrow(d, start, n))
-    torch.testing.assert_close(got_final, final.detach())
-    local = torch.where(finite.narrow(d, start, n), got, 0) * weights.narrow(d, start, n)
-    local = local.real.sum()
-    final_finite = torch.where(torch.isfinite(got_final.real), got_final, 0)
-    local = local + (final_finite * final_weights[rank]).real.sum()
+    if logs is not None:  # real logs: the log values themselves, -inf included
+        assert_matches(got, logs[0].narrow(d, start, n), dtype)
+        assert_matches(got_final, logs[1], dtype)
+    if log:
+        got, got_final = got.exp(), got_final.exp()
+    assert_matches(got, x.narrow(d, start, n), dtype)
+    assert_matches(got_final, x_final, dtype)
+    local = (got * weights.narrow(d, start, n)).real.sum()
+    local = local + (got_final * final_weights[rank]).real.sum()
     grads = torch.autograd.grad(local, mine, allow_unused=True)
 
     # gates: a shard's gradient is its own, unless shared: then the ranks' sum
@@ -102,13 +114,13 @@ def _check_case(
     if shared_gates:
         grad_gates = grad_gates.clone()
         dist.all_reduce(grad_gates)
-        torch.testing.assert_close(grad_gates, want_grads[0])
+        assert_matches(grad_gates, want_grads[0], dtype)
     else:
-        torch.testing.assert_close(grad_gates, want_grads[0].narrow(d, start, n))
-    torch.testing.assert_close(grads[1], want_grads[1].narrow(d, start, n))
+        assert_matches(grad_gates, want_grads[0].narrow(d, start, n), dtype)
+    assert_matches(grads[1], want_grads[1].narrow(d, start, n), dtype)
     first = (world - 1) if reverse else 0
     if with_initial and rank == first:
-        torch.testing.assert_close(grads[2], want_grads[2])
+        assert_matches(grads[2], want_grads[2], dtype)
     else:
         assert grads[2] is None or not grads[2].abs().any()
 
@@ -132,8 +144,8 @@ def _worker(rank, world, init_file):
                 x = torch.arange(1.0, 5.0).reshape(1, 4)
                 shard = x[:, 2 * rank : 2 * rank + 2]
                 out = psd.linear_scan(0.5, shard, -1, group=sub)
-                want = ps.linear_scan(0.5, x, -1)[:, 2 * rank : 2 * rank + 2]
-                torch.testing.assert_close(out, want)
+                want = linear_loop(0.5, x.double(), -1)[0][:, 2 * rank : 2 * rank + 2]
+                assert_matches(out, want, torch.float32)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -237,7 +249,8 @@ def _mismatch_worker(rank, world, init_file):
         # the group still works afterwards
         x = torch.arange(1.0, 9.0).reshape(2, 4)
         out = psd.linear_scan(0.5, x[:, 2 * rank : 2 * rank + 2], -1)
-        torch.testing.assert_close(out, ps.linear_scan(0.5, x, -1)[:, 2 * rank : 2 * rank + 2])
+        want = linear_loop(0.5, x.double(), -1)[0][:, 2 * rank : 2 * rank + 2]
+        assert_matches(out, want, torch.float32)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """parascan.compat.accelerated_scan and parascan.compat.torch_parallel_scan: the
-originals' calls, checked against sequential loops (and against accelerated-scan's
-own reference where that package is installed)."""
+originals' calls, checked against the sequential loops of oracles.py (and against
+accelerated-scan's own reference where that package is installed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from parascan.compat import accelerated_scan, torch_parallel_scan
 
-from conftest import loop_oracle
+from oracles import fold_scan, linear_loop, matrix_loop
 
 
 @pytest.mark.parametrize("steps", [1, 7, 100, 4097])
@@ -17,7 +17,7 @@ def test_accelerated_scan_any_length(steps) -> None:
     g = torch.Generator().manual_seed(steps)
     gates = torch.rand(2, 3, steps, generator=g)
     tokens = torch.randn(2, 3, steps, generator=g)
-    expected, _ = loop_oracle(gates.double(), tokens.double(), -1)
+    expected, _ = linear_loop(gates.double(), tokens.double(), -1)
     torch.testing.assert_close(accelerated_scan.scan(gates, tokens), expected.float())
 
 
@@ -44,20 +44,12 @@ def test_accelerated_scan_errors() -> None:
         accelerated_scan.scan(x, x[..., :3])
 
 
-def cumulative_matmul(x: torch.Tensor, dim: int) -> torch.Tensor:
-    x = x.movedim(dim, 0)
-    out = [x[0]]
-    for m in x[1:]:
-        out.append(out[-1] @ m)
-    return torch.stack(out).movedim(0, dim)
-
-
 @pytest.mark.parametrize(
     ("shape", "dim"), [((100, 4, 4), -3), ((100, 4, 4), 0), ((2, 37, 3, 3), 1)]
 )
 def test_prefix_and_reduce_scan_of_matrices(shape, dim) -> None:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) / 2
-    expected = cumulative_matmul(x, dim)
+    expected = fold_scan(torch.matmul, x, dim)  # x[0], x[0] @ x[1], ...
     torch.testing.assert_close(torch_parallel_scan.prefix_scan(x, torch.matmul, dim=dim), expected)
     reduced = torch_parallel_scan.reduce_scan(x, torch.matmul, dim=dim)
     torch.testing.assert_close(reduced, expected.select(dim, -1))
@@ -88,11 +80,8 @@ def test_non_diagonal_recurrence_recipe() -> None:
     mod_x = torch.nn.functional.pad(x0, (0, 1), value=1) @ torch_parallel_scan.prefix_scan(
         mod_w, torch.matmul, dim=-3
     )
-    state, expected = x0, []
-    for t in range(n):
-        state = w[t] @ state + b[t]
-        expected.append(state)
-    torch.testing.assert_close(mod_x[:, :-1], torch.stack(expected))
+    expected, _ = matrix_loop(w, b, x0)
+    torch.testing.assert_close(mod_x[:, :-1], expected)
 
 
 def test_torch_parallel_scan_errors() -> None:

@@ -36,7 +36,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from parascan import _triton_scan as kernels
+from parascan.first_order import triton_kernels as kernels
 
 # (mode, pointer dtype, complex): what _run launches. The log modes take real inputs.
 LINEAR_MODES = (kernels.LINEAR, kernels.LINEAR_BWD)

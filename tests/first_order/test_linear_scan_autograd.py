@@ -8,74 +8,75 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 import parascan as ps
-from parascan.linear.ops import linear_scan_backward_op, linear_scan_op
+from parascan.first_order.ops import backward_op, forward_op
+from parascan.first_order.semiring import LINEAR
 
-from conftest import assert_matches, loop_oracle, random_gates, random_tokens
+from conftest import assert_matches, random_gates, random_tokens
+from oracles import linear_loop, log_loop
 
-BACKENDS = ps.backends("cpu")
 
-
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("layout", [((3, 7, 4), 1), ((4, 9), -1)])
-def test_gradcheck_and_gradgradcheck(backend, dtype, reverse, layout, gen) -> None:
+def test_gradcheck_and_gradgradcheck(target, dtype, reverse, layout, gen) -> None:
     shape, dim = layout
     state = shape[: dim % len(shape)] + shape[dim % len(shape) + 1 :]
-    inputs = (
-        random_gates(shape, dtype, gen).requires_grad_(),
-        random_tokens(shape, dtype, gen).requires_grad_(),
-        random_tokens(state, dtype, gen).requires_grad_(),
+    inputs = tuple(
+        t.to(target.device).requires_grad_()
+        for t in (
+            random_gates(shape, dtype, gen),
+            random_tokens(shape, dtype, gen),
+            random_tokens(state, dtype, gen),
+        )
     )
 
     def fn(a, b, h):
         return ps.linear_scan(
-            a, b, dim, initial=h, reverse=reverse, return_final=True, backend=backend
+            a, b, dim, initial=h, reverse=reverse, return_final=True, backend=target.backend
         )
 
     assert gradcheck(fn, inputs)
     assert gradgradcheck(fn, inputs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck_with_broadcast_inputs(backend, gen) -> None:
-    gates = random_gates((5, 1), torch.float64, gen).requires_grad_()
-    tokens = random_tokens((2, 5, 3), torch.float64, gen).requires_grad_()
-    initial = random_tokens((3,), torch.float64, gen).requires_grad_()
+def test_gradcheck_with_broadcast_inputs(target, gen) -> None:
+    gates = random_gates((5, 1), torch.float64, gen)
+    tokens = random_tokens((2, 5, 3), torch.float64, gen)
+    initial = random_tokens((3,), torch.float64, gen)
     assert gradcheck(
-        lambda a, b, h: ps.linear_scan(a, b, -2, initial=h, backend=backend),
-        (gates, tokens, initial),
+        lambda a, b, h: ps.linear_scan(a, b, -2, initial=h, backend=target.backend),
+        tuple(t.to(target.device).requires_grad_() for t in (gates, tokens, initial)),
     )
 
 
-def _op_samples(gen: torch.Generator):
-    for backend in BACKENDS:
-        for dtype in [torch.float32, torch.float64, torch.complex64, torch.bfloat16]:
-            for shape, dim in [((2, 5, 3), -2), ((4, 6), -1), ((3, 0, 2), -2)]:
-                a, b = random_gates(shape, dtype, gen), random_tokens(shape, dtype, gen)
-                state = shape[:dim] + shape[dim + 1 :] if dim != -1 else shape[:-1]
-                h = random_tokens(state, dtype, gen)
-                for initial in (None, h):
-                    for reverse in (False, True):
-                        yield backend, (a, b, initial, dim, reverse, backend)
+def _op_samples(backend: str, device: str, gen: torch.Generator):
+    for dtype in [torch.float32, torch.float64, torch.complex64, torch.bfloat16]:
+        for shape, dim in [((2, 5, 3), -2), ((4, 6), -1), ((3, 0, 2), -2)]:
+            a = random_gates(shape, dtype, gen).to(device)
+            b = random_tokens(shape, dtype, gen).to(device)
+            state = shape[:dim] + shape[dim + 1 :] if dim != -1 else shape[:-1]
+            h = random_tokens(state, dtype, gen).to(device)
+            for initial in (None, h):
+                for reverse in (False, True):
+                    yield (a, b, initial, dim, reverse, backend)
 
 
-def test_opcheck_raw_ops(gen) -> None:
-    for backend, args in _op_samples(gen):
-        torch.library.opcheck(linear_scan_op, args)
-        a, _, initial, dim, reverse, _ = args
-        out = linear_scan_op(*args)
-        grad_out = torch.randn(out.shape, generator=gen).to(out.dtype)
+def test_opcheck_raw_ops(target, gen) -> None:
+    for args in _op_samples(target.backend, target.device, gen):
+        torch.library.opcheck(forward_op(LINEAR), args)
+        a, _, initial, dim, reverse, backend = args
+        out = forward_op(LINEAR)(*args)
+        grad_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
         torch.library.opcheck(
-            linear_scan_backward_op, (a, out, grad_out, initial, dim, reverse, backend)
+            backward_op(LINEAR), (a, None, out, grad_out, initial, dim, reverse, backend)
         )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_vmap_matches_batched_call(backend, gen) -> None:
-    gates = random_gates((6, 4, 30), torch.float32, gen)
-    tokens = random_tokens((6, 4, 30), torch.float32, gen)
-    initial = random_tokens((6, 4), torch.float32, gen)
+def test_vmap_matches_batched_call(target, gen) -> None:
+    backend = target.backend
+    gates = random_gates((6, 4, 30), torch.float32, gen).to(target.device)
+    tokens = random_tokens((6, 4, 30), torch.float32, gen).to(target.device)
+    initial = random_tokens((6, 4), torch.float32, gen).to(target.device)
 
     def one(a, b, h):
         return ps.linear_scan(a, b, -1, initial=h, return_final=True, backend=backend)
@@ -92,8 +93,7 @@ def test_vmap_matches_batched_call(backend, gen) -> None:
     torch.testing.assert_close(out, ps.linear_scan(shared, tokens, -1, backend=backend))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_per_sample_gradients(backend, gen) -> None:
+def test_per_sample_gradients(target, gen) -> None:
     """torch.func.vmap(torch.func.grad(loss)) against one oracle gradient per sample."""
     n, steps, channels = 5, 23, 3
     gates = random_gates((steps, channels), torch.float64, gen)  # shared parameters
@@ -101,32 +101,33 @@ def test_per_sample_gradients(backend, gen) -> None:
     targets = random_tokens((n, steps, channels), torch.float64, gen)
 
     def loss(a, b, y):
-        return ((ps.linear_scan(a, b, 0, backend=backend) - y) ** 2).sum()
+        return ((ps.linear_scan(a, b, 0, backend=target.backend) - y) ** 2).sum()
 
     per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(None, 0, 0))(
-        gates, tokens, targets
+        *(t.to(target.device) for t in (gates, tokens, targets))
     )
     for i in range(n):
         a = gates.clone().requires_grad_()
         b = tokens[i].clone().requires_grad_()
-        ref = ((loop_oracle(a, b, 0)[0] - targets[i]) ** 2).sum()
+        ref = ((linear_loop(a, b, 0)[0] - targets[i]) ** 2).sum()
         ga, gb = torch.autograd.grad(ref, (a, b))
         assert_matches(per_sample[0][i], ga, torch.float64)
         assert_matches(per_sample[1][i], gb, torch.float64)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_jacrev_and_jvp(backend, gen) -> None:
+def test_jacrev_and_jvp(target, gen) -> None:
+    backend, device = target.backend, target.device
     gates = random_gates((7,), torch.float64, gen)
     tokens = random_tokens((7,), torch.float64, gen)
-    jac = torch.func.jacrev(lambda b: ps.linear_scan(gates, b, 0, backend=backend))(tokens)
-    want = torch.func.jacrev(lambda b: loop_oracle(gates, b, 0)[0])(tokens)
+    a, b = gates.to(device), tokens.to(device)
+    jac = torch.func.jacrev(lambda x: ps.linear_scan(a, x, 0, backend=backend))(b)
+    want = torch.func.jacrev(lambda x: linear_loop(gates, x, 0)[0])(tokens)
     assert_matches(jac, want, torch.float64)
     tangent = random_tokens((7,), torch.float64, gen)
     _, jvp = torch.func.jvp(
-        lambda a: ps.linear_scan(a, tokens, 0, backend=backend), (gates,), (tangent,)
+        lambda x: ps.linear_scan(x, b, 0, backend=backend), (a,), (tangent.to(device),)
     )
-    _, want_jvp = torch.func.jvp(lambda a: loop_oracle(a, tokens, 0)[0], (gates,), (tangent,))
+    _, want_jvp = torch.func.jvp(lambda x: linear_loop(x, tokens, 0)[0], (gates,), (tangent,))
     assert jvp.abs().max() > 0
     assert_matches(jvp, want_jvp, torch.float64)
 
@@ -145,13 +146,11 @@ def test_dual_tensors_keep_their_tangents(op, dtype, gen) -> None:
     dg, dt = random_tokens(shape, dtype, gen), random_tokens(shape, dtype, gen)
     if op == "linear":
         scan = ps.linear_scan
-        oracle = lambda a, b: loop_oracle(a, b, 1)[0]  # noqa: E731
+        oracle = lambda a, b: linear_loop(a, b, 1)[0]  # noqa: E731
     else:
-        from conftest import log_loop_oracle
-
         gates = gates.abs().log()
         scan = ps.log_linear_scan
-        oracle = lambda a, b: log_loop_oracle(a, b, 1)[0]  # noqa: E731
+        oracle = lambda a, b: log_loop(a, b, 1)[0]  # noqa: E731
     with fwad.dual_level():
         got = fwad.unpack_dual(scan(fwad.make_dual(gates, dg), fwad.make_dual(tokens, dt), 1))
         want = fwad.unpack_dual(
@@ -165,16 +164,20 @@ def test_dual_tensors_keep_their_tangents(op, dtype, gen) -> None:
     assert_matches(got.tangent, want.tangent, dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compile_fullgraph_forward_and_backward(backend, gen) -> None:
+def test_compile_fullgraph_forward_and_backward(target, gen) -> None:
     torch._dynamo.reset()
-    gates = random_gates((3, 40, 8), torch.float32, gen).requires_grad_()
-    tokens = random_tokens((3, 40, 8), torch.float32, gen).requires_grad_()
-    initial = random_tokens((3, 8), torch.float32, gen).requires_grad_()
+    gates, tokens, initial = (
+        t.to(target.device).requires_grad_()
+        for t in (
+            random_gates((3, 40, 8), torch.float32, gen),
+            random_tokens((3, 40, 8), torch.float32, gen),
+            random_tokens((3, 8), torch.float32, gen),
+        )
+    )
 
     def step(a, b, h):
         out, final = ps.linear_scan(
-            a.sigmoid(), b, 1, initial=h, return_final=True, backend=backend
+            a.sigmoid(), b, 1, initial=h, return_final=True, backend=target.backend
         )
         return out.square().mean() + final.sum()
 
@@ -195,36 +198,39 @@ def test_compile_python_number_gate_and_reverse(gen) -> None:
     torch.testing.assert_close(fn(tokens), ps.linear_scan(0.9, tokens, -1, reverse=True))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compile_complex_conjugate_views(backend, gen) -> None:
+def test_compile_complex_conjugate_views(target, gen) -> None:
     """Lazy conj views reach the kernels resolved, in eager mode and compiled."""
     torch._dynamo.reset()
-    gates = random_gates((2, 30, 3), torch.complex64, gen).requires_grad_()
-    tokens = random_tokens((2, 30, 3), torch.complex64, gen).requires_grad_()
+    gates = random_gates((2, 30, 3), torch.complex64, gen).to(target.device).requires_grad_()
+    tokens = random_tokens((2, 30, 3), torch.complex64, gen).to(target.device).requires_grad_()
 
     def step(a, b):
-        return ps.linear_scan(a.conj(), b, 1, backend=backend).abs().sum()
+        return ps.linear_scan(a.conj(), b, 1, backend=target.backend).abs().sum()
 
     loss = torch.compile(step, fullgraph=True)(gates, tokens)
     grads = torch.autograd.grad(loss, (gates, tokens))
-    a = gates.detach().to(torch.complex128).requires_grad_()
-    b = tokens.detach().to(torch.complex128).requires_grad_()
-    want_loss = loop_oracle(a.conj(), b, 1)[0].abs().sum()
+    a = gates.detach().cpu().to(torch.complex128).requires_grad_()
+    b = tokens.detach().cpu().to(torch.complex128).requires_grad_()
+    want_loss = linear_loop(a.conj(), b, 1)[0].abs().sum()
     want = torch.autograd.grad(want_loss, (a, b))
     assert_matches(loss, want_loss, torch.complex64)
     for g, w in zip(grads, want, strict=True):
         assert_matches(g, w, torch.complex64)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_inputs_are_never_modified(backend, gen) -> None:
+def test_inputs_are_never_modified(target, gen) -> None:
     for dtype in [torch.float32, torch.complex64, torch.float16]:
-        gates = random_gates((3, 20, 4), dtype, gen).requires_grad_()
-        tokens = random_tokens((3, 20, 4), dtype, gen).requires_grad_()
-        initial = random_tokens((3, 4), dtype, gen).requires_grad_()
+        gates, tokens, initial = (
+            t.to(target.device).requires_grad_()
+            for t in (
+                random_gates((3, 20, 4), dtype, gen),
+                random_tokens((3, 20, 4), dtype, gen),
+                random_tokens((3, 4), dtype, gen),
+            )
+        )
         before = [t.detach().clone() for t in (gates, tokens, initial)]
         out, final = ps.linear_scan(
-            gates, tokens, 1, initial=initial, return_final=True, backend=backend
+            gates, tokens, 1, initial=initial, return_final=True, backend=target.backend
         )
         grad_out = torch.ones_like(out)
         torch.autograd.backward((out, final), (grad_out, torch.ones_like(final)))
@@ -235,19 +241,20 @@ def test_inputs_are_never_modified(backend, gen) -> None:
 
 def test_fused_backward_equals_reverse_scan_identity(gen) -> None:
     """The cpu backend's fused backward against backward_via_scan on the loop."""
-    from parascan.linear import cpu, reference
-    from parascan.linear.ops import backward_via_scan
+    from parascan.first_order import cpu
+    from parascan.first_order.ops import backward_via_scan
+    from parascan.first_order.reference import linear_loop
 
-    if "cpu" not in BACKENDS:
+    if "cpu" not in ps.backends("cpu"):
         pytest.skip("the cpu backend is not built")
     for dtype in [torch.float64, torch.complex128]:
         for reverse in (False, True):
             a = random_gates((3, 31, 5), dtype, gen)
             b = random_tokens((3, 31, 5), dtype, gen)
             h = random_tokens((3, 5), dtype, gen)
-            out = reference.forward(a, b, h, -2, reverse)
+            out = linear_loop(a, b, h, -2, reverse)
             g = random_tokens((3, 31, 5), dtype, gen)
-            fused = cpu.backward(a, out, g, h, -2, reverse)
-            composed = backward_via_scan(reference.forward, a, out, g, h, -2, reverse)
+            fused = cpu.backward(LINEAR, a, None, out, g, h, -2, reverse)
+            composed = backward_via_scan(linear_loop, a, out, g, h, -2, reverse)
             for x, y in zip(fused, composed, strict=True):
                 torch.testing.assert_close(x, y)

@@ -1,5 +1,6 @@
 """parascan.compat.heinsen_sequence against the paper's README semantics, checked
-with a float64 loop of x_t = a_t x_{t-1} + b_t (x_0 included in the result)."""
+with the float64 loop of x_t = a_t x_{t-1} + b_t, x_0 included in the result
+(oracles.heinsen_loop)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,7 @@ import torch
 from parascan.compat.heinsen_sequence import compute_in_parallel, compute_in_parallel_special_case
 
 from conftest import assert_matches
-
-
-def _loop(coeffs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    x = [values[..., 0]]
-    for t in range(coeffs.shape[-1]):
-        x.append(coeffs[..., t] * x[-1] + values[..., t + 1])
-    return torch.stack(x, -1)
+from oracles import heinsen_loop as _loop
 
 
 def test_general_case_with_negative_inputs(gen) -> None:

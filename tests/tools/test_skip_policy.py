@@ -8,7 +8,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-HERE = Path(__file__).parent
+TESTS = Path(__file__).resolve().parent.parent  # where skip_policy.py is
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ HERE = Path(__file__).parent
     ],
 )
 def test_only_missing_optional_packages_may_skip(pytester, monkeypatch, body, code) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
     pytester.makepyfile(f"import pytest\n\n\n{body}\n")
     result = pytester.runpytest_subprocess("-p", "skip_policy", "-p", "no:cacheprovider")
     assert result.ret == code, result.stdout.str()

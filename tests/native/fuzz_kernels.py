@@ -1,7 +1,7 @@
 """Differential fuzzer of the C kernels against the float64 loops, time-boxed.
 
-    python tests/fuzz_kernels.py --seconds 60              # a new random seed, printed
-    python tests/fuzz_kernels.py --seed 123 --case 45      # one case again, alone
+    python tests/native/fuzz_kernels.py --seconds 60          # a new random seed, printed
+    python tests/native/fuzz_kernels.py --seed 123 --case 45  # one case again, alone
 
 Every case goes through the public functions, so each C entry point is reached the
 way users reach it (linear_scan and log_linear_scan forward and fused backward in
@@ -9,8 +9,8 @@ every dtype, matrix_linear_scan, the matrix-product kernel of associative_reduce
 with what torch can hand over: negative dims, lazy negative and conjugate views,
 stride-0 (broadcast), sliced and transposed inputs, reverse, initial states, 1 to 4
 threads, and lengths on and around every block and chunk constant the kernels were
-built with (read from the library, parascan._ckernels.kernel_constants). Outputs,
-final states and gradients are compared with the float64 loops of conftest.py.
+built with (read from the library, parascan._native.bindings.kernel_constants). Outputs,
+final states and gradients are compared with the float64 loops of tests/oracles.py.
 
 Case ``i`` of seed ``s`` draws from ``random.Random(f"{s}-{i}")`` only, so a failure
 reproduces alone with ``--seed s --case i``. The process exits 1 on any mismatch;
@@ -21,7 +21,6 @@ or undefined behaviour aborts it.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import random
@@ -31,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
 import torch
 
@@ -39,7 +38,8 @@ import parascan as ps
 from parascan._native import kernel_library_path
 from parascan._native.bindings import kernel_constants
 
-from conftest import DTYPES, assert_matches, log_loop_oracle, loop_oracle
+from conftest import DTYPES, assert_matches
+from oracles import linear_loop, log_loop, matmul_fold, matrix_loop
 
 FIRST_ORDER_DTYPES = DTYPES  # every dtype of the first-order scans
 MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
@@ -168,9 +168,9 @@ def _with_threads(n: int, fn: Callable[[], None]) -> None:
 def _oracle(log: bool, a, b, h, dim, reverse):  # type: ignore[no-untyped-def]
     if not log:
         wide = torch.complex128 if a.is_complex() else torch.float64
-        return loop_oracle(a.to(wide), b.to(wide), dim, None if h is None else h.to(wide), reverse)
+        return linear_loop(a.to(wide), b.to(wide), dim, None if h is None else h.to(wide), reverse)
     if a.is_complex():  # compare exp(h): the complex log's branch is not unique
-        x, final = loop_oracle(
+        x, final = linear_loop(
             a.cdouble().exp(),
             b.cdouble().exp(),
             dim,
@@ -178,7 +178,7 @@ def _oracle(log: bool, a, b, h, dim, reverse):  # type: ignore[no-untyped-def]
             reverse,
         )
         return x, final
-    return log_loop_oracle(a.double(), b.double(), dim, None if h is None else h.double(), reverse)
+    return log_loop(a.double(), b.double(), dim, None if h is None else h.double(), reverse)
 
 
 def _check_first_order(log, a, b, h, dim, reverse, grads, dtype) -> None:  # type: ignore[no-untyped-def]
@@ -260,15 +260,9 @@ def _matrix_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
 
     def check() -> None:
         got, final = ps.matrix_linear_scan(wv, bv, initial=hv, reverse=reverse, return_final=True)
-        x = torch.zeros((*batch, d), dtype=torch.float64) if h is None else h.clone()
-        x = x.expand(*batch, d) + 0
         w64, b64 = w.to(dtype).double(), b.to(dtype).double()
-        if h is not None:
-            x = h.to(dtype).double().expand(*batch, d) + 0
-        out = torch.zeros((*batch, steps, d), dtype=torch.float64)
-        for t in reversed(range(steps)) if reverse else range(steps):
-            x = (w64[..., t, :, :] @ x.unsqueeze(-1)).squeeze(-1) + b64[..., t, :]
-            out[..., t, :] = x
+        h64 = None if h is None else h.to(dtype).double()
+        out, x = matrix_loop(w64, b64, h64, reverse)
         assert_matches(got, out, dtype)
         assert_matches(final, x, dtype)
 
@@ -322,7 +316,7 @@ def _product_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
 
     def check() -> None:
         got = ps.associative_reduce(torch.matmul, xv, dim)
-        want = functools.reduce(torch.matmul, x.double().movedim(time_dim, 0).unbind(0))
+        want = matmul_fold(x, time_dim)
         tol = 5e-5 if dtype == torch.float32 else 1e-12
         torch.testing.assert_close(got.double(), want, rtol=0, atol=tol * max(1.0, n / 50))
 
@@ -339,7 +333,7 @@ def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python tests/fuzz_kernels.py")
+    parser = argparse.ArgumentParser(prog="python tests/native/fuzz_kernels.py")
     parser.add_argument("--seconds", type=float, default=60.0, help="time box (default 60)")
     parser.add_argument("--seed", type=int, help="default: a new random one, printed")
     parser.add_argument("--case", type=int, help="run this one case of --seed only")

@@ -1,9 +1,7 @@
-"""associative_scan and associative_reduce against sequential folds written here.
-
-Every combine function of the issue: add, max, logaddexp, matmul over operand dims,
-affine pairs (W, b), quaternion products, the first-order pair; forward and reverse,
-pytrees, odd and prime lengths, T = 0 and 1, gradients, vmap, compile, errors.
-"""
+"""associative_scan and associative_reduce beyond the harness (test_generic_against_fold.py):
+reverse against flip . scan . flip for non-commutative combines, a long chunked scan,
+copies, integers, gradcheck, vmap, compile, errors and the algebra (hypothesis),
+against the sequential folds of oracles.py."""
 
 from __future__ import annotations
 
@@ -17,65 +15,8 @@ from torch.utils import _pytree as pytree
 
 import parascan as ps
 
-LENGTHS = [0, 1, 2, 3, 5, 16, 17, 63, 64, 65, 97, 257]
-
-
-def fold_scan(f, elems, dim, reverse=False):
-    """out[t] = f(out[t-1], e[t]) (or f(out[t+1], e[t]) reversed), one step at a time."""
-    leaves, spec = pytree.tree_flatten(elems)
-    n = leaves[0].shape[dim]
-    steps = range(n - 1, -1, -1) if reverse else range(n)
-    out = [None] * n
-    acc = None
-    for t in steps:
-        e = pytree.tree_map(lambda x, t=t: x.narrow(dim, t, 1), elems)
-        acc = e if acc is None else f(acc, e)
-        out[t] = pytree.tree_leaves(acc)
-    if n == 0:
-        return elems
-    return pytree.tree_unflatten([torch.cat(xs, dim) for xs in zip(*out, strict=True)], spec)
-
-
-def fold(f, elems, dim):
-    leaves, spec = pytree.tree_flatten(elems)
-    acc = pytree.tree_map(lambda x: x.narrow(dim, 0, 1), elems)
-    for t in range(1, leaves[0].shape[dim]):
-        acc = f(acc, pytree.tree_map(lambda x, t=t: x.narrow(dim, t, 1), elems))
-    return pytree.tree_unflatten([x.squeeze(dim) for x in pytree.tree_leaves(acc)], spec)
-
-
-# --- combine functions (all associative) -------------------------------------------
-
-
-def first_order(x, y):
-    """(a, b) pairs of x[t] = a[t] x[t-1] + b[t]."""
-    return x[0] * y[0], y[0] * x[1] + y[1]
-
-
-def affine(x, y):
-    """(W, b) pairs of x[t] = W[t] x[t-1] + b[t]: apply x, then y."""
-    (w1, b1), (w2, b2) = x, y
-    return w2 @ w1, (w2 @ b1.unsqueeze(-1)).squeeze(-1) + b2
-
-
-def quaternion(p, q):
-    """Hamilton product over the last dim (w, x, y, z): associative, not commutative."""
-    a1, b1, c1, d1 = p.unbind(-1)
-    a2, b2, c2, d2 = q.unbind(-1)
-    return torch.stack(
-        [
-            a1 * a2 - b1 * b2 - c1 * c2 - d1 * d2,
-            a1 * b2 + b1 * a2 + c1 * d2 - d1 * c2,
-            a1 * c2 - b1 * d2 + c1 * a2 + d1 * b2,
-            a1 * d2 + b1 * c2 - c1 * b2 + d1 * a2,
-        ],
-        -1,
-    )
-
-
-def first_order_dict(x, y):
-    a, b = first_order((x["gate"], x["state"][0]), (y["gate"], y["state"][0]))
-    return {"gate": a, "state": [b]}
+from harness import COMBINES, first_order
+from oracles import fold, fold_scan
 
 
 def _g(seed):
@@ -83,50 +24,14 @@ def _g(seed):
 
 
 def case(name, n, seed=0):
-    """(combine, elems, dim) for a named combine at length n, float64."""
+    """(combine, elems, dim) for a combine of harness.COMBINES at length n, float64."""
+    combine = COMBINES[name]
     g = _g(seed)
-    f64 = torch.float64
-    if name == "add":
-        return torch.add, torch.randn(3, n, 2, generator=g, dtype=f64), 1
-    if name == "max":
-        return torch.maximum, torch.randn(4, n, generator=g, dtype=f64), -1
-    if name == "logaddexp":
-        return torch.logaddexp, torch.randn(n, 300, generator=g, dtype=f64), 0
-    if name == "matmul":
-        return torch.matmul, torch.randn(n, 5, 5, generator=g, dtype=f64) / 2.2, 0
-    if name == "matmul_batched":
-        return torch.matmul, torch.randn(2, n, 9, 9, generator=g, dtype=f64) / 3, 1
-    if name == "affine":
-        w = torch.randn(2, n, 4, 4, generator=g, dtype=f64) / 2
-        return affine, (w, torch.randn(2, n, 4, generator=g, dtype=f64)), 1
-    if name == "quaternion":
-        q = torch.randn(n, 4, generator=g, dtype=f64)
-        return quaternion, q / q.norm(dim=-1, keepdim=True), 0
-    if name == "first_order":
-        a = torch.rand(3, 2, n, generator=g, dtype=f64) * 1.8 - 0.9
-        return first_order, (a, torch.randn(3, 2, n, generator=g, dtype=f64)), -1
-    if name == "first_order_time_major":
-        a = torch.rand(n, 3, 100, generator=g, dtype=f64) * 1.8 - 0.9
-        return first_order, [a, torch.randn(n, 3, 100, generator=g, dtype=f64)], 0
-    if name == "pytree_dict":
-        a = torch.rand(2, n, generator=g, dtype=f64)
-        b = torch.randn(2, n, generator=g, dtype=f64)
-        return first_order_dict, {"gate": a, "state": [b]}, 1
-    raise AssertionError(name)
-
-
-COMBINES = [
-    "add",
-    "max",
-    "logaddexp",
-    "matmul",
-    "matmul_batched",
-    "affine",
-    "quaternion",
-    "first_order",
-    "first_order_time_major",
-    "pytree_dict",
-]
+    inputs = {
+        k: combine.draw(k, tuple(n if s == "T" else s for s in shape), g)
+        for k, shape in combine.shapes.items()
+    }
+    return combine.fn, combine.tree(inputs), combine.dim
 
 
 def assert_tree_close(actual, expected):
@@ -134,24 +39,6 @@ def assert_tree_close(actual, expected):
     for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected), strict=True):
         assert a.shape == e.shape
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize("name", COMBINES)
-def test_scan_matches_sequential_fold(name, n, reverse) -> None:
-    f, elems, dim = case(name, n)
-    before = pytree.tree_map(torch.clone, elems)
-    out = ps.associative_scan(f, elems, dim, reverse=reverse)
-    assert_tree_close(out, fold_scan(f, elems, dim, reverse))
-    assert_tree_close(elems, before)  # inputs untouched
-
-
-@pytest.mark.parametrize("n", [n for n in LENGTHS if n > 0])
-@pytest.mark.parametrize("name", COMBINES)
-def test_reduce_matches_sequential_fold(name, n) -> None:
-    f, elems, dim = case(name, n)
-    assert_tree_close(ps.associative_reduce(f, elems, dim), fold(f, elems, dim))
 
 
 @pytest.mark.parametrize("name", ["matmul", "quaternion", "affine"])
@@ -189,24 +76,6 @@ def test_integer_elements() -> None:
 
 
 # --- autograd, vmap, compile -------------------------------------------------------
-
-
-@pytest.mark.parametrize("n", [1, 2, 17, 65])
-@pytest.mark.parametrize("name", ["first_order", "first_order_time_major", "matmul", "affine"])
-def test_gradients_match_the_fold(name, n) -> None:
-    f, elems, dim = case(name, n, seed=7)
-    leaves, spec = pytree.tree_flatten(elems)
-    weights = [torch.randn(x.shape, generator=_g(11), dtype=x.dtype) for x in leaves]
-
-    def loss(scan, *xs):
-        out = pytree.tree_leaves(scan(f, pytree.tree_unflatten(list(xs), spec), dim))
-        return sum((o * w).sum() for o, w in zip(out, weights, strict=True))
-
-    inputs = [x.clone().requires_grad_() for x in leaves]
-    got = torch.autograd.grad(loss(ps.associative_scan, *inputs), inputs)
-    want = torch.autograd.grad(loss(fold_scan, *inputs), inputs)
-    for a, e in zip(got, want, strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
 
 
 def test_gradcheck_reduce_and_reverse_scan() -> None:

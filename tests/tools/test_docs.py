@@ -9,17 +9,17 @@ import pytest
 import parascan._backends
 import parascan.compat.accelerated_scan
 import parascan.compat.torch_parallel_scan
+import parascan.first_order.linear_scan
+import parascan.first_order.log_linear_scan
 import parascan.generic.api
-import parascan.linear.api
-import parascan.logspace.api
 import parascan.matrix.api
 
 
 @pytest.mark.parametrize(
     "module",
     [
-        parascan.linear.api,
-        parascan.logspace.api,
+        parascan.first_order.linear_scan,
+        parascan.first_order.log_linear_scan,
         parascan.generic.api,
         parascan.matrix.api,
         parascan.compat.accelerated_scan,

@@ -1,10 +1,9 @@
 """The CPU matrix-product kernel behind associative_reduce(torch.matmul, ...), against
-a float64 left fold of torch.matmul written here: sizes around the tile widths,
-segment counts, layouts, thread counts, infinities, and when it is not used."""
+the float64 left fold of torch.matmul (oracles.matmul_fold): sizes around the tile
+widths, segment counts around the kernel's constants, layouts, thread counts,
+infinities, and when it is not used."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
@@ -13,7 +12,13 @@ import parascan as ps
 from parascan.generic import matmul
 from parascan.generic.matmul import matrix_product_fast_path
 
+from harness import constants
+from oracles import matmul_fold as fold64
+
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+# The kernel's work split (kernel_constants()): a batch of at least ITEMS sequences
+# is shared by sequence; a smaller one is cut into segments of at least SEGMENT.
+ITEMS, SEGMENT = constants()["PRODUCT_ITEMS"], constants()["PRODUCT_MIN_SEGMENT"]
 
 
 def well_conditioned(*shape, dtype, seed):
@@ -32,12 +37,6 @@ def block_products(request, monkeypatch):
     monkeypatch.setattr(matmul, "_SIMD", request.param)
 
 
-def fold64(x, dim):
-    """x[0] @ x[1] @ ... along dim, one product at a time, in float64."""
-    x = x.double().movedim(dim, 0)
-    return functools.reduce(torch.matmul, x.unbind(0))
-
-
 def assert_product(got, x, dim):
     want = fold64(x, dim)
     assert got is not None and got.dtype == x.dtype and got.shape == want.shape
@@ -45,22 +44,22 @@ def assert_product(got, x, dim):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("n", [2, 3, 8, 9, 17, 100])
+@pytest.mark.parametrize("n", [2, 3, SEGMENT, SEGMENT + 1, 2 * SEGMENT + 1, 100])
 @pytest.mark.parametrize("d", [1, 3, 4, 5, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kernel_matches_the_fold(block_products, dtype, d, n) -> None:
     # d around the tile widths (4 rows; 8 float32 or 4 float64 columns, two vectors
-    # wide) and n around the segment lengths (one batch element: up to 16 segments).
+    # wide) and n around the segment length (one batch element: up to ITEMS segments).
     x = well_conditioned(n, d, d, dtype=dtype, seed=d * 1000 + n)
     before = x.clone()
     assert_product(matrix_product_fast_path(torch.matmul, x, 0), x, 0)
     assert torch.equal(x, before)  # the input is untouched
 
 
-@pytest.mark.parametrize("batch", [2, 5, 15, 16, 40])
+@pytest.mark.parametrize("batch", [2, 5, ITEMS - 1, ITEMS, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_batches_with_and_without_segments(block_products, dtype, batch) -> None:
-    # Fewer than 16 sequences are cut into segments; 16 or more are not.
+    # Fewer than ITEMS sequences are cut into segments; ITEMS or more are not.
     x = well_conditioned(batch, 37, 12, 12, dtype=dtype, seed=batch)
     assert_product(matrix_product_fast_path(torch.matmul, x, 1), x, 1)
 
@@ -107,9 +106,9 @@ def test_infinities_stay_where_the_fold_puts_them(block_products, d) -> None:
     # Row-stochastic matrices keep the product finite; an infinity in row 0 of the
     # first one makes row 0 of the result +inf and nothing else. The padding of a
     # block (d = 5: 3 columns) holds inf * 0 = NaN beside such a row, and must never
-    # be read back into it. 40 matrices: 5 segments, so the segment products are
-    # multiplied too.
-    x = torch.rand(40, d, d, generator=torch.Generator().manual_seed(d)) + 0.1
+    # be read back into it. 5 segments' worth of matrices, so the segment products
+    # are multiplied too.
+    x = torch.rand(5 * SEGMENT, d, d, generator=torch.Generator().manual_seed(d)) + 0.1
     x /= x.sum(-1, keepdim=True)
     x[0, 0, 0] = float("inf")
     got = matrix_product_fast_path(torch.matmul, x, 0)

@@ -14,10 +14,11 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import DTYPES, assert_matches
 
 import parascan as ps
 from parascan import _backends
+
+from conftest import DTYPES, assert_matches
 
 ALL = frozenset(DTYPES)
 REAL = frozenset(d for d in DTYPES if not d.is_complex)

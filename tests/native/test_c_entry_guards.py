@@ -1,0 +1,48 @@
+"""The guard in front of every C entry (parascan._native.bindings.check_operands): the public
+functions validate first, so these hand the backends' own entry points what no public
+call can; each must raise, never read or write out of bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+
+def _guarded_calls() -> dict[str, Callable[[], Any]]:
+    from parascan.first_order import cpu
+    from parascan.first_order.semiring import LINEAR, LOG
+    from parascan.matrix import cpu as matrix_cpu
+
+    a, b = torch.rand(4, 9, 5), torch.rand(4, 9, 5)
+    neg = torch.complex(torch.zeros_like(a), -a).conj().imag  # a lazy negative view
+    w, bias = torch.rand(2, 6, 3, 3), torch.rand(2, 6, 3)
+    return {
+        "linear fwd: gates shorter": lambda: cpu.forward(LINEAR, a[:, :4], b, None, 1, False),
+        "linear fwd: gates of another dtype": lambda: cpu.forward(
+            LINEAR, a.half(), b, None, 1, False
+        ),
+        "linear fwd: initial too small": lambda: cpu.forward(LINEAR, a, b, a[:2, 0], 1, False),
+        "linear fwd: negative view": lambda: cpu.forward(LINEAR, neg, b, None, 1, False),
+        "linear fwd: dim out of range": lambda: cpu.forward(LINEAR, a, b, None, 3, False),
+        "linear fwd: meta tokens": lambda: cpu.forward(LINEAR, a, b.to("meta"), None, 1, False),
+        "linear bwd: grad shorter": lambda: cpu.backward(
+            LINEAR, a, None, b, b[:, :3], None, 1, False
+        ),
+        "log fwd: tokens longer": lambda: cpu.forward(LOG, a, torch.rand(4, 10, 5), None, 1, False),
+        "log bwd: conj view": lambda: cpu.backward(
+            LOG, a.cdouble(), a.cdouble(), a.cdouble().conj(), a.cdouble(), None, 1, False
+        ),
+        "matrix: biases of another length": lambda: matrix_cpu.forward(w, bias[:, :5], None, False),
+        "matrix: weights of another dtype": lambda: matrix_cpu.forward(
+            w.double(), bias, None, False
+        ),
+    }
+
+
+@pytest.mark.parametrize("what", list(_guarded_calls()))
+def test_every_c_entry_checks_what_it_is_handed(what: str) -> None:
+    with pytest.raises(RuntimeError, match=r"^parascan: internal error: the .* CPU kernel"):
+        _guarded_calls()[what]()

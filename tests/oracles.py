@@ -1,0 +1,202 @@
+"""The suite's oracles: every sequential loop the tests compare parascan against.
+
+Each one walks the recurrence (or fold) one step at a time, the way its definition
+reads, and is written here independently of parascan: nothing in this file calls
+parascan. Call them with float64 / complex128 tensors (``oracle_dtype`` in
+conftest.py): they compute in the dtype they are given. The torch-tensor loops are
+differentiable by ordinary autograd, so they are the gradient oracles too (and,
+through ``torch.func``, the oracles of vmap, jacrev and jvp). The ``python_*`` loops
+run on Python numbers, fast enough for sequences of 10^5 steps.
+"""
+
+from __future__ import annotations
+
+import cmath
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "fold",
+    "fold_scan",
+    "heinsen_loop",
+    "linear_loop",
+    "log_loop",
+    "matmul_fold",
+    "matrix_loop",
+    "python_linear_loop",
+    "python_log_loop",
+]
+
+
+# --- first-order recurrences ---------------------------------------------------------
+
+
+def linear_loop(
+    gates: torch.Tensor | complex,
+    tokens: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | complex | None = None,
+    reverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[t] = gates[t] * x[t-1] + tokens[t] along ``dim``, x[-1] = initial (0 by
+    default); reversed, x[t] = gates[t] * x[t+1] + tokens[t]. Inputs broadcast.
+    Returns (x, final): final is the last state computed (the initial state when T is 0)."""
+    if not isinstance(gates, torch.Tensor):
+        gates = torch.tensor(gates, dtype=tokens.dtype, device=tokens.device)
+    a, b = torch.broadcast_tensors(gates, tokens)
+    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
+    steps = b.shape[0]
+    zero = torch.zeros_like(b.sum(0))  # the state's shape and the result dtype
+    state = zero if initial is None else zero + initial
+    out: list[torch.Tensor] = [state] * steps
+    a_t, b_t = a.unbind(0), b.unbind(0)  # one backward node each, not T (see _steps)
+    for t in reversed(range(steps)) if reverse else range(steps):
+        state = a_t[t] * state + b_t[t]
+        out[t] = state
+    x = torch.stack(out).movedim(0, dim) if steps else (a * b).movedim(0, dim)
+    return x, state
+
+
+def log_loop(
+    log_gates: torch.Tensor | float,
+    log_tokens: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | float | None = None,
+    reverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t]) along ``dim``,
+    h[-1] = initial (-inf, log 0, by default), with torch.logaddexp (real inputs).
+    Returns (h, final). Its gradients are NaN where a step adds -inf to -inf: there,
+    compare exp(h) with ``linear_loop`` of the exponentials instead."""
+    if not isinstance(log_gates, torch.Tensor):
+        log_gates = torch.tensor(log_gates, dtype=log_tokens.dtype, device=log_tokens.device)
+    a, b = torch.broadcast_tensors(log_gates, log_tokens)
+    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
+    steps = b.shape[0]
+    empty = torch.full_like(b.sum(0), -math.inf)
+    state = empty if initial is None else torch.zeros_like(empty) + initial
+    out: list[torch.Tensor] = [state] * steps
+    a_t, b_t = a.unbind(0), b.unbind(0)
+    for t in reversed(range(steps)) if reverse else range(steps):
+        state = torch.logaddexp(a_t[t] + state, b_t[t])
+        out[t] = state
+    h = torch.stack(out).movedim(0, dim) if steps else (a + b).movedim(0, dim)
+    return h, state
+
+
+def python_linear_loop(
+    gates: Sequence[complex], tokens: Sequence[complex], initial: complex, reverse: bool
+) -> list[complex]:
+    """``linear_loop`` of one row, in Python floats (float64) or complex numbers
+    (complex128)."""
+    h = initial
+    out = [h] * len(gates)
+    for t in range(len(gates) - 1, -1, -1) if reverse else range(len(gates)):
+        h = gates[t] * h + tokens[t]
+        out[t] = h
+    return out
+
+
+def python_log_loop(
+    log_gates: Sequence[complex], log_tokens: Sequence[complex], initial: complex, reverse: bool
+) -> list[complex]:
+    """``log_loop`` of one row in Python complex numbers (real inputs give a zero
+    imaginary part); logaddexp written out: max + log(1 + exp(min - max))."""
+    h = initial
+    out = [0j] * len(log_gates)
+    for t in range(len(log_gates) - 1, -1, -1) if reverse else range(len(log_gates)):
+        u, v = log_gates[t] + h, log_tokens[t]
+        hi, lo = (u, v) if u.real >= v.real else (v, u)
+        h = hi if lo.real == -math.inf else hi + cmath.log(1 + cmath.exp(lo - hi))
+        out[t] = h
+    return out
+
+
+def heinsen_loop(coeffs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x[0] = values[0], x[t] = coeffs[t-1] * x[t-1] + values[t] along the last dim:
+    the sequence of Heinsen's paper, x0 included (one longer than ``coeffs``)."""
+    x = [values[..., 0]]
+    for t in range(coeffs.shape[-1]):
+        x.append(coeffs[..., t] * x[-1] + values[..., t + 1])
+    return torch.stack(x, -1)
+
+
+# --- matrix recurrences ----------------------------------------------------------------
+
+
+def matrix_loop(
+    weights: torch.Tensor,
+    biases: torch.Tensor,
+    initial: torch.Tensor | None = None,
+    reverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[t] = weights[t] @ x[t-1] + biases[t] with weights (*batch, T, d, d), biases
+    (*batch, T, d), initial (*batch, d), batch dims broadcast; reversed, x[t+1] on
+    the right. Returns (x, final) with x of the broadcast batch shape."""
+    steps, d = biases.shape[-2], biases.shape[-1]
+    batch = torch.broadcast_shapes(
+        weights.shape[:-3], biases.shape[:-2], () if initial is None else initial.shape[:-1]
+    )
+    dtype = torch.promote_types(weights.dtype, biases.dtype)
+    state = torch.zeros((*batch, d), dtype=dtype, device=biases.device)
+    if initial is not None:
+        state = state + initial
+    out: list[torch.Tensor] = [state] * steps
+    w_t, b_t = weights.unbind(-3), biases.unbind(-2)
+    for t in range(steps - 1, -1, -1) if reverse else range(steps):
+        state = (w_t[t] @ state.unsqueeze(-1)).squeeze(-1) + b_t[t]
+        out[t] = state
+    if not steps:
+        return torch.zeros((*batch, 0, d), dtype=dtype, device=biases.device), state
+    return torch.stack(out, -2).expand(*batch, steps, d), state.expand(*batch, d)
+
+
+# --- folds of any associative combine function ----------------------------------------
+
+
+def fold_scan(f: Callable[[Any, Any], Any], elems: Any, dim: int, reverse: bool = False) -> Any:
+    """out[t] = f(out[t-1], e[t]) (reversed: f(out[t+1], e[t])), one element at a time,
+    over a pytree of tensors whose leaves share their length along ``dim``."""
+    leaves, spec = pytree.tree_flatten(elems)
+    n = leaves[0].shape[dim]
+    if n == 0:
+        return elems
+    steps = _steps(leaves, dim)
+    out: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    acc = None
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        e = pytree.tree_unflatten(steps[t], spec)
+        acc = e if acc is None else f(acc, e)
+        out[t] = pytree.tree_leaves(acc)
+    return pytree.tree_unflatten([torch.cat(xs, dim) for xs in zip(*out, strict=True)], spec)
+
+
+def fold(f: Callable[[Any, Any], Any], elems: Any, dim: int) -> Any:
+    """f(...f(f(e[0], e[1]), e[2])..., e[T-1]), with ``dim`` removed (T >= 1)."""
+    leaves, spec = pytree.tree_flatten(elems)
+    steps = _steps(leaves, dim)
+    acc = pytree.tree_unflatten(steps[0], spec)
+    for t in range(1, len(steps)):
+        acc = f(acc, pytree.tree_unflatten(steps[t], spec))
+    return pytree.tree_unflatten([x.squeeze(dim) for x in pytree.tree_leaves(acc)], spec)
+
+
+def _steps(leaves: list[torch.Tensor], dim: int) -> list[list[torch.Tensor]]:
+    """The leaves cut into their T elements along ``dim`` (size 1 kept), all at once.
+    One split per leaf, not one narrow per step: the backward of each narrow would
+    write a full-size tensor of zeros, T of them, which is O(T^2)."""
+    per_leaf = [x.split(1, dim) for x in leaves]
+    return [list(parts) for parts in zip(*per_leaf, strict=True)]
+
+
+def matmul_fold(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x[0] @ x[1] @ ... along ``dim``, one product at a time, in float64."""
+    matrices = x.double().movedim(dim, 0).unbind(0)
+    acc = matrices[0]
+    for m in matrices[1:]:
+        acc = acc @ m
+    return acc
