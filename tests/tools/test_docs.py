@@ -9,8 +9,8 @@ import pytest
 import parascan._backends
 import parascan.compat.accelerated_scan
 import parascan.compat.torch_parallel_scan
-import parascan.first_order.linear_scan
-import parascan.first_order.log_linear_scan
+import parascan.first_order.linear
+import parascan.first_order.logspace
 import parascan.generic.api
 import parascan.matrix.api
 
@@ -18,8 +18,8 @@ import parascan.matrix.api
 @pytest.mark.parametrize(
     "module",
     [
-        parascan.first_order.linear_scan,
-        parascan.first_order.log_linear_scan,
+        parascan.first_order.linear,
+        parascan.first_order.logspace,
         parascan.generic.api,
         parascan.matrix.api,
         parascan.compat.accelerated_scan,
