@@ -32,6 +32,18 @@ def test_python_dash_m_is_the_same_program() -> None:
     assert "backends" in done.stdout and ps.__version__ in done.stdout
 
 
+def test_check_catches_a_wrong_imaginary_part(monkeypatch) -> None:
+    """The complex matrix check compares complex values (it once compared with a
+    real reference, which dropped the imaginary part)."""
+    from parascan.tools import check
+
+    real = check.matrix_linear_scan
+    monkeypatch.setattr(check, "matrix_linear_scan", lambda *a, **k: real(*a, **k).conj())
+    results = {r.what: r.passed for r in check._matrix_checks("torch", "cpu")}
+    assert results["matrix forward complex128"] is False
+    assert results["matrix forward float64"] is True
+
+
 def test_check_passes_on_this_machine() -> None:
     out = io.StringIO()
     assert run_check(["cpu"], out=out) == 0, out.getvalue()
