@@ -75,7 +75,7 @@ def test_minus_infinity_gives_exact_finite_gradients(target, dtype, reverse, gen
         return
     for initial in (None, h0):
         inputs = [la, lb] + ([] if initial is None else [initial])
-        mine = [t.to(target.device).requires_grad_() for t in inputs]
+        mine = [t.to(target.device, copy=True).requires_grad_() for t in inputs]
         high = [t.to(oracle_dtype(dtype)).requires_grad_() for t in inputs]
         out, final = ps.log_linear_scan(
             mine[0], mine[1], -1, initial=mine[2] if initial is not None else None,
@@ -119,7 +119,7 @@ def test_huge_magnitudes(target, dtype, gen) -> None:
     h0 = torch.tensor([4000.0, -4000.0, 0.0], dtype=torch.float64)
     for reverse in (False, True):
         inputs = [la.to(dtype), lb.to(dtype), h0.to(dtype)]
-        mine = [t.to(target.device).requires_grad_() for t in inputs]
+        mine = [t.to(target.device, copy=True).requires_grad_() for t in inputs]
         high = [t.double().requires_grad_() for t in inputs]
         out = ps.log_linear_scan(
             *mine[:2], -1, initial=mine[2], reverse=reverse, backend=target.backend

@@ -53,6 +53,7 @@ def test_check_passes_on_this_machine() -> None:
         assert f" {backend} " in text
 
 
+@pytest.mark.slow  # 2.5 to 3.5 minutes on 2 busy cores: the suite's longest case
 def test_bench_quick_json_reports_ratios_and_errors() -> None:
     out = io.StringIO()
     status = bench.run_bench(
