@@ -38,19 +38,19 @@ static inline void FN(bwd_row)(int64_t n, ACC *restrict g, ACC *restrict wn,
                                ST *restrict ga, int64_t gas,
                                ST *restrict gb, int64_t gbs) {
     for (int64_t c = 0; c < n; ++c) {
-        const ACC hc = LD(h + c * hs);
-        const ACC prev = hp ? LD(hp + c * hps) : ZERO;
         const ACC v = CFMA(wn[c], g[c], LD(gx + c * gxs));
-        const ACC w = W_STEP(LD(a + c * as), prev, hc);
+        const ACC hc = LD(h + c * hs);
         g[c] = v;
-        wn[c] = w;
-        STO(ga + c * gas, hp || !ZERO_GATE_GRAD_FROM_EMPTY ? MULC(v, W_GATE(w, prev)) : AZERO);
         STO(gb + c * gbs, TOKEN_WEIGHT_IS_ONE ? v : MULC(v, W_TOKEN(LD(b + c * bs), hc)));
+        const ACC prev = hp ? LD(hp + c * hps) : ZERO;
+        const ACC w = W_STEP(LD(a + c * as), prev, hc);
+        STO(ga + c * gas, hp || !ZERO_GATE_GRAD_FROM_EMPTY ? MULC(v, W_GATE(w, prev)) : AZERO);
+        wn[c] = w;
     }
 }
 
-/* The same step when every operand has unit stride along the channels and out[t-1]
- * is in memory, written out so that the compiler vectorizes it. */
+/* The same step when every operand, out[t-1] (or the initial state) included, has
+ * unit stride along the channels, written out so that the compiler vectorizes it. */
 static inline void FN(bwd_row_unit)(int64_t n, ACC *restrict g, ACC *restrict wn,
                                     const ST *restrict a, const ST *restrict b,
                                     const ST *restrict h, const ST *restrict hp,
@@ -61,14 +61,14 @@ static inline void FN(bwd_row_unit)(int64_t n, ACC *restrict g, ACC *restrict wn
 #endif
     PS_SIMD
     for (int64_t c = 0; c < n; ++c) {
-        const ACC hc = LD(h + c);
-        const ACC prev = LD(hp + c);
         const ACC v = CFMA(wn[c], g[c], LD(gx + c));
-        const ACC w = W_STEP(LD(a + c), prev, hc);
+        const ACC hc = LD(h + c);
         g[c] = v;
-        wn[c] = w;
-        STO(ga + c, MULC(v, W_GATE(w, prev)));
         STO(gb + c, TOKEN_WEIGHT_IS_ONE ? v : MULC(v, W_TOKEN(LD(b + c), hc)));
+        const ACC prev = LD(hp + c);
+        const ACC w = W_STEP(LD(a + c), prev, hc);
+        STO(ga + c, MULC(v, W_GATE(w, prev)));
+        wn[c] = w;
     }
 }
 
@@ -96,14 +96,13 @@ PS_HOT static void FN(bwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
         for (int64_t c = 0; c < n; ++c) g[c] = wn[c] = AZERO;
         for (int64_t t = p->steps - 1; t >= 0; --t) {
             const ST *bt = TOKEN_WEIGHT_IS_ONE ? NULL : b + t * bs[1];
-            if (unit && t > 0) {
-                FN(bwd_row_unit)(n, g, wn, a + t * as[1], bt, x + t * xs[1],
-                                 x + (t - 1) * xs[1], gx + t * gxs[1], ga + t * gas[1],
-                                 gb + t * gbs[1]);
-                continue;
-            }
             const ST *hp = t > 0 ? x + (t - 1) * xs[1] : x0;
             const int64_t hps = t > 0 ? xs[2] : is[1];
+            if (unit && hp && hps == 1) {
+                FN(bwd_row_unit)(n, g, wn, a + t * as[1], bt, x + t * xs[1], hp, gx + t * gxs[1],
+                                 ga + t * gas[1], gb + t * gbs[1]);
+                continue;
+            }
             FN(bwd_row)(n, g, wn, a + t * as[1], as[2], bt, bs[2], x + t * xs[1], xs[2], hp,
                         hps, gx + t * gxs[1], gxs[2], ga + t * gas[1], gas[2], gb + t * gbs[1],
                         gbs[2]);
