@@ -4,6 +4,8 @@ parascan loads it with ctypes; it is `optional` so that a machine without a C
 compiler still installs parascan, with the `cpu` backend reported unavailable.
 """
 
+from glob import glob
+
 from setuptools import Extension, setup
 
 KERNEL_SOURCES = [
@@ -19,6 +21,8 @@ setup(
         Extension(
             "parascan._kernels",
             sources=KERNEL_SOURCES,
+            # The headers, so that editing one rebuilds the library.
+            depends=sorted(glob("src/parascan/**/*.h", recursive=True)),
             include_dirs=["src/parascan/_native"],
             extra_compile_args=[
                 "-std=c11",

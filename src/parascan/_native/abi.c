@@ -1,5 +1,7 @@
-/* The ABI facts Python checks once, before it calls any kernel (bindings.py). */
+/* The ABI facts Python checks once, before it calls any kernel, and the first-order
+ * scans' block constants (bindings.py). */
 #include "abi.h"
+#include "common.h"
 
 PS_API int64_t ps_abi_version(void) { return PS_ABI_VERSION; }
 
@@ -9,3 +11,11 @@ PS_API int64_t ps_matrix_linear_scan_args_size(void) {
     return (int64_t)sizeof(ps_matrix_linear_scan_args);
 }
 PS_API int64_t ps_matmul_args_size(void) { return (int64_t)sizeof(ps_matmul_args); }
+
+PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
+    const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,
+                              PS_LONG_ROWS, PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES};
+    const int64_t count = (int64_t)(sizeof values / sizeof values[0]);
+    for (int64_t i = 0; i < n && i < count; i++) out[i] = values[i];
+    return count;
+}

@@ -1,11 +1,11 @@
 /* The first-order scans' CPU kernels, forward and fused backward, for float16,
- * bfloat16, float32, float64, complex64 and complex128:
+ * bfloat16, float32, float64, complex64 and complex128, one algorithm over two
+ * semirings:
  *   linear_scan      out[t] = gates[t] * out[t-1] + tokens[t]             (semiring_linear.h)
  *   log_linear_scan  out[t] = logaddexp(gates[t] + out[t-1], tokens[t])  (semiring_log.h)
- * one algorithm over two semirings. The ABI is in abi.h; the algorithm in
- * scan_forward.h and scan_backward.h; this file instantiates them once per
- * (semiring, dtype) through scan_instance.h, naming the faster x86 paths
- * (scan_x86.h) where linear_scan has them.
+ * The ABI is in abi.h, the algorithm in scan_forward.h and scan_backward.h; this file
+ * instantiates them once per (semiring, dtype) through scan_instance.h, naming the
+ * faster x86 paths of linear_scan (scan_x86.h) where they exist.
  */
 #include "common.h"
 #include "semiring_linear.h"
@@ -15,14 +15,6 @@
 #include "scan_x86.h"
 #define PS_SCAN_X86
 #endif
-
-PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
-    const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,
-                              PS_LONG_ROWS, PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES};
-    const int64_t count = (int64_t)(sizeof values / sizeof values[0]);
-    for (int64_t i = 0; i < n && i < count; i++) out[i] = values[i];
-    return count;
-}
 
 /* ---- linear_scan ------------------------------------------------------------ */
 #define SEMIRING linear

@@ -18,13 +18,22 @@
  * gradient written once, with the forward's work units.
  *
  * Besides the forward's macros the block defines CFMA(a, s, b) = conj(a) s + b,
- * MULC(g, x) = g conj(x), AZERO (0 in ACC), PS_BWD_ENTRY, the weights above and two
+ * MULC(g, x) = g conj(x), AZERO (0 in ACC), PS_BWD_ENTRY, the weights above and three
  * constants of the semiring: TOKEN_WEIGHT_IS_ONE (grad_tokens is g itself, and the
- * tokens are never read: they may be NULL) and ZERO_GATE_GRAD_FROM_EMPTY (see
- * semiring_linear.h); optionally PS_BWD_TC_FAST and PS_BWD_ROW_FAST, faster
+ * tokens are never read: they may be NULL), ZERO_GATE_GRAD_FROM_EMPTY (see
+ * semiring_linear.h) and BWD_WEIGHTS_FIRST (the rows' schedule, below); optionally PS_BWD_TC_FAST and PS_BWD_ROW_FAST, faster
  * time-contiguous workers and unit-stride rows (the pattern of scan_forward.h's
  * PS_FWD_TC_FAST and PS_FWD_ROW_FAST).
  */
+
+/* The backward rows' two schedules, chosen by the semiring's BWD_WEIGHTS_FIRST. Where
+ * the step weights cost something (exp, in log space) they come first, independent
+ * work the vector units overlap with the chain, and the unit-stride loop is marked
+ * PS_SIMD (gcc's cost model declines it otherwise); where the weights are the inputs
+ * themselves (linear), the chain comes first and gcc vectorizes unaided. The same
+ * statements in the other order measured 4% (linear, float64) to 13% (log, float32)
+ * slower. Both are written out here: hc and prev are out[t] and out[t-1], v the
+ * gradient reaching out[t], w the weight w[t]. */
 
 /* One backward time step over n channels, any strides (hp: out[t-1], NULL for the
  * empty state; b is not read when TOKEN_WEIGHT_IS_ONE): g = grad_out + conj(w_next) g,
@@ -37,7 +46,18 @@ static inline void FN(bwd_row)(int64_t n, ACC *restrict g, ACC *restrict wn,
                                const ST *restrict gx, int64_t gxs,
                                ST *restrict ga, int64_t gas,
                                ST *restrict gb, int64_t gbs) {
+    (void)b, (void)bs; /* the linear semiring's weights read neither tokens nor out[t] */
     for (int64_t c = 0; c < n; ++c) {
+#if BWD_WEIGHTS_FIRST
+        const ACC hc = LD(h + c * hs);
+        const ACC prev = hp ? LD(hp + c * hps) : ZERO;
+        const ACC v = CFMA(wn[c], g[c], LD(gx + c * gxs));
+        const ACC w = W_STEP(LD(a + c * as), prev, hc);
+        g[c] = v;
+        wn[c] = w;
+        STO(ga + c * gas, hp || !ZERO_GATE_GRAD_FROM_EMPTY ? MULC(v, W_GATE(w, prev)) : AZERO);
+        STO(gb + c * gbs, TOKEN_WEIGHT_IS_ONE ? v : MULC(v, W_TOKEN(LD(b + c * bs), hc)));
+#else
         const ACC v = CFMA(wn[c], g[c], LD(gx + c * gxs));
         const ACC hc = LD(h + c * hs);
         g[c] = v;
@@ -46,6 +66,8 @@ static inline void FN(bwd_row)(int64_t n, ACC *restrict g, ACC *restrict wn,
         const ACC w = W_STEP(LD(a + c * as), prev, hc);
         STO(ga + c * gas, hp || !ZERO_GATE_GRAD_FROM_EMPTY ? MULC(v, W_GATE(w, prev)) : AZERO);
         wn[c] = w;
+#endif
+        (void)hc;
     }
 }
 
@@ -56,11 +78,24 @@ static inline void FN(bwd_row_unit)(int64_t n, ACC *restrict g, ACC *restrict wn
                                     const ST *restrict h, const ST *restrict hp,
                                     const ST *restrict gx, ST *restrict ga,
                                     ST *restrict gb) {
+    (void)b; /* as in bwd_row */
 #ifdef PS_BWD_ROW_FAST
     if (PS_BWD_ROW_FAST(n, g, wn, a, gx, hp, ga, gb) == 0) return;
 #endif
+#if BWD_WEIGHTS_FIRST
     PS_SIMD
+#endif
     for (int64_t c = 0; c < n; ++c) {
+#if BWD_WEIGHTS_FIRST
+        const ACC hc = LD(h + c);
+        const ACC prev = LD(hp + c);
+        const ACC v = CFMA(wn[c], g[c], LD(gx + c));
+        const ACC w = W_STEP(LD(a + c), prev, hc);
+        g[c] = v;
+        wn[c] = w;
+        STO(ga + c, MULC(v, W_GATE(w, prev)));
+        STO(gb + c, TOKEN_WEIGHT_IS_ONE ? v : MULC(v, W_TOKEN(LD(b + c), hc)));
+#else
         const ACC v = CFMA(wn[c], g[c], LD(gx + c));
         const ACC hc = LD(h + c);
         g[c] = v;
@@ -69,6 +104,8 @@ static inline void FN(bwd_row_unit)(int64_t n, ACC *restrict g, ACC *restrict wn
         const ACC w = W_STEP(LD(a + c), prev, hc);
         STO(ga + c, MULC(v, W_GATE(w, prev)));
         wn[c] = w;
+#endif
+        (void)hc;
     }
 }
 
@@ -112,6 +149,18 @@ PS_HOT static void FN(bwd_time_major)(const void *vp, int64_t u0, int64_t u1) {
     }
 }
 
+/* The outputs before the first tile's steps: th[0] = the initial state (or the empty
+ * state), th[k + 1] = out[k]. Run once per group of rows, and kept out of line: inlined
+ * into the worker's tile loop it made that loop measurably slower (5% for
+ * log_linear_scan in float32). */
+__attribute__((noinline, cold)) static void FN(gather_first)(ACC (*th)[PS_ROWS], int64_t n,
+                                                             int64_t nr, const ST *x,
+                                                             const int64_t *xs,
+                                                             const ST *initial, int64_t is0) {
+    FN(gather)(th + 1, n, nr, x, xs[0], xs[1]);
+    for (int64_t r = 0; r < PS_ROWS; ++r) th[0][r] = (r < nr && initial) ? LD(initial + r * is0) : ZERO;
+}
+
 PS_HOT static void FN(bwd_time_contiguous)(const void *vp, int64_t u0, int64_t u1) {
     const ps_scan_bwd_args *p = (const ps_scan_bwd_args *)vp;
     const int64_t *as = p->gates_stride, *bs = p->tokens_stride, *xs = p->out_stride;
@@ -139,13 +188,10 @@ PS_HOT static void FN(bwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
             FN(gather)(ta, n, nr, a + t0 * as[1], as[0], as[1]);
             if (!TOKEN_WEIGHT_IS_ONE) FN(gather)(tb, n, nr, b + t0 * bs[1], bs[0], bs[1]);
             FN(gather)(tg, n, nr, gx + t0 * gxs[1], gxs[0], gxs[1]);
-            if (t0 > 0) {
+            if (t0 > 0)
                 FN(gather)(th, n + 1, nr, x + (t0 - 1) * xs[1], xs[0], xs[1]);
-            } else {
-                FN(gather)(th + 1, n, nr, x, xs[0], xs[1]);
-                for (int64_t r = 0; r < PS_ROWS; ++r)
-                    th[0][r] = (r < nr && p->initial) ? LD((const ST *)p->initial + (r0 + r) * is[0]) : ZERO;
-            }
+            else
+                FN(gather_first)(th, n, nr, x, xs, p->initial ? (const ST *)p->initial + r0 * is[0] : NULL, is[0]);
             /* The weights first (independent work), then the short chain. */
             for (int64_t k = 0; k < n; ++k)
                 for (int64_t r = 0; r < PS_ROWS; ++r) {

@@ -38,6 +38,7 @@
 #define W_TOKEN PS_SEMIRING_FN(token_weight)
 #define TOKEN_WEIGHT_IS_ONE PS_CAT(PS_CAT(ps, SEMIRING), token_weight_is_one)
 #define ZERO_GATE_GRAD_FROM_EMPTY PS_CAT(PS_CAT(ps, SEMIRING), zero_gate_grad_from_empty)
+#define BWD_WEIGHTS_FIRST PS_CAT(PS_CAT(ps, SEMIRING), bwd_weights_first)
 
 #include "scan_forward.h"
 #include "scan_backward.h"
@@ -72,6 +73,7 @@
 #undef W_TOKEN
 #undef TOKEN_WEIGHT_IS_ONE
 #undef ZERO_GATE_GRAD_FROM_EMPTY
+#undef BWD_WEIGHTS_FIRST
 #undef PS_FWD_TC_FAST
 #undef PS_FWD_ROW_FAST
 #undef PS_REDUCE8_FAST

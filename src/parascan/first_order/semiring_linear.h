@@ -15,6 +15,8 @@
  *   T_linear_gate_weight(w, prev)     prev
  *   T_linear_token_weight(b, h)       1: ps_linear_token_weight_is_one, so the
  *                                     backward never reads tokens (nor h)
+ * ps_linear_bwd_weights_first is 0: the backward rows run the chain first (their
+ * weights are loads; see scan_backward.h).
  * ps_linear_zero_gate_grad_from_empty: where the backward's time-major rows meet a
  * step from the empty state (t = 0 without initial) they store the gate gradient
  * as an exact 0 rather than g * conj(0) (which is -0 for negative g, NaN for
@@ -26,32 +28,48 @@
 
 #include "common.h"
 
-enum { ps_linear_token_weight_is_one = 1, ps_linear_zero_gate_grad_from_empty = 1 };
+#define ps_linear_token_weight_is_one 1
+#define ps_linear_zero_gate_grad_from_empty 1
+#define ps_linear_bwd_weights_first 0 /* the weights are the inputs: the chain first */
 
-#define PS_LINEAR_SEMIRING(T, A, ZERO_, ONE_)                                        \
-    PS_MATH A T##_linear_step(A a, A s, A b) { return T##_fma(a, s, b); }            \
-    PS_MATH A T##_linear_compose(A a, A q) { return T##_fma(a, q, ZERO_); }          \
-    PS_MATH A T##_linear_zero(void) { return ZERO_; }                                \
-    PS_MATH A T##_linear_one(void) { return ONE_; }                                  \
-    PS_MATH A T##_linear_bwd_weight(A a, A prev, A h) {                              \
+/* Real types: expressions, as common.h's arithmetic (see there why). */
+#define ps_f32_linear_step(a, s, b) ps_f32_fma(a, s, b)
+#define ps_f32_linear_compose(a, q) ps_f32_fma(a, q, 0.0f)
+#define ps_f32_linear_zero() 0.0f
+#define ps_f32_linear_one() 1.0f
+#define ps_f32_linear_bwd_weight(a, prev, h) (a)
+#define ps_f32_linear_gate_weight(w, prev) (prev)
+#define ps_f32_linear_token_weight(b, h) 1.0f
+#define ps_f64_linear_step(a, s, b) ps_f64_fma(a, s, b)
+#define ps_f64_linear_compose(a, q) ps_f64_fma(a, q, 0.0)
+#define ps_f64_linear_zero() 0.0
+#define ps_f64_linear_one() 1.0
+#define ps_f64_linear_bwd_weight(a, prev, h) (a)
+#define ps_f64_linear_gate_weight(w, prev) (prev)
+#define ps_f64_linear_token_weight(b, h) 1.0
+
+/* Complex types: functions. */
+#define PS_LINEAR_COMPLEX_SEMIRING(T, R)                                             \
+    PS_MATH T T##_linear_step(T a, T s, T b) { return T##_fma(a, s, b); }            \
+    PS_MATH T T##_linear_compose(T a, T q) { return T##_fma(a, q, T##_zero()); }     \
+    PS_MATH T T##_linear_zero(void) { return T##_zero(); }                           \
+    PS_MATH T T##_linear_one(void) { return (T){(R)1, (R)0}; }                       \
+    PS_MATH T T##_linear_bwd_weight(T a, T prev, T h) {                              \
         (void)prev;                                                                  \
         (void)h;                                                                     \
         return a;                                                                    \
     }                                                                                \
-    PS_MATH A T##_linear_gate_weight(A w, A prev) {                                  \
+    PS_MATH T T##_linear_gate_weight(T w, T prev) {                                  \
         (void)w;                                                                     \
         return prev;                                                                 \
     }                                                                                \
-    PS_MATH A T##_linear_token_weight(A b, A h) {                                    \
+    PS_MATH T T##_linear_token_weight(T b, T h) {                                    \
         (void)b;                                                                     \
         (void)h;                                                                     \
-        return ONE_;                                                                 \
+        return (T){(R)1, (R)0};                                                      \
     }
-
-PS_LINEAR_SEMIRING(ps_f32, float, 0.0f, 1.0f)
-PS_LINEAR_SEMIRING(ps_f64, double, 0.0, 1.0)
-PS_LINEAR_SEMIRING(ps_c64, ps_c64, ((ps_c64){0.0f, 0.0f}), ((ps_c64){1.0f, 0.0f}))
-PS_LINEAR_SEMIRING(ps_c128, ps_c128, ((ps_c128){0.0, 0.0}), ((ps_c128){1.0, 0.0}))
-#undef PS_LINEAR_SEMIRING
+PS_LINEAR_COMPLEX_SEMIRING(ps_c64, float)
+PS_LINEAR_COMPLEX_SEMIRING(ps_c128, double)
+#undef PS_LINEAR_COMPLEX_SEMIRING
 
 #endif

@@ -133,17 +133,29 @@ static inline void ps_clog_weight(double xr, double xi, double hr, double hi_,
     *wi = m * sin(xi - hi_);
 }
 
-/* The semiring, per accumulation type: T_log_step and T_log_weight (the weight
- * exp(x - h) above) for each T, then what every T builds from them. */
-enum { ps_log_token_weight_is_one = 0, ps_log_zero_gate_grad_from_empty = 0 };
+/* The semiring, per accumulation type. */
+#define ps_log_token_weight_is_one 0
+#define ps_log_zero_gate_grad_from_empty 0
+#define ps_log_bwd_weights_first 1 /* the weights cost two exp: first, as independent work */
 
-PS_MATH float ps_f32_log_step(float a, float s, float b) { return ps_logaddexp_f32(a + s, b); }
-PS_MATH float ps_f32_log_weight(float x, float h) { return ps_log_weight_f32(x, h); }
-PS_MATH double ps_f64_log_step(double a, double s, double b) { return ps_logaddexp_f64(a + s, b); }
-PS_MATH double ps_f64_log_weight(double x, double h) { return ps_log_weight_f64(x, h); }
+/* Real types: expressions, as common.h's arithmetic (see there why). */
+#define ps_f32_log_step(a, s, b) ps_logaddexp_f32((a) + (s), (b))
+#define ps_f32_log_compose(a, q) ((a) + (q))
+#define ps_f32_log_zero() (-INFINITY)
+#define ps_f32_log_one() 0.0f
+#define ps_f32_log_bwd_weight(a, prev, h) ps_log_weight_f32((a) + (prev), (h))
+#define ps_f32_log_gate_weight(w, prev) (w)
+#define ps_f32_log_token_weight(b, h) ps_log_weight_f32((b), (h))
+#define ps_f64_log_step(a, s, b) ps_logaddexp_f64((a) + (s), (b))
+#define ps_f64_log_compose(a, q) ((a) + (q))
+#define ps_f64_log_zero() (-INFINITY)
+#define ps_f64_log_one() 0.0
+#define ps_f64_log_bwd_weight(a, prev, h) ps_log_weight_f64((a) + (prev), (h))
+#define ps_f64_log_gate_weight(w, prev) (w)
+#define ps_f64_log_token_weight(b, h) ps_log_weight_f64((b), (h))
 
-/* Complex: in double for both widths. */
-#define PS_LOG_COMPLEX_MATH(T, R)                                                    \
+/* Complex types: functions, in double for both widths. */
+#define PS_LOG_COMPLEX_SEMIRING(T, R)                                                \
     static inline T T##_log_step(T a, T s, T b) {                                    \
         double hr, hi;                                                               \
         ps_clogaddexp((double)a.re + s.re, (double)a.im + s.im, b.re, b.im, &hr, &hi); \
@@ -153,28 +165,20 @@ PS_MATH double ps_f64_log_weight(double x, double h) { return ps_log_weight_f64(
         double wr, wi;                                                               \
         ps_clog_weight(x.re, x.im, h.re, h.im, &wr, &wi);                            \
         return (T){(R)wr, (R)wi};                                                    \
-    }
-PS_LOG_COMPLEX_MATH(ps_c64, float)
-PS_LOG_COMPLEX_MATH(ps_c128, double)
-#undef PS_LOG_COMPLEX_MATH
-
-#define PS_LOG_SEMIRING(T, A, ZERO_, ONE_)                                           \
-    PS_MATH A T##_log_compose(A a, A q) { return T##_add(a, q); }                    \
-    PS_MATH A T##_log_zero(void) { return ZERO_; }                                   \
-    PS_MATH A T##_log_one(void) { return ONE_; }                                     \
-    PS_MATH A T##_log_bwd_weight(A a, A prev, A h) {                                 \
+    }                                                                                \
+    PS_MATH T T##_log_compose(T a, T q) { return T##_add(a, q); }                    \
+    PS_MATH T T##_log_zero(void) { return (T){-INFINITY, (R)0}; }                    \
+    PS_MATH T T##_log_one(void) { return (T){(R)0, (R)0}; }                          \
+    PS_MATH T T##_log_bwd_weight(T a, T prev, T h) {                                 \
         return T##_log_weight(T##_add(a, prev), h);                                  \
     }                                                                                \
-    PS_MATH A T##_log_gate_weight(A w, A prev) {                                     \
+    PS_MATH T T##_log_gate_weight(T w, T prev) {                                     \
         (void)prev;                                                                  \
         return w;                                                                    \
     }                                                                                \
-    PS_MATH A T##_log_token_weight(A b, A h) { return T##_log_weight(b, h); }
-
-PS_LOG_SEMIRING(ps_f32, float, -INFINITY, 0.0f)
-PS_LOG_SEMIRING(ps_f64, double, -INFINITY, 0.0)
-PS_LOG_SEMIRING(ps_c64, ps_c64, ((ps_c64){-INFINITY, 0.0f}), ((ps_c64){0.0f, 0.0f}))
-PS_LOG_SEMIRING(ps_c128, ps_c128, ((ps_c128){-INFINITY, 0.0}), ((ps_c128){0.0, 0.0}))
-#undef PS_LOG_SEMIRING
+    PS_MATH T T##_log_token_weight(T b, T h) { return T##_log_weight(b, h); }
+PS_LOG_COMPLEX_SEMIRING(ps_c64, float)
+PS_LOG_COMPLEX_SEMIRING(ps_c128, double)
+#undef PS_LOG_COMPLEX_SEMIRING
 
 #endif
