@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import subprocess
@@ -106,6 +107,8 @@ BAD_LINES = {
     "info --bogus": "unrecognized arguments",
     "frobnicate": "invalid choice",
 }
+if importlib.util.find_spec("matplotlib") is None:
+    BAD_LINES["bench --plot sweep.png"] = "--plot needs matplotlib"
 if not torch.cuda.is_available():
     BAD_LINES["check --device cuda"] = "no CUDA device"
     BAD_LINES["bench --device cuda"] = "no CUDA device"

@@ -121,10 +121,11 @@ def _validate(parsers: dict[str, argparse.ArgumentParser], args: argparse.Namesp
         import importlib.util
         from pathlib import Path
 
-        if importlib.util.find_spec("matplotlib") is None:
-            parser.error("--plot needs matplotlib (pip install 'parascan[bench]')")
+        # the path first: its error does not depend on what is installed
         if not Path(args.plot).resolve().parent.is_dir():
             parser.error(f"--plot {args.plot}: its folder does not exist")
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib (pip install 'parascan[bench]')")
 
 
 def main(argv: list[str] | None = None) -> int:
