@@ -110,8 +110,7 @@ class Target:
 
 def triton_interpreter_available() -> bool:
     return (
-        importlib.util.find_spec("triton") is not None
-        and os.environ.get("TRITON_INTERPRET") == "1"
+        importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
     )
 
 

@@ -512,8 +512,9 @@ MATRIX_LINEAR_SCAN = OpSpec(
     layouts=_matrix_layouts(),
     backends=("cpu", "triton", "torch", "loop"),
     # no Triton kernel; the C kernel takes real dtypes
-    supports=lambda target, dtype: target.backend != "triton"
-    and not (target.backend == "cpu" and dtype.is_complex),
+    supports=lambda target, dtype: (
+        target.backend != "triton" and not (target.backend == "cpu" and dtype.is_complex)
+    ),
 )
 
 

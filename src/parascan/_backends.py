@@ -36,7 +36,6 @@ __all__ = [
     "backends",
     "register",
     "resolve",
-    "resolve_backend",
     "table",
     "unavailable_reason",
 ]
@@ -107,23 +106,6 @@ def backends(device: str | torch.device = "cpu") -> list[str]:
         for b in BACKENDS
         if unavailable_reason(b, dev) is None and (b != "triton" or dev.type == "cuda")
     ]
-
-
-def resolve_backend(fn: str, backend: object, device: torch.device) -> str:
-    """The concrete backend for ``backend`` (``"auto"`` picks the fastest available)."""
-    if not isinstance(backend, str) or backend not in ("auto", *BACKENDS):
-        raise ValueError(
-            f"{fn}: expected backend to be one of {('auto', *BACKENDS)}, but got {backend!r}"
-        )
-    if backend == "auto":
-        available = backends(device)
-        if not available:
-            raise RuntimeError(f"{fn}: no backend can run on device {device}")
-        return available[0]
-    reason = unavailable_reason(backend, device)
-    if reason is not None:
-        raise RuntimeError(f"{fn}: backend {backend!r} is not available: {reason}")
-    return backend
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,11 @@ def _call(op: str, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torc
         a, b = a.log(), b.log()
         want, h = [], torch.full((3,), -torch.inf, dtype=wide)
         for t in range(7):
-            h = torch.logaddexp(a[:, t].to(wide) + h, b[:, t].to(wide)) if not dtype.is_complex \
+            h = (
+                torch.logaddexp(a[:, t].to(wide) + h, b[:, t].to(wide))
+                if not dtype.is_complex
                 else torch.log(torch.exp(a[:, t].to(wide) + h) + torch.exp(b[:, t].to(wide)))
+            )
             want.append(h)
         return ps.log_linear_scan(a, b, 1, backend=backend), torch.stack(want, 1)
     want, x0 = [], torch.zeros(3, dtype=wide)

@@ -102,9 +102,7 @@ def test_empty_dims_and_zero_length(target) -> None:
     on = {"device": target.device}
     for shape, dim in [((0, 5), 1), ((3, 0, 4), 1), ((3, 0), 0), ((2, 3, 0), 1)]:
         gates, tokens = torch.rand(shape, **on), torch.rand(shape, **on)
-        out, final = ps.linear_scan(
-            gates, tokens, dim, return_final=True, backend=target.backend
-        )
+        out, final = ps.linear_scan(gates, tokens, dim, return_final=True, backend=target.backend)
         assert out.shape == shape
         assert final.shape == shape[:dim] + shape[dim + 1 :]
     initial = torch.randn(4, 3, **on, requires_grad=True)
@@ -187,9 +185,7 @@ def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) 
     from parascan.first_order.semiring import LINEAR
 
     def fast(a, b, dim, initial, reverse, backend, return_final=False):
-        return arguments.cpu_fast_path(
-            LINEAR, a, b, dim, initial, reverse, return_final, backend
-        )
+        return arguments.cpu_fast_path(LINEAR, a, b, dim, initial, reverse, return_final, backend)
 
     calls = []
     linear = ROWS["linear"].backends

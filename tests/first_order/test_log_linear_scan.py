@@ -188,9 +188,7 @@ def test_empty_sequence_final_is_log_zero_or_initial(target) -> None:
     out, final = ps.log_linear_scan(empty, empty, -1, return_final=True, backend=backend)
     assert out.shape == (3, 0) and torch.equal(final, torch.full((3,), -INF, **on))
     h0 = torch.tensor([1.0, 2.0, 3.0], **on)
-    _, final = ps.log_linear_scan(
-        empty, empty, -1, initial=h0, return_final=True, backend=backend
-    )
+    _, final = ps.log_linear_scan(empty, empty, -1, initial=h0, return_final=True, backend=backend)
     assert torch.equal(final, h0)
 
 

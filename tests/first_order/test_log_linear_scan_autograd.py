@@ -137,9 +137,7 @@ def test_jacrev_and_jvp(target, gen) -> None:
         return ps.log_linear_scan(a, b, 0, initial=h, backend=backend)
 
     _, jvp = torch.func.jvp(mine, on, tuple(t.to(device) for t in tangents))
-    _, want_jvp = torch.func.jvp(
-        lambda a, b, h: log_loop(a, b, 0, h)[0], (la, lb, h0), tangents
-    )
+    _, want_jvp = torch.func.jvp(lambda a, b, h: log_loop(a, b, 0, h)[0], (la, lb, h0), tangents)
     assert jvp.abs().max() > 0
     assert_matches(jvp, want_jvp, torch.float64)
 

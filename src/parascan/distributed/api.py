@@ -386,9 +386,7 @@ def linear_scan(
         sends one all-gather of 2 states per rank forward and one backward,
         whatever the length: O(state) bytes, not O(T).
     """
-    return _distributed(
-        _LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend
-    )
+    return _distributed(_LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend)
 
 
 @overload

@@ -6,7 +6,8 @@ Imported only when the ``triton`` backend runs (triton is an optional extra).
 Summary of the algorithm: a chunked scan with a carry pass, so that a few channels
 with a very long T still fill the device. Tensors are seen as (outer, T, inner),
 each with its own strides (broadcast inputs are read in place); a channel is an
-(outer, inner) pair. The time axis is cut into chunks of ``CHUNK`` steps.
+(outer, inner) pair. The time axis is cut into chunks of ``CHUNK`` steps, each
+chunk into tiles of ``BLOCK_C`` channels x ``BLOCK_T`` steps.
 
 1. ``_summaries`` (grid: channel blocks x chunks): each chunk's map of the state
    it receives, h -> M h + F: M the product of its multipliers (a sum of logs in
@@ -16,6 +17,27 @@ each with its own strides (broadcast inputs are read in place); a channel is an
    short.
 3. ``_apply`` (grid: channel blocks x chunks): each chunk scanned again from its
    entering state, writing the results.
+
+With one chunk (many channels: ``chunk`` reaches T) passes 1 and 2 are skipped and
+``_apply`` starts from the initial state (``SINGLE``).
+
+Coalescing. Each loop iteration loads one tile of every operand, and a warp's
+loads cover contiguous memory in both layouts, by the choice of tile (``blocks``):
+
+- time-major data (channels contiguous): tiles of 128 channels x 1 step, the
+  consecutive channels of one step across a warp's threads, the state in
+  registers from step to step;
+- time-contiguous data (time stride 1): tiles of 8 channels x 64 steps, each row
+  a run of 64 consecutive steps across the threads, scanned along time with
+  ``tl.associative_scan`` (the combine of two affine maps), the state carried from
+  tile to tile in registers.
+
+Bytes moved per element (``e`` bytes per element of the dtype): one chunk: the
+forward reads a and b and writes out, 3e; with chunks, pass 1 reads a and b again,
+5e (the summaries, a few float32 values per chunk and channel, are negligible). The
+linear backward reads a, grad_out and out (the previous state) and writes both
+gradients, 5e (7e with chunks); the log backward also reads the log tokens, 6e (9e
+with chunks; the neighbouring state it reads twice shares cache lines).
 
 Every pass accumulates in float32 (float64 for float64), with carries in that
 precision, and stores in the tensor's dtype. Modes (a forward's MODE is its
@@ -33,17 +55,60 @@ semiring's code, semiring.py; a backward's is BACKWARD + that code):
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BACKWARD", "LINEAR", "LINEAR_BWD", "LOG", "LOG_BWD", "backward", "forward"]
+__all__ = [
+    "BACKWARD",
+    "INTERPRETED_BLOCKS",
+    "LINEAR",
+    "LINEAR_BWD",
+    "LOG",
+    "LOG_BWD",
+    "TIME_CONTIGUOUS",
+    "TIME_MAJOR",
+    "Blocks",
+    "backward",
+    "blocks",
+    "forward",
+]
 
 LINEAR, LOG = 0, 1  # LINEAR.code, LOG.code
 BACKWARD = 2
 LINEAR_BWD, LOG_BWD = BACKWARD + LINEAR, BACKWARD + LOG
-_BLOCK_C = 32
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A tile: ``channels`` x ``steps`` (BLOCK_C x BLOCK_T), and the least number of
+    steps in a chunk (a multiple of ``steps``)."""
+
+    channels: int
+    steps: int
+    min_chunk: int
+
+
+# The two tiles a GPU runs (see the module docstring), 4 warps each: 128 channels of
+# one step (one element per thread), or 8 rows of 64 consecutive steps (4 per thread).
+TIME_MAJOR = Blocks(channels=128, steps=1, min_chunk=16)
+TIME_CONTIGUOUS = Blocks(channels=8, steps=64, min_chunk=64)
+# In Triton's interpreter every element of a tile costs Python calls (and each one of
+# ``tl.associative_scan``'s combines more), so the interpreter runs the same code on
+# small tiles: (time-major, time-contiguous).
+INTERPRETED_BLOCKS = (Blocks(channels=4, steps=1, min_chunk=4), Blocks(2, 4, min_chunk=8))
+
+
+def blocks(time_contiguous: bool, interpreted: bool | None = None) -> Blocks:
+    """The tile for a layout, on a GPU or (``interpreted``) in the interpreter."""
+    if interpreted is None:
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted:
+        return INTERPRETED_BLOCKS[time_contiguous]
+    return TIME_CONTIGUOUS if time_contiguous else TIME_MAJOR
 
 
 @triton.jit
@@ -82,19 +147,12 @@ def _store(ptr, off, re, im, mask, IS_COMPLEX: tl.constexpr):
 
 
 @triton.jit
-def _both(mask, cond):
-    """``mask & cond`` for a block mask and a scalar condition. Written as a select:
-    Triton 3.9's interpreter turns ``&`` of a block and a scalar int1 into int32,
-    which it then refuses as a mask (on a GPU both forms compile the same)."""
-    return tl.where(cond, mask, False)
-
-
-@triton.jit
 def _time(REVERSE: tl.constexpr, s, T):
-    """The time index of step s of this pass, as int64: offsets t * stride may pass 2^31."""
+    """The time index of step s of this pass: offsets t * stride may pass 2^31, and
+    s is int64 (``_tile``)."""
     if REVERSE:
-        return tl.cast(T - 1 - s, tl.int64)
-    return tl.cast(s, tl.int64)
+        return T - 1 - s
+    return s
 
 
 @triton.jit
@@ -106,6 +164,32 @@ def _shift(REVERSE: tl.constexpr, t, NEXT: tl.constexpr):
 
 
 @triton.jit
+def _channels(cb, C, INNER, BLOCK_C: tl.constexpr):
+    """Block cb's channels as a column [BLOCK_C, 1] of int64 (offsets from here on
+    are int64), their mask, and their (outer, inner) indices."""
+    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    return c < C, c // INNER, c % INNER
+
+
+@triton.jit
+def _chunk_end(k, CHUNK, T):
+    """The end of chunk k's steps, min(T, (k + 1) CHUNK). Not tl.minimum: Triton 3.5's
+    interpreter makes that a one-element block, which ``range`` refuses."""
+    end = (k + 1) * CHUNK
+    if end > T:
+        end = T
+    return end
+
+
+@triton.jit
+def _tile(s0, T, in_channels, BLOCK_T: tl.constexpr):
+    """The steps s0 .. s0 + BLOCK_T - 1 of this pass as a row [1, BLOCK_T] of int64,
+    and the tile's mask [BLOCK_C, BLOCK_T]."""
+    s = s0 + tl.arange(0, BLOCK_T)[None, :].to(tl.int64)
+    return s, in_channels & (s < T)
+
+
+@triton.jit
 def _cmul(ar, ai, br, bi, IS_COMPLEX: tl.constexpr):
     if IS_COMPLEX:
         return ar * br - ai * bi, ar * bi + ai * br
@@ -113,76 +197,12 @@ def _cmul(ar, ai, br, bi, IS_COMPLEX: tl.constexpr):
 
 
 @triton.jit
-def _multiplier(
-    MODE: tl.constexpr,
-    IS_COMPLEX: tl.constexpr,
-    ACC: tl.constexpr,
-    REVERSE: tl.constexpr,
-    s,
-    T,
-    a_ptr,
-    a_base,
-    sa1,
-    h_ptr,
-    h_base,
-    sh1,
-    mask,
-):
-    """The multiplier of step s of this pass (a sum term in LOG)."""
-    t = _time(REVERSE, s, T)
-    if MODE == 0 or MODE == 1:
-        mr, mi = _load(a_ptr, a_base + t * sa1, mask, IS_COMPLEX, ACC)
-    else:
-        # the step before t in this pass's order (the next in the forward's); none at s = 0
-        tp = _shift(REVERSE, t, False)
-        has = _both(mask, s > 0)
-        mr, mi = _load(a_ptr, a_base + tp * sa1, has, IS_COMPLEX, ACC)
-        if MODE == 2:
-            mi = -mi  # conj
-        else:  # the step weight of tp: exp(la[tp] + h[t] - h[tp])
-            h_t = tl.load(h_ptr + h_base + t * sh1, mask=has, other=0.0).to(ACC)
-            h_tp = tl.load(h_ptr + h_base + tp * sh1, mask=has, other=float("-inf")).to(ACC)
-            mr = tl.where(has, _weight(mr + h_t, h_tp), 0.0)
-    return mr, mi
-
-
-@triton.jit
-def _advance(
-    MODE: tl.constexpr,
-    IS_COMPLEX: tl.constexpr,
-    ACC: tl.constexpr,
-    REVERSE: tl.constexpr,
-    s,
-    T,
-    a_ptr,
-    a_base,
-    sa1,
-    b_ptr,
-    b_base,
-    sb1,
-    h_ptr,
-    h_base,
-    sh1,
-    mask,
-    hr,
-    hi,
-):
-    """Step s of this pass applied to the state (hr, hi): (its time index, its
-    multiplier, the new state)."""
-    t = _time(REVERSE, s, T)
-    mr, mi = _multiplier(
-        MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, h_ptr, h_base, sh1, mask
-    )
-    dr, di = _load(b_ptr, b_base + t * sb1, mask, IS_COMPLEX, ACC)
-    hr, hi = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
-    return t, mr, mi, hr, hi
-
-
-@triton.jit
 def _combine(MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, mr, mi, hr, hi, dr, di):
-    """The state after a step (or a chunk): m h + d, or logaddexp(m + h, d) in LOG."""
+    """The state after a step (or a chunk): m h + d, or logaddexp(m + h, d) in LOG
+    (real: its imaginary part is d's zeros, of the result's shape, as every return of
+    a compiled function must have one type)."""
     if MODE == 1:
-        return _logaddexp(mr + hr, dr), hi
+        return _logaddexp(mr + hr, dr), di
     pr, pi = _cmul(mr, mi, hr, hi, IS_COMPLEX)
     return pr + dr, pi + di
 
@@ -195,37 +215,141 @@ def _compose(MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, Mr, Mi, mr, mi):
     return _cmul(Mr, Mi, mr, mi, IS_COMPLEX)
 
 
+# The combines of tl.associative_scan: two steps' affine maps, the earlier (m1, f1)
+# then the later (m2, f2), composed into one: h -> m2 (m1 h + f1) + f2.
+@triton.jit
+def _then_real(m1, f1, m2, f2):
+    return m2 * m1, m2 * f1 + f2
+
+
+@triton.jit
+def _then_complex(m1r, m1i, f1r, f1i, m2r, m2i, f2r, f2i):
+    return (
+        m2r * m1r - m2i * m1i,
+        m2r * m1i + m2i * m1r,
+        m2r * f1r - m2i * f1i + f2r,
+        m2r * f1i + m2i * f1r + f2i,
+    )
+
+
+@triton.jit
+def _then_log(m1, f1, m2, f2):
+    return m1 + m2, _logaddexp(m2 + f1, f2)
+
+
+@triton.jit
+def _scan_tile(
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, BLOCK_T: tl.constexpr,
+    mr, mi, dr, di, hr, hi,
+):  # fmt: skip
+    """A tile's steps (multipliers m, tokens d: [BLOCK_C, BLOCK_T]) applied along
+    time from the states (hr, hi) [BLOCK_C, 1] entering it: (the running products
+    of the multipliers, the states), each [BLOCK_C, BLOCK_T]. The entering state is
+    folded into the first step; the rest is a scan of affine maps."""
+    first = tl.arange(0, BLOCK_T)[None, :] == 0
+    cr, ci = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
+    dr = tl.where(first, cr, dr)
+    di = tl.where(first, ci, di)
+    if BLOCK_T == 1:
+        return mr, mi, dr, di
+    if MODE == 1:
+        Mr, Fr = tl.associative_scan((mr, dr), 1, _then_log)
+        return Mr, mi, Fr, di
+    if IS_COMPLEX:
+        return tl.associative_scan((mr, mi, dr, di), 1, _then_complex)
+    Mr, Fr = tl.associative_scan((mr, dr), 1, _then_real)
+    return Mr, mi, Fr, di
+
+
+@triton.jit
+def _last(x, BLOCK_T: tl.constexpr):
+    """The last column of a tile [BLOCK_C, BLOCK_T], as a column [BLOCK_C, 1]."""
+    if BLOCK_T == 1:
+        return x
+    last = tl.arange(0, BLOCK_T)[None, :] == BLOCK_T - 1
+    return tl.sum(tl.where(last, x, 0.0), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _step_inputs(
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, ACC: tl.constexpr, REVERSE: tl.constexpr,
+    s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1, h_ptr, h_base, sh1, mask,
+):  # fmt: skip
+    """The time indices of the steps s of this pass, their multipliers (sum terms in
+    LOG) and their tokens; outside ``mask`` the identity step (multiplier 1, token
+    0; in LOG 0 and log 0), so that a tile past T carries its last state through."""
+    t = _time(REVERSE, s, T)
+    if MODE == 0 or MODE == 1:
+        mr, mi = _load(a_ptr, a_base + t * sa1, mask, IS_COMPLEX, ACC)
+    else:
+        # the step before t in this pass's order (the next in the forward's); none at s = 0
+        tp = _shift(REVERSE, t, False)
+        has = mask & (s > 0)
+        mr, mi = _load(a_ptr, a_base + tp * sa1, has, IS_COMPLEX, ACC)
+        if MODE == 2:
+            mi = -mi  # conj
+        else:  # the step weight of tp: exp(la[tp] + h[t] - h[tp])
+            h_t = tl.load(h_ptr + h_base + t * sh1, mask=has, other=0.0).to(ACC)
+            h_tp = tl.load(h_ptr + h_base + tp * sh1, mask=has, other=float("-inf")).to(ACC)
+            mr = tl.where(has, _weight(mr + h_t, h_tp), 0.0)
+    dr, di = _load(b_ptr, b_base + t * sb1, mask, IS_COMPLEX, ACC)
+    if MODE == 1:
+        mr = tl.where(mask, mr, 0.0)
+        dr = tl.where(mask, dr, float("-inf"))
+    else:
+        mr = tl.where(mask, mr, 1.0)
+    return t, mr, mi, dr, di
+
+
+@triton.jit
+def _start(
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+    i_ptr, i_base, in_channels,
+):  # fmt: skip
+    """The state before the pass's first step: the initial state (forward modes,
+    ``HAS_INIT``), else the empty state (log 0 in LOG, 0 otherwise)."""
+    if HAS_INIT and MODE < 2:
+        hr, hi = _load(i_ptr, i_base, in_channels, IS_COMPLEX, ACC)
+    else:
+        fill = float("-inf") if MODE == 1 else 0.0
+        hr = tl.full(i_base.shape, fill, ACC)
+        hi = tl.zeros(i_base.shape, ACC)
+    return hr, hi
+
+
 @triton.jit
 def _summaries(
     a_ptr, sa0, sa1, sa2, b_ptr, sb0, sb1, sb2, h_ptr, sh0, sh1, sh2,
     Mr_ptr, Mi_ptr, Fr_ptr, Fi_ptr, C, INNER, T, CHUNK,
     MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, REVERSE: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
-    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64 offsets from here on
-    mask = c < C
-    o, i = c // INNER, c % INNER
+    in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
     # the map of no steps: multiplier 1 (0 in LOG), state 0 (-inf, log 0, in LOG)
     if MODE == 1:
-        Mr = tl.zeros((BLOCK_C,), ACC)
-        Fr = tl.full((BLOCK_C,), float("-inf"), ACC)
+        Mr = tl.zeros((BLOCK_C, 1), ACC)
+        Fr = tl.full((BLOCK_C, 1), float("-inf"), ACC)
     else:
-        Mr = tl.full((BLOCK_C,), 1.0, ACC)
-        Fr = tl.zeros((BLOCK_C,), ACC)
-    Mi = tl.zeros((BLOCK_C,), ACC)
-    Fi = tl.zeros((BLOCK_C,), ACC)
-    for s in range(k * CHUNK, tl.minimum(T, (k + 1) * CHUNK)):
-        _, mr, mi, Fr, Fi = _advance(
+        Mr = tl.full((BLOCK_C, 1), 1.0, ACC)
+        Fr = tl.zeros((BLOCK_C, 1), ACC)
+    Mi = tl.zeros((BLOCK_C, 1), ACC)
+    Fi = tl.zeros((BLOCK_C, 1), ACC)
+    for s0 in range(k * CHUNK, _chunk_end(k, CHUNK, T), BLOCK_T):
+        s, mask = _tile(s0, T, in_channels, BLOCK_T)
+        _, mr, mi, dr, di = _step_inputs(
             MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
-            h_ptr, h_base, sh1, mask, Fr, Fi,
+            h_ptr, h_base, sh1, mask,
         )  # fmt: skip
-        Mr, Mi = _compose(MODE, IS_COMPLEX, Mr, Mi, mr, mi)
-    tl.store(Mr_ptr + k * C + c, Mr, mask=mask)
-    tl.store(Mi_ptr + k * C + c, Mi, mask=mask)
-    tl.store(Fr_ptr + k * C + c, Fr, mask=mask)
-    tl.store(Fi_ptr + k * C + c, Fi, mask=mask)
+        Pr, Pi, Hr, Hi = _scan_tile(MODE, IS_COMPLEX, BLOCK_T, mr, mi, dr, di, Fr, Fi)
+        Fr, Fi = _last(Hr, BLOCK_T), _last(Hi, BLOCK_T)
+        Mr, Mi = _compose(MODE, IS_COMPLEX, Mr, Mi, _last(Pr, BLOCK_T), _last(Pi, BLOCK_T))
+    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    tl.store(Mr_ptr + k * C + c, Mr, mask=in_channels)
+    tl.store(Mi_ptr + k * C + c, Mi, mask=in_channels)
+    tl.store(Fr_ptr + k * C + c, Fr, mask=in_channels)
+    tl.store(Fi_ptr + k * C + c, Fi, mask=in_channels)
 
 
 @triton.jit
@@ -235,24 +359,16 @@ def _carries(
     ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cb = tl.program_id(0)
-    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64 offsets from here on
-    mask = c < C
-    o, i = c // INNER, c % INNER
-    if HAS_INIT and MODE < 2:
-        hr, hi = _load(i_ptr, o * si0 + i * si2, mask, IS_COMPLEX, ACC)
-    elif MODE == 1:
-        hr = tl.full((BLOCK_C,), float("-inf"), ACC)
-        hi = tl.zeros((BLOCK_C,), ACC)
-    else:
-        hr = tl.zeros((BLOCK_C,), ACC)
-        hi = tl.zeros((BLOCK_C,), ACC)
+    in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
+    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    hr, hi = _start(MODE, IS_COMPLEX, HAS_INIT, ACC, i_ptr, o * si0 + i * si2, in_channels)
     for k in range(0, N_CHUNKS):
-        tl.store(Cr_ptr + k * C + c, hr, mask=mask)
-        tl.store(Ci_ptr + k * C + c, hi, mask=mask)
-        Mr = tl.load(Mr_ptr + k * C + c, mask=mask, other=0.0)
-        Mi = tl.load(Mi_ptr + k * C + c, mask=mask, other=0.0)
-        Fr = tl.load(Fr_ptr + k * C + c, mask=mask, other=0.0)
-        Fi = tl.load(Fi_ptr + k * C + c, mask=mask, other=0.0)
+        tl.store(Cr_ptr + k * C + c, hr, mask=in_channels)
+        tl.store(Ci_ptr + k * C + c, hi, mask=in_channels)
+        Mr = tl.load(Mr_ptr + k * C + c, mask=in_channels, other=0.0)
+        Mi = tl.load(Mi_ptr + k * C + c, mask=in_channels, other=0.0)
+        Fr = tl.load(Fr_ptr + k * C + c, mask=in_channels, other=0.0)
+        Fi = tl.load(Fi_ptr + k * C + c, mask=in_channels, other=0.0)
         hr, hi = _combine(MODE, IS_COMPLEX, Mr, Mi, hr, hi, Fr, Fi)
 
 
@@ -261,49 +377,60 @@ def _apply(
     a_ptr, sa0, sa1, sa2, b_ptr, sb0, sb1, sb2, h_ptr, sh0, sh1, sh2, e_ptr, se0, se1, se2,
     i_ptr, si0, si2, Cr_ptr, Ci_ptr, o1_ptr, o2_ptr, C, INNER, T, CHUNK,
     MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, REVERSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_INIT: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
-    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64 offsets from here on
-    mask = c < C
-    o, i = c // INNER, c % INNER
+    in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
     e_base, i_base = o * se0 + i * se2, o * si0 + i * si2
     out_base = o * (T * INNER) + i
-    hr = tl.load(Cr_ptr + k * C + c, mask=mask, other=0.0)
-    hi = tl.load(Ci_ptr + k * C + c, mask=mask, other=0.0)
-    for s in range(k * CHUNK, tl.minimum(T, (k + 1) * CHUNK)):
-        t, _, _, hr, hi = _advance(
+    if SINGLE:  # one chunk: no carry pass, the initial state enters it
+        hr, hi = _start(MODE, IS_COMPLEX, HAS_INIT, ACC, i_ptr, i_base, in_channels)
+    else:
+        c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+        hr = tl.load(Cr_ptr + k * C + c, mask=in_channels, other=0.0)
+        hi = tl.load(Ci_ptr + k * C + c, mask=in_channels, other=0.0)
+    for s0 in range(k * CHUNK, _chunk_end(k, CHUNK, T), BLOCK_T):
+        s, mask = _tile(s0, T, in_channels, BLOCK_T)
+        t, mr, mi, dr, di = _step_inputs(
             MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
-            h_ptr, h_base, sh1, mask, hr, hi,
+            h_ptr, h_base, sh1, mask,
         )  # fmt: skip
+        _, _, Hr, Hi = _scan_tile(MODE, IS_COMPLEX, BLOCK_T, mr, mi, dr, di, hr, hi)
+        hr, hi = _last(Hr, BLOCK_T), _last(Hi, BLOCK_T)
         if MODE < 2:
-            _store(o1_ptr, out_base + t * INNER, hr, hi, mask, IS_COMPLEX)
+            _store(o1_ptr, out_base + t * INNER, Hr, Hi, mask, IS_COMPLEX)
         else:
             # the forward's state before t: the next step in this pass's order
             tn = _shift(REVERSE, t, True)
             inside = (tn >= 0) & (tn < T)
+            outside = (tn < 0) | (tn >= T)  # not ~inside: Triton 3.3's interpreter lacks ~
             if MODE == 2:
-                xr, xi = _load(h_ptr, h_base + tn * sh1, _both(mask, inside), IS_COMPLEX, ACC)
+                xr, xi = _load(h_ptr, h_base + tn * sh1, mask & inside, IS_COMPLEX, ACC)
                 if HAS_INIT:
-                    ir, ii = _load(i_ptr, i_base, _both(mask, ~inside), IS_COMPLEX, ACC)
+                    ir, ii = _load(
+                        i_ptr, i_base + 0 * t, mask & outside, IS_COMPLEX, ACC
+                    )  # fmt: skip
                     xr, xi = tl.where(inside, xr, ir), tl.where(inside, xi, ii)
-                _store(o1_ptr, out_base + t * INNER, hr, hi, mask, IS_COMPLEX)
-                gr, gi = _cmul(hr, hi, xr, -xi, IS_COMPLEX)
+                _store(o1_ptr, out_base + t * INNER, Hr, Hi, mask, IS_COMPLEX)
+                gr, gi = _cmul(Hr, Hi, xr, -xi, IS_COMPLEX)
                 _store(o2_ptr, out_base + t * INNER, gr, gi, mask, IS_COMPLEX)
             else:
                 h_t = tl.load(h_ptr + h_base + t * sh1, mask=mask, other=0.0).to(ACC)
                 h_prev = tl.load(
-                    h_ptr + h_base + tn * sh1, mask=_both(mask, inside), other=float("-inf")
+                    h_ptr + h_base + tn * sh1, mask=mask & inside, other=float("-inf")
                 ).to(ACC)
                 if HAS_INIT:
-                    init = tl.load(i_ptr + i_base, mask=mask, other=float("-inf")).to(ACC)
+                    init = tl.load(
+                        i_ptr + i_base + 0 * t, mask=mask, other=float("-inf")
+                    ).to(ACC)  # fmt: skip
                     h_prev = tl.where(inside, h_prev, init)
                 la = tl.load(a_ptr + a_base + t * sa1, mask=mask, other=0.0).to(ACC)
                 lb = tl.load(e_ptr + e_base + t * se1, mask=mask, other=0.0).to(ACC)
-                _store(o1_ptr, out_base + t * INNER, hr * _weight(lb, h_t), hi, mask, False)
+                _store(o1_ptr, out_base + t * INNER, Hr * _weight(lb, h_t), Hi, mask, False)
                 _store(
-                    o2_ptr, out_base + t * INNER, hr * _weight(la + h_prev, h_t), hi, mask, False
+                    o2_ptr, out_base + t * INNER, Hr * _weight(la + h_prev, h_t), Hi, mask, False
                 )
 
 
@@ -351,6 +478,21 @@ def backward(
     return grad_tokens, grad_gates if grad_gates is not None else grad_tokens
 
 
+def plan(
+    steps: int, channels: int, time_stride: int, chunk: int | None = None
+) -> tuple[Blocks, int]:
+    """(the tile, the chunk length) for a pass: the time-contiguous tile where the
+    tokens' time stride is 1, else the time-major one; chunks long enough that about
+    2048 programs run (one chunk, no carry pass, when the channel blocks alone are
+    that many), at least the tile's ``min_chunk`` and a whole number of tiles."""
+    tile = blocks(time_contiguous=time_stride == 1 and steps > 1)
+    if chunk is None:
+        chunk = max(
+            tile.min_chunk, triton.cdiv(steps, max(1, 2048 // triton.cdiv(channels, tile.channels)))
+        )
+    return tile, tile.steps * triton.cdiv(chunk, tile.steps)
+
+
 def _run(
     mode: int,
     a: torch.Tensor,
@@ -376,35 +518,39 @@ def _run(
         return o1, o2
     is_complex = b.is_complex()
     acc = torch.float64 if b.dtype in (torch.float64, torch.complex128) else torch.float32
-    blocks = triton.cdiv(channels, _BLOCK_C)
-    if chunk is None:
-        chunk = max(16, triton.cdiv(steps, max(1, 2048 // blocks)))
-    n_chunks = triton.cdiv(steps, chunk)
     views = []
     for t in (a, b, h if h is not None else b, e if e is not None else b):
         v, st = _strides3(t, dims)
         views.append((_real_view(v), st))
+    tile, chunk = plan(steps, channels, views[1][1][1], chunk)
+    n_chunks = triton.cdiv(steps, chunk)
+    c_blocks = triton.cdiv(channels, tile.channels)
     if initial is not None:
         init = _real_view(initial.reshape(outer, inner))
         i_strides = initial.reshape(outer, inner).stride()
     else:
         init, i_strides = views[1][0], (0, 0)
-    summaries = [torch.empty((n_chunks, channels), dtype=acc, device=b.device) for _ in range(4)]
-    carries = [torch.empty((n_chunks, channels), dtype=acc, device=b.device) for _ in range(2)]
     ACC = tl.float64 if acc == torch.float64 else tl.float32
-    flags = dict(MODE=mode, IS_COMPLEX=is_complex, ACC=ACC, BLOCK_C=_BLOCK_C)
+    flags = dict(MODE=mode, IS_COMPLEX=is_complex, ACC=ACC, BLOCK_C=tile.channels)
     (av, sa), (bv, sb), (hv, sh), (ev, se) = views
-    _summaries[(blocks, n_chunks)](
-        av, *sa, bv, *sb, hv, *sh, *summaries, channels, inner, steps, chunk,
-        REVERSE=reverse, **flags,
-    )  # fmt: skip
-    _carries[(blocks,)](
-        *summaries, *carries, init, *i_strides, channels, inner, n_chunks,
-        HAS_INIT=initial is not None, **flags,
-    )  # fmt: skip
-    _apply[(blocks, n_chunks)](
+    carries = [init, init]  # unused with one chunk
+    if n_chunks > 1:
+        summaries = [
+            torch.empty((n_chunks, channels), dtype=acc, device=b.device) for _ in range(4)
+        ]
+        carries = [torch.empty((n_chunks, channels), dtype=acc, device=b.device) for _ in range(2)]
+        _summaries[(c_blocks, n_chunks)](
+            av, *sa, bv, *sb, hv, *sh, *summaries, channels, inner, steps, chunk,
+            REVERSE=reverse, BLOCK_T=tile.steps, **flags,
+        )  # fmt: skip
+        _carries[(c_blocks,)](
+            *summaries, *carries, init, *i_strides, channels, inner, n_chunks,
+            HAS_INIT=initial is not None, **flags,
+        )  # fmt: skip
+    _apply[(c_blocks, n_chunks)](
         av, *sa, bv, *sb, hv, *sh, ev, *se, init, *i_strides, *carries,
         _real_view(o1), _real_view(o2 if o2 is not None else o1), channels, inner, steps, chunk,
-        REVERSE=reverse, HAS_INIT=initial is not None, **flags,
+        REVERSE=reverse, HAS_INIT=initial is not None, SINGLE=n_chunks == 1, BLOCK_T=tile.steps,
+        **flags,
     )  # fmt: skip
     return o1, o2

@@ -227,11 +227,7 @@ def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor):  # type: ignore[no-untyped-def]
     high = torch.complex128 if case.dtype.is_complex else torch.float64
     a, b, g = gates.cpu().to(high), tokens.cpu().to(high), grad.cpu().to(high)
-    scan = (
-        linear_loop
-        if case.shape[case.dim] <= _LOOP_REFERENCE_STEPS
-        else forward_linear
-    )
+    scan = linear_loop if case.shape[case.dim] <= _LOOP_REFERENCE_STEPS else forward_linear
     if case.op == "log":  # log of the linear recurrence on exp(inputs), in float64
         out = scan(a.exp(), b.exp(), None, case.dim, False).log()
         if not case.backward:

@@ -99,9 +99,7 @@ def _log_checks(backend: str, device: str) -> Iterator[CheckResult]:
         tokens = tokens if dtype.is_complex else tokens.abs()
         tokens[:, :3] = 0  # log 0 for the first steps
         h = log_linear_scan(gates.log(), tokens.log(), 1, backend=backend)
-        want = linear_loop(
-            gates.to(_high(dtype)), tokens.to(_high(dtype)), None, 1, False
-        )
+        want = linear_loop(gates.to(_high(dtype)), tokens.to(_high(dtype)), None, 1, False)
         err = relative_error(h.exp(), want)
         ok = err <= TOLERANCE[dtype][1] and not bool(h.isnan().any())
         name = f"log forward {str(dtype).removeprefix('torch.')}"
