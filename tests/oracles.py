@@ -27,6 +27,7 @@ __all__ = [
     "log_loop",
     "matmul_fold",
     "matrix_loop",
+    "packed_loop",
     "python_linear_loop",
     "python_log_loop",
 ]
@@ -86,6 +87,29 @@ def log_loop(
         out[t] = state
     h = torch.stack(out).movedim(0, dim) if steps else (a + b).movedim(0, dim)
     return h, state
+
+
+def packed_loop(
+    loop: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    gates: torch.Tensor,
+    tokens: torch.Tensor,
+    dim: int,
+    cu_seqlens: Sequence[int],
+    initials: Sequence[torch.Tensor] | None = None,
+    reverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: each ``cu_seqlens[s] .. cu_seqlens[s+1] - 1`` along ``dim``
+    scanned alone by ``loop`` (linear_loop or log_loop) from ``initials[s]`` (a state:
+    the shape without ``dim``). Returns (x, the final states stacked along a new dim 0)."""
+    a, b = torch.broadcast_tensors(gates, tokens)
+    pieces, finals = [], []
+    for s in range(len(cu_seqlens) - 1):
+        lo, hi = cu_seqlens[s], cu_seqlens[s + 1]
+        h = None if initials is None else initials[s]
+        x, final = loop(a.narrow(dim, lo, hi - lo), b.narrow(dim, lo, hi - lo), dim, h, reverse)
+        pieces.append(x)
+        finals.append(final)
+    return torch.cat(pieces, dim), torch.stack(finals)
 
 
 def python_linear_loop(

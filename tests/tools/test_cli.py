@@ -230,16 +230,50 @@ def test_default_bench_times_every_backend_and_peer_and_the_headline_shapes() ->
 @pytest.mark.parametrize(
     ("flags", "workload"),
     [
-        ([], (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES)),
-        (["--full"], (bench.FULL_CASES, bench.FULL_GENERIC_CASES)),
-        (["--quick"], (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES)),
+        ([], (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES, bench.DEFAULT_PACKED_CASES)),
+        (["--full"], (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES)),
+        (["--quick"], (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES, bench.QUICK_PACKED_CASES)),
     ],
 )
 def test_bench_runs_the_default_full_or_quick_workload(flags, workload, monkeypatch) -> None:
     seen = []
     monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.append(kw) or 0)
     assert main(["bench", "--json", *flags]) == 0
-    assert (seen[0]["cases"], seen[0]["generic_cases"]) == workload
+    assert (seen[0]["cases"], seen[0]["generic_cases"], seen[0]["packed_cases"]) == workload
+
+
+def test_bench_packed_rows_compare_with_one_sequence_and_a_loop() -> None:
+    out = io.StringIO()
+    status = bench.run_bench(
+        cases=bench.QUICK_CASES[:1], packed_cases=bench.QUICK_PACKED_CASES,
+        backend_names=["cpu"], repeat=1, as_json=True, out=out,
+    )  # fmt: skip
+    assert status == 0
+    rows = json.loads(out.getvalue())["packed_rows"]
+    assert [r["impl"] for r in rows] == ["cu_seqlens", "one sequence", "python loop over sequences"]
+    packed = rows[0]
+    assert packed["correct"] and packed["max_error"] < 1e-5
+    assert packed["time_ms"] > 0 and packed["ratio"] > 0 and rows[1]["vs_one_sequence"] == 1.0
+
+
+def test_bench_never_reports_a_speed_for_a_wrong_packed_result(monkeypatch) -> None:
+    from parascan.tools import bench_packed
+
+    real = bench_packed.linear_scan
+
+    def off(*args, cu_seqlens=None, **kw):  # type: ignore[no-untyped-def]
+        out = real(*args, cu_seqlens=cu_seqlens, **kw)
+        return out * 1.01 if cu_seqlens is not None else out
+
+    monkeypatch.setattr(bench_packed, "linear_scan", off)
+    out = io.StringIO()
+    status = bench.run_bench(
+        cases=bench.QUICK_CASES[:1], packed_cases=bench.QUICK_PACKED_CASES,
+        backend_names=["cpu"], repeat=1, out=out,
+    )  # fmt: skip
+    assert status == 1
+    wrong = [line for line in out.getvalue().splitlines() if "WRONG" in line]
+    assert len(wrong) == 1 and "cu_seqlens" in wrong[0]
 
 
 @pytest.mark.slow
@@ -247,15 +281,17 @@ def test_bench_runs_the_default_full_or_quick_workload(flags, workload, monkeypa
 def test_bench_workload_is_correct_for_every_backend(workload) -> None:
     """The default workload (a minute or two) and --full (minutes): every parascan result
     matches the float64 reference."""
-    cases, generic_cases = {
-        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES),
-        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES),
+    cases, generic_cases, packed_cases = {
+        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES, bench.DEFAULT_PACKED_CASES),
+        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES),
     }[workload]
     out = io.StringIO()
     status = bench.run_bench(
-        cases=cases, generic_cases=generic_cases, repeat=1, as_json=True, out=out
-    )
+        cases=cases, generic_cases=generic_cases, packed_cases=packed_cases, repeat=1,
+        as_json=True, out=out,
+    )  # fmt: skip
     assert status == 0
     result = json.loads(out.getvalue())
     assert all(r["correct"] for r in result["rows"] if r["kind"] == "parascan")
     assert all(r["correct"] for r in result["generic_rows"] if r["source"] == "parascan")
+    assert all(r["correct"] for r in result["packed_rows"])

@@ -10,6 +10,7 @@ PS_API int64_t ps_scan_bwd_args_size(void) { return (int64_t)sizeof(ps_scan_bwd_
 PS_API int64_t ps_matrix_linear_scan_args_size(void) {
     return (int64_t)sizeof(ps_matrix_linear_scan_args);
 }
+PS_API int64_t ps_varlen_args_size(void) { return (int64_t)sizeof(ps_varlen_args); }
 PS_API int64_t ps_matmul_args_size(void) { return (int64_t)sizeof(ps_matmul_args); }
 
 PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {

@@ -11,6 +11,10 @@
  * Entry points (<sfx>: f16, bf16, f32, f64, c64, c128 unless said otherwise):
  *   ps_linear_scan_fwd_<sfx>, ps_log_linear_scan_fwd_<sfx>   (ps_scan_fwd_args)
  *   ps_linear_scan_bwd_<sfx>, ps_log_linear_scan_bwd_<sfx>   (ps_scan_bwd_args)
+ *   ps_linear_scan_fwd_varlen_<sfx>, ps_log_linear_scan_fwd_varlen_<sfx>
+ *                                         (ps_scan_fwd_args, ps_varlen_args)
+ *   ps_linear_scan_bwd_varlen_<sfx>, ps_log_linear_scan_bwd_varlen_<sfx>
+ *                                         (ps_scan_bwd_args, ps_varlen_args)
  *   ps_matrix_linear_scan_fwd_{f32,f64}                      (ps_matrix_linear_scan_args)
  *   ps_matmul_reduce_{f32,f64}                                (ps_matmul_args)
  */
@@ -21,7 +25,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 6
+#define PS_ABI_VERSION 7
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -62,6 +66,18 @@ typedef struct {
     int64_t reverse, nthreads;
 } ps_scan_bwd_args;
 
+/* Packed sequences (cu_seqlens), beside a ps_scan_fwd_args or ps_scan_bwd_args:
+ * the steps are nseq sequences, sequence s holding steps cu_seqlens[s] ..
+ * cu_seqlens[s + 1] - 1 (0 = cu_seqlens[0] <= ... <= cu_seqlens[nseq] = steps), each
+ * scanned from its own initial state as if alone (reverse: within each sequence).
+ * initial and grad_initial point at sequence 0's state, (outer, inner) strided as
+ * in the scan's struct; sequence s's lies s * initial_seq_stride (grad_initial_seq_stride)
+ * elements further. An empty sequence's grad_initial is 0. */
+typedef struct {
+    const int64_t *cu_seqlens;
+    int64_t nseq, initial_seq_stride, grad_initial_seq_stride;
+} ps_varlen_args;
+
 /* matrix_linear_scan (matrix/recurrence.h): x[t] = W[t] @ x[t-1] + b[t].
  * ``out`` is contiguous (batch, steps, d). A batch stride of 0 shares a tensor
  * across the batch (broadcasting). W may have any row and column strides (a
@@ -94,6 +110,7 @@ typedef struct {
 PS_API int64_t ps_abi_version(void);
 PS_API int64_t ps_scan_fwd_args_size(void);
 PS_API int64_t ps_scan_bwd_args_size(void);
+PS_API int64_t ps_varlen_args_size(void);
 PS_API int64_t ps_matrix_linear_scan_args_size(void);
 PS_API int64_t ps_matmul_args_size(void);
 

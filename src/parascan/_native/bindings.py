@@ -30,7 +30,9 @@ __all__ = [
     "kernel",
     "kernel_constants",
     "scan_backward",
+    "scan_backward_varlen",
     "scan_forward",
+    "scan_forward_varlen",
     "state2",
     "view3",
 ]
@@ -64,6 +66,7 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         *_tensor("grad_gates", 3), *_tensor("grad_tokens", 3), *_tensor("grad_initial", 2),
         "reverse", "nthreads",
     ),
+    "varlen": ("cu_seqlens", "nseq", "initial_seq_stride", "grad_initial_seq_stride"),
     "matrix_linear_scan": (
         "batch", "steps", "d", "weights", "w_batch", "w_step", "w_row", "w_col",
         "biases", "b_batch", "b_step", "initial", "i_batch", "out", "reverse", "nthreads",
@@ -104,7 +107,8 @@ def kernel(name: str, dtype: torch.dtype) -> Any:
     for ``ps_linear_scan_fwd_f32``."""
     fn = getattr(_checked_library(), f"ps_{name}_{_SUFFIX[dtype]}")
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p]
+    # the packed-sequence entries take a ps_varlen_args after the scan's struct
+    fn.argtypes = [ctypes.c_void_p] * (2 if name.endswith("_varlen") else 1)
     return fn
 
 
@@ -270,4 +274,116 @@ def scan_backward(
     if kernel(entry, gates.dtype)(args) != 0:
         raise RuntimeError(f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims}")
     del h_keep
+    return grad_gates, grad_tokens, grad_initial
+
+
+def _varlen(
+    entry: str, cu_seqlens: torch.Tensor, steps: int, initial: torch.Tensor | None,
+    grad_initial: torch.Tensor | None, dims: tuple[int, int, int],
+) -> tuple[Any, tuple[int, int, int], tuple[int, int, int], list[torch.Tensor]]:  # fmt: skip
+    """The ps_varlen_args of a packed call; the (data pointer, strides) of the
+    per-sequence states (seen as (outer, nseq, inner)) as the scan's struct takes
+    them, sequence 0's; and the views those pointers belong to (possibly copies,
+    which the caller holds while the kernel runs)."""
+    nseq = cu_seqlens.numel() - 1
+    if (
+        cu_seqlens.dtype != torch.int64
+        or cu_seqlens.device.type != "cpu"
+        or cu_seqlens.dim() != 1
+        or not cu_seqlens.is_contiguous()
+        or nseq < 0
+    ):
+        raise RuntimeError(
+            f"parascan: internal error: the {entry} CPU kernel takes cu_seqlens as a contiguous "
+            f"int64 CPU vector, but was handed {cu_seqlens.dtype} {tuple(cu_seqlens.shape)} "
+            f"on {cu_seqlens.device}"
+        )
+    states, keep = [], []
+    for t in (initial, grad_initial):
+        if t is None:
+            states.append(((0, 0, 0), 0))
+        else:
+            v = t.reshape(dims[0], nseq, dims[2])
+            keep.append(v)
+            states.append(((v.data_ptr(), v.stride(0), v.stride(2)), v.stride(1)))
+    (h, h_seq), (gh, gh_seq) = states
+    args = ARG_STRUCTS["varlen"](cu_seqlens.data_ptr(), nseq, h_seq, gh_seq)
+    return args, h, gh, keep
+
+
+def scan_forward_varlen(
+    semiring: str,
+    gates: torch.Tensor,
+    tokens: torch.Tensor,
+    initial: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    dim: int,
+    reverse: bool,
+) -> torch.Tensor:
+    """scan_forward over packed sequences: the steps along ``dim`` split at the
+    offsets ``cu_seqlens`` (an int64 CPU vector, 0 first, the length last,
+    non-decreasing), each sequence scanned from its own state; ``initial`` has the
+    shape of ``tokens`` with ``dim`` of size num_seqs (sequence s's state at index s)."""
+    entry = _SCAN_FWD[semiring] + "_varlen"
+    shape = tokens.shape
+    dim = _time_dim(_SCAN_OP[semiring], dim, tokens.dim())
+    seq_state = (*shape[:dim], cu_seqlens.numel() - 1, *shape[dim + 1 :])
+    check_operands(entry, tokens.dtype, (gates, shape), (tokens, shape), (initial, seq_state))
+    dims = dims3(shape, dim)
+    out = torch.empty(shape, dtype=tokens.dtype)
+    (a, a_s), (b, b_s), (x, x_s) = view3(gates, dims), view3(tokens, dims), view3(out, dims)
+    varlen, h, _, keep = _varlen(entry, cu_seqlens, dims[1], initial, None, dims)
+    args = ARG_STRUCTS["scan_fwd"](
+        *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
+        x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel(entry, tokens.dtype)(args, varlen) != 0:
+        raise RuntimeError(
+            f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims} with "
+            f"cu_seqlens {cu_seqlens.tolist()}"
+        )
+    del keep
+    return out
+
+
+def scan_backward_varlen(
+    semiring: str,
+    gates: torch.Tensor,
+    tokens: torch.Tensor | None,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    initial: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    dim: int,
+    reverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scan_backward over packed sequences (see scan_forward_varlen): the gradient
+    of ``initial`` has its shape (``dim`` of size num_seqs), 0 for an empty sequence."""
+    entry = _SCAN_BWD[semiring] + "_varlen"
+    dim = _time_dim(_SCAN_OP[semiring], dim, gates.dim())
+    shape = gates.shape
+    seq_state = (*shape[:dim], cu_seqlens.numel() - 1, *shape[dim + 1 :])
+    check_operands(
+        entry, gates.dtype, (gates, shape), (tokens, shape), (out, shape), (grad_out, shape),
+        (initial, seq_state),
+    )  # fmt: skip
+    dims = dims3(shape, dim)
+    grad_gates = torch.empty(shape, dtype=gates.dtype)
+    grad_tokens = torch.empty(shape, dtype=gates.dtype)
+    grad_initial = torch.empty(seq_state, dtype=gates.dtype)
+    (a, a_s), (x, x_s), (gx, gx_s) = view3(gates, dims), view3(out, dims), view3(grad_out, dims)
+    (ga, ga_s), (gb, gb_s) = view3(grad_gates, dims), view3(grad_tokens, dims)
+    b, b_s = view3(tokens, dims) if tokens is not None else (None, (0, 0, 0))
+    varlen, h, gh, keep = _varlen(entry, cu_seqlens, dims[1], initial, grad_initial, dims)
+    args = ARG_STRUCTS["scan_bwd"](
+        *dims, a.data_ptr(), *a_s, 0 if b is None else b.data_ptr(), *b_s,
+        x.data_ptr(), *x_s, gx.data_ptr(), *gx_s, *h, ga.data_ptr(), *ga_s,
+        gb.data_ptr(), *gb_s, *gh, reverse, torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel(entry, gates.dtype)(args, varlen) != 0:
+        raise RuntimeError(
+            f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims} with "
+            f"cu_seqlens {cu_seqlens.tolist()}"
+        )
+    del keep
     return grad_gates, grad_tokens, grad_initial

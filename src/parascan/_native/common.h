@@ -89,6 +89,55 @@ static inline void ps_run_units(int64_t outer, int64_t inner, int64_t nthreads, 
     }
 }
 
+/* Packed sequences (ps_varlen_args): each sequence is an independent scan of its own
+ * steps, run by the plain entry on a view of them (`run` builds that view for
+ * sequence s and calls the entry with `nthreads`), so every input is read once and
+ * no state crosses a boundary; the sequence's tiles and chunks start at its first
+ * step. A sequence big enough to share among the team (at least 2^16 elements per
+ * thread, or a long row) runs alone with all of it, one after another; the others
+ * run together, each whole on one thread, the team splitting them by where they
+ * start (thread k takes those starting in its k-th share of the steps), so that
+ * many short sequences cost one parallel region. */
+typedef int (*ps_segment_fn)(const void *args, const ps_varlen_args *v, int64_t s,
+                             int64_t nthreads);
+typedef struct {
+    const void *args;
+    const ps_varlen_args *v;
+    ps_segment_fn run;
+    int64_t steps, channels, nthreads;
+} ps_varlen_job;
+
+static inline int ps_varlen_alone(const ps_varlen_job *j, int64_t s) {
+    const int64_t len = j->v->cu_seqlens[s + 1] - j->v->cu_seqlens[s];
+    return len >= PS_LONG_STEPS || (len > 0 && j->channels >= ((INT64_C(1) << 16) * j->nthreads + len - 1) / len);
+}
+
+static void ps_varlen_shared(const void *vp, int64_t k0, int64_t k1) {
+    const ps_varlen_job *j = (const ps_varlen_job *)vp;
+    const int64_t share = (j->steps + j->nthreads - 1) / j->nthreads; /* >= 1: steps > 0 */
+    for (int64_t s = 0; s < j->v->nseq; ++s) {
+        int64_t k = j->v->cu_seqlens[s] / share;
+        if (k >= j->nthreads) k = j->nthreads - 1;
+        if (k0 <= k && k < k1 && !ps_varlen_alone(j, s)) j->run(j->args, j->v, s, 1);
+    }
+}
+
+/* 0, or -1 when cu_seqlens is not 0 = cu[0] <= ... <= cu[nseq] = steps. */
+static inline int ps_run_varlen(const void *args, const ps_varlen_args *v, ps_segment_fn run,
+                                int64_t steps, int64_t channels, int64_t nthreads) {
+    if (!v || v->nseq < 0 || !v->cu_seqlens || v->cu_seqlens[0] != 0 ||
+        v->cu_seqlens[v->nseq] != steps)
+        return -1;
+    for (int64_t s = 0; s < v->nseq; ++s)
+        if (v->cu_seqlens[s + 1] < v->cu_seqlens[s]) return -1;
+    const ps_varlen_job job = {args, v, run, steps, channels,
+                               ps_threads_for(steps * channels, nthreads)};
+    if (steps > 0) ps_parallel_for(job.nthreads, job.nthreads, ps_varlen_shared, &job);
+    for (int64_t s = 0; s < v->nseq; ++s)
+        if (steps == 0 || ps_varlen_alone(&job, s)) run(args, v, s, job.nthreads);
+    return 0;
+}
+
 /* Token pasting: PS_CAT(a, b) is a_b, after expanding a and b. */
 #define PS_CAT2(a, b) a##_##b
 #define PS_CAT(a, b) PS_CAT2(a, b)

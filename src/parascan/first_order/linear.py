@@ -7,6 +7,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
+from parascan.first_order import varlen
 from parascan.first_order.arguments import cpu_fast_path, prepare, with_final
 from parascan.first_order.autograd import apply
 from parascan.first_order.semiring import LINEAR
@@ -24,6 +25,7 @@ def linear_scan(
     reverse: bool = ...,
     return_final: Literal[False] = ...,
     backend: str = ...,
+    cu_seqlens: Tensor | None = ...,
 ) -> Tensor: ...
 @overload
 def linear_scan(
@@ -35,6 +37,7 @@ def linear_scan(
     reverse: bool = ...,
     return_final: Literal[True],
     backend: str = ...,
+    cu_seqlens: Tensor | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -47,6 +50,7 @@ def linear_scan(
     reverse: bool = False,
     return_final: bool = False,
     backend: str = "auto",
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     r"""First-order linear recurrence along ``dim``.
 
@@ -72,6 +76,14 @@ def linear_scan(
             reversed; ``initial`` or zeros when T == 0).
         backend: ``"auto"``, ``"cpu"``, ``"triton"``, ``"torch"`` or ``"loop"``; see
             :func:`parascan.backends`.
+        cu_seqlens: packed variable-length sequences: an int32/int64 tensor of
+            ``num_seqs + 1`` offsets along ``dim`` (0 first, the length last,
+            non-decreasing). Each sequence ``cu_seqlens[s] .. cu_seqlens[s+1] - 1`` is
+            scanned as if alone (``reverse`` within it; no state or gradient crosses a
+            boundary). ``initial`` and ``final`` then hold one state per sequence, with a
+            leading ``num_seqs`` dim in place of the batch: the result's leading dim must
+            be 1 (or ``dim`` 0), e.g. ``(1, T, D)`` along dim 1 takes and returns
+            ``(num_seqs, D)`` states. An empty sequence's final state is its initial one.
 
     Returns:
         ``out``, contiguous, with the broadcast shape and dtype
@@ -92,7 +104,13 @@ def linear_scan(
                 [3.0000, 2.5000, 2.2500]])
         >>> final
         tensor([1.7500, 2.2500])
+        >>> ps.linear_scan(0.5, torch.ones(1, 5), 1, cu_seqlens=torch.tensor([0, 2, 5]))
+        tensor([[1.0000, 1.5000, 1.0000, 1.5000, 1.7500]])
     """
+    if cu_seqlens is not None:
+        return varlen.scan(
+            LINEAR, gates, tokens, dim, initial, reverse, return_final, backend, cu_seqlens
+        )
     if not torch.compiler.is_compiling():
         fast = cpu_fast_path(LINEAR, gates, tokens, dim, initial, reverse, return_final, backend)
         if fast is not None:

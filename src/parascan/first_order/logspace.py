@@ -8,6 +8,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
+from parascan.first_order import varlen
 from parascan.first_order.arguments import cpu_fast_path, prepare, with_final
 from parascan.first_order.autograd import apply
 from parascan.first_order.semiring import LOG
@@ -25,6 +26,7 @@ def log_linear_scan(
     reverse: bool = ...,
     return_final: Literal[False] = ...,
     backend: str = ...,
+    cu_seqlens: Tensor | None = ...,
 ) -> Tensor: ...
 @overload
 def log_linear_scan(
@@ -36,6 +38,7 @@ def log_linear_scan(
     reverse: bool = ...,
     return_final: Literal[True],
     backend: str = ...,
+    cu_seqlens: Tensor | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -48,6 +51,7 @@ def log_linear_scan(
     reverse: bool = False,
     return_final: bool = False,
     backend: str = "auto",
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     r"""First-order linear recurrence computed in log space, returning ``log x``.
 
@@ -69,6 +73,8 @@ def log_linear_scan(
         return_final: also return the last state (``-inf`` or ``initial`` when T == 0).
         backend: ``"auto"``, ``"cpu"``, ``"torch"`` or ``"loop"``; see
             :func:`parascan.backends`.
+        cu_seqlens: packed sequences, as for :func:`parascan.linear_scan` (``initial``
+            and ``final`` per sequence, log 0 for an empty one without ``initial``).
 
     Returns:
         ``h`` (contiguous, broadcast shape, dtype ``torch.result_type``), or
@@ -88,6 +94,10 @@ def log_linear_scan(
         >>> ps.log_linear_scan(torch.zeros(2), neg, 0).exp().real
         tensor([ 1., -2.])
     """
+    if cu_seqlens is not None:
+        return varlen.scan(
+            LOG, log_gates, log_tokens, dim, initial, reverse, return_final, backend, cu_seqlens
+        )
     if not torch.compiler.is_compiling():
         fast = cpu_fast_path(
             LOG, log_gates, log_tokens, dim, initial, reverse, return_final, backend

@@ -1,6 +1,7 @@
 /* One instantiation block of the first-order scan: the forward (scan_forward.h) and
  * the fused backward (scan_backward.h) of one semiring over one dtype, exported as
- * ps_<OP>_fwd_<SFX> and ps_<OP>_bwd_<SFX> (ABI in abi.h). scan.c includes this
+ * ps_<OP>_fwd_<SFX> and ps_<OP>_bwd_<SFX>, and their packed-sequence entries
+ * ps_<OP>_{fwd,bwd}_varlen_<SFX> (scan_varlen.h; ABI in abi.h). scan.c includes this
  * header once per (semiring, dtype), having defined:
  *   SEMIRING, OP   in its semiring section: linear and linear_scan (semiring_linear.h),
  *                  or log and log_linear_scan (semiring_log.h)
@@ -42,6 +43,7 @@
 
 #include "scan_forward.h"
 #include "scan_backward.h"
+#include "scan_varlen.h"
 
 /* The end of the block. */
 #undef PS_DTYPE_F32

@@ -47,6 +47,15 @@ from parascan.tools.bench_generic import (
     implementation_names,
     run_generic,
 )
+from parascan.tools.bench_packed import (
+    DEFAULT_PACKED_CASES,
+    FULL_PACKED_CASES,
+    QUICK_PACKED_CASES,
+    PackedCase,
+    format_packed,
+    run_packed,
+)
+from parascan.tools.bench_packed import implementation_names as packed_names
 from parascan.tools.info import summary
 from parascan.tools.timing import elapsed as _elapsed
 from parascan.tools.tolerance import TOLERANCE, relative_error
@@ -55,10 +64,13 @@ __all__ = [
     "CUDA_CASES",
     "DEFAULT_CASES",
     "DEFAULT_GENERIC_CASES",
+    "DEFAULT_PACKED_CASES",
     "FULL_CASES",
     "FULL_GENERIC_CASES",
+    "FULL_PACKED_CASES",
     "QUICK_CASES",
     "QUICK_GENERIC_CASES",
+    "QUICK_PACKED_CASES",
     "Case",
     "Row",
     "run_bench",
@@ -438,17 +450,23 @@ def run_bench(
     *,
     cases: list[Case] | None = None,
     generic_cases: list[GenericCase] | None = None,
+    packed_cases: list[PackedCase] | None = None,
     backend_names: list[str] | None = None,
     repeat: int = 5,
     as_json: bool = False,
     plot_path: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Run the cases, the generic-scan cases (bench_generic.py) and the sweep when
-    plotting; print tables or JSON. Returns 1 when any parascan result was wrong,
-    else 0 (a wrong peer is reported, not an error of this program)."""
+    """Run the cases, the generic-scan cases (bench_generic.py), the packed-sequence
+    cases (bench_packed.py; the cpu backend's, left out when ``backend_names``
+    omits it) and the sweep when plotting; print tables or JSON. Returns 1 when any
+    parascan result was wrong, else 0 (a wrong peer is reported, not an error of this
+    program)."""
     cases = list(cases or DEFAULT_CASES)
     generic = list(generic_cases or [])
+    packed = list(packed_cases or [])
+    if backend_names and "cpu" not in backend_names:
+        packed = []
     if backend_names:  # only these backends; a case that runs none of them is left out
         cases = [
             replace(
@@ -461,11 +479,13 @@ def run_bench(
     if plot_path:
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
     steps += sum(len(implementation_names(c)) for c in generic)
+    steps += sum(len(packed_names(c)) for c in packed)
     progress = _Progress(steps)
     rows: list[Row] = []
     for case in cases:
         rows.extend(_bench_case(case, repeat, progress))
     generic_rows = run_generic(generic, repeat, progress.step)
+    packed_rows = run_packed(packed, repeat, progress.step)
     if plot_path:
         rows.extend(_sweep(repeat, progress))
     info = summary()
@@ -474,6 +494,7 @@ def run_bench(
             "machine": info,
             "rows": [asdict(r) for r in rows],
             "generic_rows": [asdict(r) for r in generic_rows],
+            "packed_rows": [asdict(r) for r in packed_rows],
         }
         json.dump(result, out, indent=2)
         out.write("\n")
@@ -481,8 +502,11 @@ def run_bench(
         print(format_table(rows, info), file=out)
         if generic_rows:
             print("\n" + format_generic(generic_rows), file=out)
+        if packed_rows:
+            print("\n" + format_packed(packed_rows), file=out)
     if plot_path:
         plot(rows, plot_path)
     ours = [r.correct for r in rows if r.kind == "parascan"]
     ours += [r.correct for r in generic_rows if r.source == "parascan"]
+    ours += [r.correct for r in packed_rows]
     return 0 if all(ours) else 1

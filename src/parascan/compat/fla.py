@@ -1,0 +1,99 @@
+"""Drop-ins for flash-linear-attention's HGRN recurrences (``fla.ops.hgrn``)::
+
+    from parascan.compat.fla import chunk_hgrn, fused_recurrent_hgrn
+
+The same signatures and results, ``h[t] = exp(g[t]) * h[t-1] + x[t]`` over ``(B, T, D)``
+tensors (``g`` the log of the forget gate, e.g. ``logsigmoid``), returning ``(o, final)``
+with ``o[t] = h[t]``; computed by :func:`parascan.linear_scan` along dim 1, on any device
+and dtype (half types accumulate in float32, with the gate's exp taken in float32, as
+the originals do). Packed variable-length batches take ``cu_seqlens`` (B == 1, one
+initial and final state per sequence) in both functions; in the originals only
+``fused_recurrent_hgrn`` does. Differentiable in ``x``, ``g`` and ``initial_state``
+(``chunk_hgrn``'s original returns no gradient for the initial state).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from parascan._checks import describe
+from parascan.first_order import linear_scan
+
+__all__ = ["chunk_hgrn", "fused_recurrent_hgrn"]
+
+
+def _hgrn(
+    fn: str,
+    x: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    for name, t in (("x", x), ("g", g)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{fn}: expected {name} of shape (B, T, D), but got {describe(t)}")
+    if x.shape != g.shape:
+        raise ValueError(
+            f"{fn}: expected x and g of one shape (B, T, D), but got x {tuple(x.shape)} "
+            f"and g {tuple(g.shape)}"
+        )
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(
+            f"{fn}: with cu_seqlens the sequences are packed into a batch of one: expected "
+            f"x of shape (1, T, D), but got {tuple(x.shape)}"
+        )
+    wide = torch.promote_types(x.dtype, torch.float32)
+    gates = g.to(wide).exp()  # the gate's exp in (at least) float32, as the originals
+    o, final = linear_scan(
+        gates, x.to(wide), 1, initial=initial_state, return_final=True, cu_seqlens=cu_seqlens
+    )
+    return o.to(x.dtype), final.to(x.dtype) if output_final_state else None
+
+
+def fused_recurrent_hgrn(
+    x: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``h[t] = exp(g[t]) * h[t-1] + x[t]`` along T, ``h[-1] = initial_state`` (0 by default).
+
+    Args:
+        x: inputs ``(B, T, D)``.
+        g: log forget gates ``(B, T, D)``.
+        initial_state: ``(N, D)``: N = B, or the number of sequences with ``cu_seqlens``.
+        output_final_state: also return the last state ``(N, D)``.
+        cu_seqlens: ``(N + 1,)`` integer offsets of packed sequences along T (B == 1).
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``(B, T, D)`` in ``x``'s dtype, ``final_state``
+        ``(N, D)`` or None.
+
+    Example:
+        >>> import torch
+        >>> from parascan.compat.fla import fused_recurrent_hgrn
+        >>> g = torch.full((1, 3, 1), 0.5).log()
+        >>> fused_recurrent_hgrn(torch.ones(1, 3, 1), g, output_final_state=True)[1]
+        tensor([[1.7500]])
+    """
+    return _hgrn(
+        "parascan.compat.fla.fused_recurrent_hgrn", x, g, initial_state, output_final_state,
+        cu_seqlens,
+    )  # fmt: skip
+
+
+def chunk_hgrn(
+    x: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The same recurrence as :func:`fused_recurrent_hgrn` (the original's chunked
+    kernel; here one computation serves both), with ``cu_seqlens`` too."""
+    return _hgrn(
+        "parascan.compat.fla.chunk_hgrn", x, g, initial_state, output_final_state, cu_seqlens
+    )

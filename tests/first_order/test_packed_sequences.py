@@ -1,0 +1,404 @@
+"""Packed variable-length sequences (``cu_seqlens=``) of linear_scan and log_linear_scan,
+against the float64 loop scanning each sequence alone (oracles.packed_loop): outputs,
+final states and every gradient, on every backend, for boundaries that are empty
+sequences, length-1 sequences, one sequence spanning everything, and boundaries on
+and next to the C kernels' block and chunk sizes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import parascan as ps
+
+from conftest import DTYPES, assert_matches, oracle_dtype, random_gates, random_tokens
+from harness import constants
+from oracles import linear_loop, packed_loop
+
+# (shape builder, dim): the sequences packed along time in each layout the kernels
+# treat differently: time-major (channels contiguous), time-contiguous, time first.
+LAYOUTS = {
+    "time-major": (lambda t, c: (1, t, c), 1),
+    "time-contiguous": (lambda t, c: (1, c, t), -1),
+    "time-first": (lambda t, c: (t, c), 0),
+}
+
+
+def boundaries(steps: int, rng: random.Random) -> list[list[int]]:
+    """Offsets to test for a length: one sequence spanning everything, empty and
+    length-1 sequences, random cuts, and cuts on and next to the kernels' block
+    sizes (TILE, ROWS, BLOCK)."""
+    c = constants()
+    near = {
+        k + d
+        for k in (c.get("TILE", 5), c.get("ROWS", 2), 2 * c.get("TILE", 5))
+        for d in (-1, 0, 1)
+    }
+    cases = [[0, steps], [0, 0, steps, steps]]
+    if steps >= 2:
+        cases.append([0, 1, 1, 2, steps])
+        cases.append(sorted([0, steps, *rng.sample(range(steps + 1), min(6, steps + 1))]))
+        cases.append(sorted([0, steps, *(k for k in near if 0 < k < steps)]))
+    return cases
+
+
+def _split(public: torch.Tensor | None, dim: int) -> list[torch.Tensor] | None:
+    """A public per-sequence state (num_seqs first, in place of the batch) as one
+    state of the result's shape without ``dim`` per sequence."""
+    if public is None:
+        return None
+    return [h if dim == 0 else h.unsqueeze(0) for h in public.unbind(0)]
+
+
+def _public(finals: torch.Tensor, dim: int) -> torch.Tensor:
+    return finals if dim == 0 else finals.select(1, 0)
+
+
+def _case(op: str, layout: str, steps: int, channels: int, dtype: torch.dtype, gen):  # type: ignore[no-untyped-def]
+    make, dim = LAYOUTS[layout]
+    shape = make(steps, channels)
+    gates = random_gates(shape, dtype, gen)
+    tokens = random_tokens(shape, dtype, gen)
+    if op == "log":
+        gates, tokens = gates.log(), tokens.to(torch.complex128).log()
+        tokens = tokens.real.to(dtype) if not dtype.is_complex else tokens.to(dtype)
+        gates = gates.real.to(dtype) if not dtype.is_complex else gates.to(dtype)
+    return gates, tokens, dim
+
+
+def _run(op, gates, tokens, dim, cu, initial, reverse, backend):  # type: ignore[no-untyped-def]
+    scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
+    return scan(
+        gates,
+        tokens,
+        dim,
+        initial=initial,
+        reverse=reverse,
+        return_final=True,
+        backend=backend,
+        cu_seqlens=torch.tensor(cu),
+    )
+
+
+def _oracle(op, gates, tokens, dim, cu, initial, reverse):  # type: ignore[no-untyped-def]
+    """(out, final) of the float64 loop; for log_linear_scan the linear loop of the
+    exponentials (finite gradients at log 0), its log for real inputs, and for complex
+    ones the values themselves (compare exp(out): the log's branch is not unique)."""
+    wide = oracle_dtype(gates.dtype)
+    init = None if initial is None else initial.to(wide)
+    if op == "linear":
+        x, finals = packed_loop(
+            linear_loop, gates.to(wide), tokens.to(wide), dim, cu, _split(init, dim), reverse
+        )
+        return x, _public(finals, dim)
+    x, finals = packed_loop(
+        linear_loop, gates.to(wide).exp(), tokens.to(wide).exp(), dim, cu,
+        _split(None if init is None else init.exp(), dim), reverse,
+    )  # fmt: skip
+    if gates.dtype.is_complex:
+        return x, _public(finals, dim)
+    return x.log(), _public(finals, dim).log()
+
+
+def _comparable(op, t):  # type: ignore[no-untyped-def]
+    return t.exp() if op == "log" and t.dtype.is_complex else t
+
+
+@pytest.mark.targets(interpreter=True)
+@pytest.mark.parametrize("op", ["linear", "log"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
+    rng = random.Random(7)
+    lengths = [0, 1, 5, 9] if target.interpreted else [0, 1, 2, 65, 257]
+    channels = 3 if target.interpreted else constants().get("ROWS", 2) + 3
+    dtypes = [torch.float32] if target.interpreted else DTYPES
+    for dtype in dtypes:
+        if op == "log" and dtype.is_complex and target.backend == "triton":
+            continue  # the Triton log kernel is real (the backend table says so)
+        for steps in lengths:
+            gates, tokens, dim = _case(op, layout, steps, channels, dtype, gen)
+            gates, tokens = gates.to(target.device), tokens.to(target.device)
+            for cu in boundaries(steps, rng):
+                nseq = len(cu) - 1
+                state = (nseq, channels)
+                initial = random_tokens(state, dtype, gen).to(target.device)
+                if op == "log":
+                    initial = initial.abs().log() if not dtype.is_complex else initial.log()
+                for reverse in (False, True):
+                    for h in (None, initial):
+                        out, final = _run(op, gates, tokens, dim, cu, h, reverse, target.backend)
+                        want, want_final = _oracle(op, gates, tokens, dim, cu, h, reverse)
+                        assert out.dtype == dtype and final.shape == state, (out.dtype, final.shape)
+                        assert_matches(_comparable(op, out), want, dtype)
+                        assert_matches(_comparable(op, final), want_final, dtype)
+
+
+@pytest.mark.targets(interpreter=True)
+@pytest.mark.parametrize("op", ["linear", "log"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gradients_stay_inside_each_sequence(target, op, layout, gen) -> None:
+    steps = 9 if target.interpreted else 70
+    cu = [0, 0, 1, 4, 4, steps - 1, steps]
+    dtypes = [torch.float64] + ([] if target.interpreted or op == "log" else [torch.complex128])
+    for dtype in dtypes:
+        gates, tokens, dim = _case(op, layout, steps, 3, dtype, gen)
+        initial = random_tokens((len(cu) - 1, 3), dtype, gen)
+        if op == "log":
+            initial = initial.abs().log()
+        upstream = random_tokens(gates.shape, dtype, gen)
+        upstream_final = random_tokens(initial.shape, dtype, gen)
+        for reverse in (False, True):
+            leaves = [
+                t.clone().to(target.device).requires_grad_() for t in (gates, tokens, initial)
+            ]
+            out, final = _run(op, *leaves[:2], dim, cu, leaves[2], reverse, target.backend)
+            loss = (out * upstream.to(target.device).conj()).real.sum() + (
+                final * upstream_final.to(target.device).conj()
+            ).real.sum()
+            got = torch.autograd.grad(loss, leaves)
+            wide = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
+            want, want_final = _oracle(op, *wide[:2], dim, cu, wide[2], reverse)
+            loss = (want * upstream.conj()).real.sum() + (
+                want_final * upstream_final.conj()
+            ).real.sum()
+            expected = torch.autograd.grad(loss, wide)
+            for g, e in zip(got, expected, strict=True):
+                assert_matches(g, e, dtype)
+
+
+@pytest.mark.targets(backends=("cpu", "torch", "loop"))
+@pytest.mark.parametrize("op", ["linear", "log"])
+def test_gradcheck(target, op) -> None:
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 2, 2, 5, 6])
+    gates = (torch.rand(1, 6, 2, generator=gen, dtype=torch.float64) * 0.5 + 0.4).requires_grad_()
+    tokens = torch.rand(1, 6, 2, generator=gen, dtype=torch.float64).requires_grad_()
+    initial = torch.rand(4, 2, generator=gen, dtype=torch.float64).requires_grad_()
+    scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
+
+    def f(a, b, h):  # type: ignore[no-untyped-def]
+        if op == "log":
+            a, b, h = a.log(), b.log(), h.log()
+        return scan(a, b, 1, initial=h, return_final=True, cu_seqlens=cu, backend=target.backend)
+
+    assert torch.autograd.gradcheck(f, (gates, tokens, initial))
+    assert torch.autograd.gradgradcheck(f, (gates, tokens, initial))
+
+
+@pytest.mark.targets(backends=("cpu",))
+@pytest.mark.parametrize("op", ["linear", "log"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
+    target, op, threads, gen
+) -> None:
+    """The C kernel's packed entry runs each sequence through the plain kernel (the
+    team shares short ones, long ones run alone): the same bits as one plain call per
+    sequence, with any thread count. Long rows (the chunked long-sequence path) and
+    many short sequences (the shared pool) both."""
+    c = constants()
+    long = c["LONG_STEPS"] + c["LONG_CHUNKS"] * 3 + 5
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape, dim, cu in [
+            ((1, 2, long), -1, [0, 7, 7, long - 3, long]),  # long rows: the chunked path
+            ((1, 4000, 40), 1, sorted({0, 4000, *range(0, 4000, 37)})),  # many short ones
+            ((1, 40, 4000), -1, [0, 1, 2, c["TILE"], 2 * c["TILE"] + 1, 4000]),
+        ]:
+            gates = random_gates(shape, torch.float32, gen)
+            tokens = random_tokens(shape, torch.float32, gen)
+            if op == "log":
+                gates, tokens = gates.log(), tokens.abs().log()
+            scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
+            nseq = len(cu) - 1
+            state = (nseq, shape[1] if dim == -1 else shape[2])
+            initial = random_tokens(state, torch.float32, gen)
+            if op == "log":
+                initial = initial.abs().log()
+            for reverse in (False, True):
+                out, final = scan(
+                    gates,
+                    tokens,
+                    dim,
+                    initial=initial,
+                    reverse=reverse,
+                    return_final=True,
+                    cu_seqlens=torch.tensor(cu),
+                    backend="cpu",
+                )
+                for s in range(nseq):
+                    lo, hi = cu[s], cu[s + 1]
+                    part, last = scan(
+                        gates.narrow(dim, lo, hi - lo),
+                        tokens.narrow(dim, lo, hi - lo),
+                        dim,
+                        initial=initial[s].unsqueeze(0),
+                        reverse=reverse,
+                        return_final=True,
+                        backend="cpu",
+                    )
+                    assert torch.equal(out.narrow(dim, lo, hi - lo), part), (shape, s)
+                    assert torch.equal(final[s], last.squeeze(0)), (shape, s)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_long_row_against_the_python_loop() -> None:
+    from oracles import python_linear_loop
+
+    c = constants()
+    steps = c["LONG_STEPS"] + 1000
+    gen = torch.Generator().manual_seed(11)
+    gates = random_gates((1, 1, steps), torch.float64, gen)
+    tokens = random_tokens((1, 1, steps), torch.float64, gen)
+    cu = [0, 17, 17, steps - 5, steps]
+    initial = torch.tensor([[1.0], [2.0], [-3.0], [0.5]], dtype=torch.float64)
+    out = ps.linear_scan(gates, tokens, -1, initial=initial, cu_seqlens=torch.tensor(cu))
+    a, b = gates.flatten().tolist(), tokens.flatten().tolist()
+    want = []
+    for s in range(4):
+        lo, hi = cu[s], cu[s + 1]
+        want += python_linear_loop(a[lo:hi], b[lo:hi], initial[s, 0].item(), False)
+    assert_matches(out.flatten(), torch.tensor(want, dtype=torch.float64), torch.float64)
+
+
+def test_vmap_and_per_sample_gradients() -> None:
+    gen = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 3, 3, 8])
+    gates = random_gates((4, 1, 8, 3), torch.float64, gen)
+    tokens = random_tokens((4, 1, 8, 3), torch.float64, gen)
+    initial = random_tokens((4, 3, 3), torch.float64, gen)
+
+    def one(a, b, h):  # type: ignore[no-untyped-def]
+        out, final = ps.linear_scan(a, b, 1, initial=h, return_final=True, cu_seqlens=cu)
+        return out.square().sum() + final.sum()
+
+    batched = torch.func.vmap(one)(gates, tokens, initial)
+    each = torch.stack([one(gates[i], tokens[i], initial[i]) for i in range(4)])
+    torch.testing.assert_close(batched, each)
+    grads = torch.func.vmap(torch.func.grad(one, argnums=(0, 1, 2)))(gates, tokens, initial)
+    for i in range(4):
+        want = torch.func.grad(one, argnums=(0, 1, 2))(gates[i], tokens[i], initial[i])
+        for g, w in zip(grads, want, strict=True):
+            torch.testing.assert_close(g[i], w)
+
+
+def test_compile_fullgraph() -> None:
+    gen = torch.Generator().manual_seed(6)
+    cu = torch.tensor([0, 2, 7, 9])
+    gates = random_gates((1, 9, 4), torch.float32, gen).requires_grad_()
+    tokens = random_tokens((1, 9, 4), torch.float32, gen).requires_grad_()
+    initial = random_tokens((3, 4), torch.float32, gen).requires_grad_()
+
+    def step(a, b, h):  # type: ignore[no-untyped-def]
+        out, final = ps.log_linear_scan(
+            a.log(), b.abs().log(), 1, initial=h, return_final=True, cu_seqlens=cu
+        )
+        return out.exp().sum() + final.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(gates, tokens, initial)
+    got_grads = torch.autograd.grad(got, (gates, tokens, initial))
+    want = step(gates, tokens, initial)
+    want_grads = torch.autograd.grad(want, (gates, tokens, initial))
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_inputs_are_not_modified_and_the_result_is_contiguous(gen) -> None:
+    gates = random_gates((1, 6, 50), torch.float32, gen).transpose(1, 2)
+    tokens = random_tokens((1, 50, 6), torch.float32, gen)
+    initial = random_tokens((2, 50), torch.float32, gen)
+    copies = [t.clone() for t in (gates, tokens, initial)]
+    out = ps.linear_scan(gates, tokens, -1, initial=initial, cu_seqlens=torch.tensor([0, 4, 6]))
+    assert out.is_contiguous()
+    for t, c in zip((gates, tokens, initial), copies, strict=True):
+        assert torch.equal(t, c)
+
+
+def test_broadcast_gates_and_initial() -> None:
+    tokens = torch.randn(1, 7, 3, dtype=torch.float64)
+    cu = [0, 3, 7]
+    out, final = ps.linear_scan(
+        0.5,
+        tokens,
+        1,
+        initial=torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
+        return_final=True,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+    )
+    h = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64).expand(2, 3)
+    want, want_final = packed_loop(
+        linear_loop, torch.full_like(tokens, 0.5), tokens, 1, cu, _split(h, 1)
+    )
+    assert_matches(out, want, torch.float64)
+    assert_matches(final, _public(want_final, 1), torch.float64)
+
+
+BAD = [
+    (lambda t: [0, 4], TypeError, "cu_seqlens to be an integer tensor"),
+    (lambda t: torch.tensor([0.0, 4.0]), TypeError, "int32 or int64"),
+    (lambda t: torch.tensor([[0, 4]]), TypeError, "1-d"),
+    (lambda t: torch.tensor([], dtype=torch.int64), ValueError, "at least one offset"),
+    (lambda t: torch.tensor([1, 4]), ValueError, "non-decreasing offsets from 0"),
+    (lambda t: torch.tensor([0, 3]), ValueError, "(4)"),
+    (lambda t: torch.tensor([0, 3, 2, 4]), ValueError, "[0, 3, 2, 4]"),
+]
+
+
+@pytest.mark.parametrize("op", ["linear", "log"])
+@pytest.mark.parametrize(("make", "error", "fragment"), BAD)
+def test_bad_cu_seqlens_raise_naming_the_function(op, make, error, fragment) -> None:
+    tokens = torch.rand(1, 4, 2)
+    scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
+    with pytest.raises(
+        error, match=f"parascan.{op}_scan" if op == "linear" else "parascan.log_linear_scan"
+    ) as info:
+        scan(tokens, tokens, 1, cu_seqlens=make(tokens))
+    assert fragment in str(info.value)
+
+
+def test_bad_shapes_raise_naming_the_function() -> None:
+    with pytest.raises(ValueError, match=r"parascan.linear_scan: .*leading dim to be 1"):
+        ps.linear_scan(torch.rand(2, 4, 3), torch.rand(2, 4, 3), 1, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(
+        ValueError, match=r"parascan.linear_scan: .*initial broadcastable to .*\(2, 3\)"
+    ):
+        ps.linear_scan(
+            torch.rand(1, 4, 3),
+            torch.rand(1, 4, 3),
+            1,
+            initial=torch.rand(3, 3),
+            cu_seqlens=torch.tensor([0, 1, 4]),
+        )
+    with pytest.raises(TypeError, match=r"parascan.log_linear_scan: .*real initial"):
+        ps.log_linear_scan(
+            torch.rand(1, 4),
+            torch.rand(1, 4),
+            1,
+            initial=torch.zeros(1, dtype=torch.complex64),
+            cu_seqlens=torch.tensor([0, 4]),
+        )
+
+
+def test_empty_sequences_return_their_initial_state() -> None:
+    h = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    out, final = ps.linear_scan(
+        torch.rand(1, 0, 2),
+        torch.rand(1, 0, 2),
+        1,
+        initial=h,
+        return_final=True,
+        cu_seqlens=torch.tensor([0, 0, 0]),
+    )
+    assert out.shape == (1, 0, 2) and torch.equal(final, h)
+    final.sum().backward()
+    assert torch.equal(h.grad, torch.ones(2, 2))
+    _, final = ps.log_linear_scan(
+        torch.rand(3, 2), torch.rand(3, 2), 0, return_final=True, cu_seqlens=torch.tensor([0, 3, 3])
+    )
+    assert torch.equal(final[1], torch.full((2,), -math.inf))
