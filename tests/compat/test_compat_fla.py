@@ -94,3 +94,9 @@ def test_bad_input_raises_naming_the_function(fn) -> None:
         fn(x, x[:, :3])
     with pytest.raises(ValueError, match=f"{name}: with cu_seqlens .* batch of one"):
         fn(x, x, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=f"{name}: expected initial_state of shape"):
+        fn(x, x, initial_state=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match=f"{name}: expected initial_state of shape"):
+        fn(x[:1], x[:1], initial_state=torch.zeros(1, 3), cu_seqlens=torch.tensor([0, 1, 4]))
+    with pytest.raises(ValueError, match=f"{name}: expected cu_seqlens to be non-decreasing"):
+        fn(x[:1], x[:1], cu_seqlens=torch.tensor([0, 3]))

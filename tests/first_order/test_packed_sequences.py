@@ -95,9 +95,14 @@ def _oracle(op, gates, tokens, dim, cu, initial, reverse):  # type: ignore[no-un
         )
         return x, _public(finals, dim)
     x, finals = packed_loop(
-        linear_loop, gates.to(wide).exp(), tokens.to(wide).exp(), dim, cu,
-        _split(None if init is None else init.exp(), dim), reverse,
-    )  # fmt: skip
+        linear_loop,
+        gates.to(wide).exp(),
+        tokens.to(wide).exp(),
+        dim,
+        cu,
+        _split(None if init is None else init.exp(), dim),
+        reverse,
+    )
     if gates.dtype.is_complex:
         return x, _public(finals, dim)
     return x.log(), _public(finals, dim).log()
@@ -194,10 +199,11 @@ def test_gradcheck(target, op) -> None:
 def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
     target, op, threads, gen
 ) -> None:
-    """The C kernel's packed entry runs each sequence through the plain kernel (the
-    team shares short ones, long ones run alone): the same bits as one plain call per
-    sequence, with any thread count. Long rows (the chunked long-sequence path) and
-    many short sequences (the shared pool) both."""
+    """The C kernel's packed entries (forward and backward) run each sequence through
+    the plain kernel (the team shares short ones, long ones run alone): the same bits
+    as one plain call per sequence, outputs, final states and every gradient, with any
+    thread count. Long rows (the chunked long-sequence path) and many short sequences
+    (the shared pool) both."""
     c = constants()
     long = c["LONG_STEPS"] + c["LONG_CHUNKS"] * 3 + 5
     old = torch.get_num_threads()
@@ -218,30 +224,43 @@ def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
             initial = random_tokens(state, torch.float32, gen)
             if op == "log":
                 initial = initial.abs().log()
+            upstream = random_tokens(shape, torch.float32, gen)
             for reverse in (False, True):
+                leaves = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
                 out, final = scan(
-                    gates,
-                    tokens,
+                    *leaves[:2],
                     dim,
-                    initial=initial,
+                    initial=leaves[2],
                     reverse=reverse,
                     return_final=True,
                     cu_seqlens=torch.tensor(cu),
                     backend="cpu",
                 )
+                grads = torch.autograd.grad(out, leaves, upstream)  # the packed backward
                 for s in range(nseq):
                     lo, hi = cu[s], cu[s + 1]
+                    alone = [
+                        leaves[0].detach().narrow(dim, lo, hi - lo).requires_grad_(),
+                        leaves[1].detach().narrow(dim, lo, hi - lo).requires_grad_(),
+                        leaves[2].detach()[s].unsqueeze(0).requires_grad_(),
+                    ]
                     part, last = scan(
-                        gates.narrow(dim, lo, hi - lo),
-                        tokens.narrow(dim, lo, hi - lo),
+                        *alone[:2],
                         dim,
-                        initial=initial[s].unsqueeze(0),
+                        initial=alone[2],
                         reverse=reverse,
                         return_final=True,
                         backend="cpu",
                     )
                     assert torch.equal(out.narrow(dim, lo, hi - lo), part), (shape, s)
                     assert torch.equal(final[s], last.squeeze(0)), (shape, s)
+                    if hi == lo:
+                        assert torch.equal(grads[2][s], torch.zeros_like(grads[2][s]))
+                        continue
+                    want = torch.autograd.grad(part, alone, upstream.narrow(dim, lo, hi - lo))
+                    assert torch.equal(grads[0].narrow(dim, lo, hi - lo), want[0]), (shape, s)
+                    assert torch.equal(grads[1].narrow(dim, lo, hi - lo), want[1]), (shape, s)
+                    assert torch.equal(grads[2][s], want[2].squeeze(0)), (shape, s)
     finally:
         torch.set_num_threads(old)
 
@@ -402,3 +421,120 @@ def test_empty_sequences_return_their_initial_state() -> None:
         torch.rand(3, 2), torch.rand(3, 2), 0, return_final=True, cu_seqlens=torch.tensor([0, 3, 3])
     )
     assert torch.equal(final[1], torch.full((2,), -math.inf))
+
+
+def test_the_c_entries_refuse_what_they_cannot_index() -> None:
+    """The bindings' guard in front of the packed entries (the public functions
+    validate first, so these fire only on a bug in parascan), and the kernel's own
+    check of the offsets."""
+    from parascan._native import bindings
+
+    a = torch.rand(1, 6, 3)
+    h = torch.rand(1, 2, 3)
+    for cu in (
+        torch.tensor([0, 2, 6], dtype=torch.int32),
+        torch.tensor([0, 2, 6], device="meta"),
+        torch.tensor([0, 9, 2, 9, 6])[::2],
+        torch.tensor([], dtype=torch.int64),
+    ):
+        with pytest.raises(RuntimeError, match="internal error"):
+            bindings.scan_forward("linear", a, a, h, 1, False, cu_seqlens=cu)
+    with pytest.raises(RuntimeError, match="internal error"):  # initial for 3 sequences
+        bindings.scan_forward(
+            "linear", a, a, torch.rand(1, 3, 3), 1, False, cu_seqlens=torch.tensor([0, 2, 6])
+        )
+    for cu in ([0, 7, 6], [1, 2, 6], [0, 2, 5]):  # out of order, not from 0, not to T
+        with pytest.raises(RuntimeError, match="CPU kernel rejected"):
+            bindings.scan_forward("linear", a, a, h, 1, False, cu_seqlens=torch.tensor(cu))
+        with pytest.raises(RuntimeError, match="CPU kernel rejected"):
+            bindings.scan_backward("log", a, a, a, a, h, 1, False, cu_seqlens=torch.tensor(cu))
+
+
+@pytest.mark.targets(backends=("cpu", "torch", "loop"))
+def test_edge_shapes(target) -> None:
+    on = {"device": target.device, "dtype": torch.float64}
+    be = target.backend
+    # no sequence at all (T == 0)
+    out, final = ps.linear_scan(
+        torch.rand(1, 0, 3, **on),
+        torch.rand(1, 0, 3, **on),
+        1,
+        return_final=True,
+        cu_seqlens=torch.tensor([0]),
+        backend=be,
+    )
+    assert out.shape == (1, 0, 3) and final.shape == (0, 3)
+    # no channels, real cuts
+    out, final = ps.linear_scan(
+        torch.rand(1, 0, 5, **on),
+        torch.rand(1, 0, 5, **on),
+        -1,
+        initial=torch.rand(2, 0, **on),
+        return_final=True,
+        cu_seqlens=torch.tensor([0, 2, 5]),
+        backend=be,
+    )
+    assert out.shape == (1, 0, 5) and final.shape == (2, 0)
+    # a 4-d layout along a middle dim, a number as initial, reverse
+    gen = torch.Generator().manual_seed(9)
+    a = random_gates((1, 2, 9, 3), torch.float64, gen).to(target.device)
+    b = random_tokens((1, 2, 9, 3), torch.float64, gen).to(target.device)
+    cu = [0, 4, 4, 9]
+    out, final = ps.linear_scan(
+        a,
+        b,
+        2,
+        initial=0.5,
+        reverse=True,
+        return_final=True,
+        cu_seqlens=torch.tensor(cu),
+        backend=be,
+    )
+    h = torch.full((3, 2, 3), 0.5, **on)
+    want, want_final = packed_loop(linear_loop, a, b, 2, cu, _split(h, 2), True)
+    assert final.shape == (3, 2, 3)
+    assert_matches(out, want, torch.float64)
+    assert_matches(final, _public(want_final, 2), torch.float64)
+
+
+def test_out_of_order_offsets_are_caught_by_the_ops_under_compile() -> None:
+    """torch.compile skips the public check of the values (it would read them); the
+    ops check them again before any kernel runs."""
+    a = torch.rand(1, 6, 3)
+
+    def f(a, cu):  # type: ignore[no-untyped-def]
+        return ps.linear_scan(a, a, 1, cu_seqlens=cu)
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(a, torch.tensor([0, 2, 6])), f(a, torch.tensor([0, 2, 6])))
+    with pytest.raises(ValueError, match=r"parascan\.linear_scan: expected cu_seqlens"):
+        compiled(a, torch.tensor([0, 4, 2, 6]))
+
+
+def test_cu_seqlens_on_another_device_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"parascan\.linear_scan: expected cu_seqlens on the CPU"):
+        ps.linear_scan(
+            torch.rand(1, 4, 2),
+            torch.rand(1, 4, 2),
+            1,
+            cu_seqlens=torch.tensor([0, 4], device="meta"),
+        )
+
+
+def test_linear_reverse_under_compile_and_vmap() -> None:
+    gen = torch.Generator().manual_seed(12)
+    cu = torch.tensor([0, 1, 5, 5, 7])
+    a = random_gates((3, 1, 7, 2), torch.float64, gen)
+    b = random_tokens((3, 1, 7, 2), torch.float64, gen)
+    h = random_tokens((3, 4, 2), torch.float64, gen)
+
+    def f(a, b, h):  # type: ignore[no-untyped-def]
+        out, final = ps.linear_scan(
+            a, b, 1, initial=h, reverse=True, return_final=True, cu_seqlens=cu
+        )
+        return out.sum() + (final * final).sum()
+
+    want = torch.stack([f(a[i], b[i], h[i]) for i in range(3)])
+    torch.testing.assert_close(torch.func.vmap(f)(a, b, h), want)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(torch.stack([compiled(a[i], b[i], h[i]) for i in range(3)]), want)

@@ -7,9 +7,10 @@ Every case goes through the public functions, so each C entry point is reached t
 way users reach it (linear_scan and log_linear_scan forward and fused backward in
 every dtype, matrix_linear_scan, the matrix-product kernel of associative_reduce),
 with what torch can hand over: negative dims, lazy negative and conjugate views,
-stride-0 (broadcast), sliced and transposed inputs, reverse, initial states, 1 to 4
-threads, and lengths on and around every block and chunk constant the kernels were
-built with (read from the library, parascan._native.bindings.kernel_constants). Outputs,
+stride-0 (broadcast), sliced and transposed inputs, reverse, initial states, packed
+sequences (cu_seqlens: the packed entries), 1 to 4 threads, and lengths on and around
+every block and chunk constant the kernels were built with (read from the library,
+parascan._native.bindings.kernel_constants). Outputs,
 final states and gradients are compared with the float64 loops of tests/oracles.py.
 
 Case ``i`` of seed ``s`` draws from ``random.Random(f"{s}-{i}")`` only, so a failure
@@ -141,6 +142,17 @@ def _first_order_case(rng: random.Random, log: bool) -> tuple[str, Callable[[], 
         initial = _random(tuple(state), dtype, gen, low=-2.0 if log else -1.0)
         if log and not dtype.is_complex:
             initial = initial.real.to(dtype)
+    cu = None
+    if rng.random() < 0.3:  # packed sequences: a batch of one (or time first)
+        if time_dim > 0:
+            shape[0] = 1
+            gates, tokens = gates.narrow(0, 0, 1), tokens.narrow(0, 0, 1)
+        cu = _offsets(rng, steps)
+        if initial is not None:  # one state per sequence, num_seqs in place of the batch
+            rest = state[1:] if time_dim > 0 else state
+            initial = _random((len(cu) - 1, *rest), dtype, gen, low=-2.0 if log else -1.0)
+            if log and not dtype.is_complex:
+                initial = initial.real.to(dtype)
     kinds = [rng.choice(_KINDS) for _ in range(3)]
     a, b = _view(rng, gates, kinds[0]), _view(rng, tokens, kinds[1])
     h = None if initial is None else _view(rng, initial, kinds[2])
@@ -149,11 +161,25 @@ def _first_order_case(rng: random.Random, log: bool) -> tuple[str, Callable[[], 
     what = (
         f"{'log_linear_scan' if log else 'linear_scan'} {dtype} shape {tuple(shape)} "
         f"dim {dim} reverse {reverse} initial {initial is not None} views {kinds} "
-        f"threads {threads} grads {grads}"
+        f"threads {threads} grads {grads} cu_seqlens {cu}"
     )
+    if cu is not None:
+        return what, lambda: _with_threads(
+            threads, lambda: _check_packed(log, a, b, h, dim, reverse, grads, dtype, cu)
+        )
     return what, lambda: _with_threads(
         threads, lambda: _check_first_order(log, a, b, h, dim, reverse, grads, dtype)
     )
+
+
+def _offsets(rng: random.Random, steps: int) -> list[int]:
+    """Packed-sequence offsets: empty and length-1 sequences, and cuts on and next to
+    the kernels' constants as well as random ones."""
+    c = kernel_constants()
+    near = [k + d for k in (c["ROWS"], c["TILE"], c["BLOCK"], c["LONG_STEPS"]) for d in (-1, 0, 1)]
+    pool = [t for t in near if 0 <= t <= steps] + [rng.randint(0, steps) for _ in range(4)]
+    cuts = [rng.choice(pool) for _ in range(rng.randint(0, 6))] if pool else []
+    return [0, *sorted(cuts), steps]
 
 
 def _with_threads(n: int, fn: Callable[[], None]) -> None:
@@ -224,6 +250,54 @@ def _check_first_order(log, a, b, h, dim, reverse, grads, dtype) -> None:  # typ
         if w is None:
             continue
         _assert_close(g, torch.nan_to_num(w, nan=0.0), dtype, log)
+
+
+def _check_packed(log, a, b, h, dim, reverse, grads, dtype, cu) -> None:  # type: ignore[no-untyped-def]
+    """Packed sequences against the float64 loop scanning each sequence alone."""
+    fn = ps.log_linear_scan if log else ps.linear_scan
+    d = dim % a.dim()
+    leaves = []
+    if grads:
+        a, b = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        leaves = [a, b] + ([] if h is None else [h := h.detach().clone().requires_grad_()])
+    got, final = fn(a, b, dim, initial=h, reverse=reverse, return_final=True,
+                    cu_seqlens=torch.tensor(cu))  # fmt: skip
+
+    def oracle(a, b, h):  # type: ignore[no-untyped-def]
+        pieces, finals = [], []
+        for s in range(len(cu) - 1):
+            lo, hi = cu[s], cu[s + 1]
+            hs = None if h is None else (h[s] if d == 0 else h[s].unsqueeze(0))
+            x, f = _oracle(log, a.narrow(d, lo, hi - lo), b.narrow(d, lo, hi - lo), hs, d, reverse)
+            pieces.append(x)
+            finals.append(f if d == 0 else f.squeeze(0))
+        return torch.cat(pieces, d), torch.stack(finals)
+
+    want, want_final = oracle(a.detach(), b.detach(), None if h is None else h.detach())
+    if log and dtype.is_complex:
+        got, final = got.exp(), final.exp()
+    _assert_close(got.detach(), want, dtype, log)
+    _assert_close(final.detach(), want_final, dtype, log)
+    if not grads or (log and dtype.is_complex):
+        return
+    wide = [
+        t.detach().to(torch.complex128 if t.is_complex() else torch.float64).requires_grad_()
+        for t in leaves
+    ]
+    out, _ = oracle(wide[0], wide[1], wide[2] if len(wide) > 2 else None)
+    seeded = torch.Generator().manual_seed(int(out.numel()) + 11)
+    weights = torch.randn(out.shape, generator=seeded, dtype=torch.float64).to(out.dtype)
+    if log:
+        weights = torch.where(
+            torch.isfinite(out.real) & torch.isfinite(got.real.detach()), weights, 0
+        )
+    loss = (torch.where(torch.isfinite(out), out, 0) * weights).real.sum()
+    want_grads = torch.autograd.grad(loss, wide, allow_unused=True)
+    got_loss = (torch.where(torch.isfinite(got.real), got, 0) * weights.to(got.dtype)).real.sum()
+    got_grads = torch.autograd.grad(got_loss, leaves, allow_unused=True)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        if w is not None:
+            _assert_close(g, torch.nan_to_num(w, nan=0.0), dtype, log)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype, log: bool) -> None:  # type: ignore[no-untyped-def]

@@ -30,9 +30,7 @@ __all__ = [
     "kernel",
     "kernel_constants",
     "scan_backward",
-    "scan_backward_varlen",
     "scan_forward",
-    "scan_forward_varlen",
     "state2",
     "view3",
 ]
@@ -200,6 +198,55 @@ def state2(
     return t2, (t2.data_ptr(), t2.stride(0), t2.stride(1))
 
 
+def _varlen_states(
+    entry: str, cu_seqlens: torch.Tensor, dims: tuple[int, int, int],
+    initial: torch.Tensor | None, grad_initial: torch.Tensor | None = None,
+) -> tuple[Any, tuple[int, int, int], tuple[int, int, int], list[torch.Tensor]]:  # fmt: skip
+    """For packed sequences: the ps_varlen_args; sequence 0 of ``initial`` and of
+    ``grad_initial`` as the scan's struct takes them ((data pointer, strides) of the
+    state seen as (outer, nseq, inner); NULL for None); and the views those pointers
+    belong to (a copy of ``initial`` where no view exists; ``grad_initial`` is fresh
+    and contiguous, so its view writes into it), held by the caller while the kernel
+    runs."""
+    nseq = cu_seqlens.numel() - 1
+    if (
+        cu_seqlens.dtype != torch.int64
+        or cu_seqlens.device.type != "cpu"
+        or cu_seqlens.dim() != 1
+        or not cu_seqlens.is_contiguous()
+        or nseq < 0
+    ):
+        raise RuntimeError(
+            f"parascan: internal error: the {entry} CPU kernel takes cu_seqlens as a contiguous "
+            f"non-empty int64 CPU vector, but was handed {cu_seqlens.dtype} "
+            f"{tuple(cu_seqlens.shape)} on {cu_seqlens.device}"
+        )
+    keep = [cu_seqlens]
+    found: list[tuple[tuple[int, int, int], int]] = []
+    for t in (initial, grad_initial):
+        if t is None:
+            found.append(((0, 0, 0), 0))
+        else:
+            v = t.reshape(dims[0], nseq, dims[2])
+            keep.append(v)
+            found.append(((v.data_ptr(), v.stride(0), v.stride(2)), v.stride(1)))
+    (h, h_seq), (gh, gh_seq) = found
+    return ARG_STRUCTS["varlen"](cu_seqlens.data_ptr(), nseq, h_seq, gh_seq), h, gh, keep
+
+
+def _state_shape(shape: torch.Size, dim: int, cu_seqlens: torch.Tensor | None) -> tuple[int, ...]:
+    """A state's shape: ``dim`` removed, or of size num_seqs for packed sequences."""
+    if cu_seqlens is None:
+        return (*shape[:dim], *shape[dim + 1 :])
+    return (*shape[:dim], max(cu_seqlens.numel() - 1, 0), *shape[dim + 1 :])
+
+
+def _call(entry: str, dtype: torch.dtype, args: Any, varlen: Any, op: str, dims: Any) -> None:
+    fn = kernel(entry if varlen is None else f"{entry}_varlen", dtype)
+    if (fn(args) if varlen is None else fn(args, varlen)) != 0:
+        raise RuntimeError(f"parascan: {op} CPU kernel rejected shape {dims}")
+
+
 def scan_forward(
     semiring: str,
     gates: torch.Tensor,
@@ -208,30 +255,36 @@ def scan_forward(
     dim: int,
     reverse: bool,
     verified: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The first-order scan of ``semiring`` (``"linear"``: linear_scan, ``"log"``:
     log_linear_scan) by its C forward: CPU tensors of one shape and dtype,
     ``initial`` of that shape without ``dim``. ``verified``: the caller (the eager
     fast path, first_order.arguments.cpu_fast_path) has checked exactly what check_operands
-    checks, a few microseconds not spent twice."""
+    checks, a few microseconds not spent twice. ``cu_seqlens`` (an int64 CPU vector of
+    offsets along ``dim``, 0 first, the length last, non-decreasing): packed sequences,
+    each scanned from its own state; ``initial`` then has ``dim`` of size num_seqs."""
     entry = _SCAN_FWD[semiring]
     shape = tokens.shape
     if not verified:
         dim = _time_dim(_SCAN_OP[semiring], dim, tokens.dim())
-        state = (*shape[:dim], *shape[dim + 1 :])
+        state = _state_shape(shape, dim, cu_seqlens)
         check_operands(entry, tokens.dtype, (gates, shape), (tokens, shape), (initial, state))
     dim %= len(shape)
     dims = dims3(shape, dim)
     out = torch.empty(shape, dtype=tokens.dtype)
     (a, a_s), (b, b_s), (x, x_s) = view3(gates, dims), view3(tokens, dims), view3(out, dims)
-    h_keep, h = state2(initial, dims[0], dims[2])
+    keep: object  # what the pointers belong to, held while the kernel runs
+    if cu_seqlens is None:
+        varlen, (keep, h) = None, state2(initial, dims[0], dims[2])
+    else:
+        varlen, h, _, keep = _varlen_states(entry, cu_seqlens, dims, initial)
     args = ARG_STRUCTS["scan_fwd"](
         *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
         x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
     )  # fmt: skip
-    if kernel(entry, tokens.dtype)(args) != 0:
-        raise RuntimeError(f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims}")
-    del h_keep
+    _call(entry, tokens.dtype, args, varlen, _SCAN_OP[semiring], dims)
+    del keep
     return out
 
 
@@ -244,15 +297,17 @@ def scan_backward(
     initial: torch.Tensor | None,
     dim: int,
     reverse: bool,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused backward of ``semiring``'s scan (see scan_forward): reads gates,
     tokens (log only: the linear backward never reads them, and takes None), the
     forward's ``out`` and ``grad_out`` once, and returns the gradients of gates,
-    tokens and initial as new tensors, each written once (equations in abi.h)."""
+    tokens and initial as new tensors, each written once (equations in abi.h); for
+    packed sequences the gradient of ``initial`` has its shape, 0 for an empty one."""
     entry = _SCAN_BWD[semiring]
     dim = _time_dim(_SCAN_OP[semiring], dim, gates.dim())
     shape = gates.shape  # every tensor has the shape and dtype of the gradients
-    state = (*shape[:dim], *shape[dim + 1 :])
+    state = _state_shape(shape, dim, cu_seqlens)
     check_operands(
         entry, gates.dtype, (gates, shape), (tokens, shape), (out, shape), (grad_out, shape),
         (initial, state),
@@ -264,126 +319,17 @@ def scan_backward(
     (a, a_s), (x, x_s), (gx, gx_s) = view3(gates, dims), view3(out, dims), view3(grad_out, dims)
     (ga, ga_s), (gb, gb_s) = view3(grad_gates, dims), view3(grad_tokens, dims)
     b, b_s = view3(tokens, dims) if tokens is not None else (None, (0, 0, 0))
-    h_keep, h = state2(initial, dims[0], dims[2])
-    args = ARG_STRUCTS["scan_bwd"](
-        *dims, a.data_ptr(), *a_s, 0 if b is None else b.data_ptr(), *b_s,
-        x.data_ptr(), *x_s, gx.data_ptr(), *gx_s, *h, ga.data_ptr(), *ga_s,
-        gb.data_ptr(), *gb_s, grad_initial.data_ptr(), dims[2], 1,
-        reverse, torch.get_num_threads(),
-    )  # fmt: skip
-    if kernel(entry, gates.dtype)(args) != 0:
-        raise RuntimeError(f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims}")
-    del h_keep
-    return grad_gates, grad_tokens, grad_initial
-
-
-def _varlen(
-    entry: str, cu_seqlens: torch.Tensor, steps: int, initial: torch.Tensor | None,
-    grad_initial: torch.Tensor | None, dims: tuple[int, int, int],
-) -> tuple[Any, tuple[int, int, int], tuple[int, int, int], list[torch.Tensor]]:  # fmt: skip
-    """The ps_varlen_args of a packed call; the (data pointer, strides) of the
-    per-sequence states (seen as (outer, nseq, inner)) as the scan's struct takes
-    them, sequence 0's; and the views those pointers belong to (possibly copies,
-    which the caller holds while the kernel runs)."""
-    nseq = cu_seqlens.numel() - 1
-    if (
-        cu_seqlens.dtype != torch.int64
-        or cu_seqlens.device.type != "cpu"
-        or cu_seqlens.dim() != 1
-        or not cu_seqlens.is_contiguous()
-        or nseq < 0
-    ):
-        raise RuntimeError(
-            f"parascan: internal error: the {entry} CPU kernel takes cu_seqlens as a contiguous "
-            f"int64 CPU vector, but was handed {cu_seqlens.dtype} {tuple(cu_seqlens.shape)} "
-            f"on {cu_seqlens.device}"
-        )
-    states, keep = [], []
-    for t in (initial, grad_initial):
-        if t is None:
-            states.append(((0, 0, 0), 0))
-        else:
-            v = t.reshape(dims[0], nseq, dims[2])
-            keep.append(v)
-            states.append(((v.data_ptr(), v.stride(0), v.stride(2)), v.stride(1)))
-    (h, h_seq), (gh, gh_seq) = states
-    args = ARG_STRUCTS["varlen"](cu_seqlens.data_ptr(), nseq, h_seq, gh_seq)
-    return args, h, gh, keep
-
-
-def scan_forward_varlen(
-    semiring: str,
-    gates: torch.Tensor,
-    tokens: torch.Tensor,
-    initial: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    dim: int,
-    reverse: bool,
-) -> torch.Tensor:
-    """scan_forward over packed sequences: the steps along ``dim`` split at the
-    offsets ``cu_seqlens`` (an int64 CPU vector, 0 first, the length last,
-    non-decreasing), each sequence scanned from its own state; ``initial`` has the
-    shape of ``tokens`` with ``dim`` of size num_seqs (sequence s's state at index s)."""
-    entry = _SCAN_FWD[semiring] + "_varlen"
-    shape = tokens.shape
-    dim = _time_dim(_SCAN_OP[semiring], dim, tokens.dim())
-    seq_state = (*shape[:dim], cu_seqlens.numel() - 1, *shape[dim + 1 :])
-    check_operands(entry, tokens.dtype, (gates, shape), (tokens, shape), (initial, seq_state))
-    dims = dims3(shape, dim)
-    out = torch.empty(shape, dtype=tokens.dtype)
-    (a, a_s), (b, b_s), (x, x_s) = view3(gates, dims), view3(tokens, dims), view3(out, dims)
-    varlen, h, _, keep = _varlen(entry, cu_seqlens, dims[1], initial, None, dims)
-    args = ARG_STRUCTS["scan_fwd"](
-        *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
-        x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
-    )  # fmt: skip
-    if kernel(entry, tokens.dtype)(args, varlen) != 0:
-        raise RuntimeError(
-            f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims} with "
-            f"cu_seqlens {cu_seqlens.tolist()}"
-        )
-    del keep
-    return out
-
-
-def scan_backward_varlen(
-    semiring: str,
-    gates: torch.Tensor,
-    tokens: torch.Tensor | None,
-    out: torch.Tensor,
-    grad_out: torch.Tensor,
-    initial: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    dim: int,
-    reverse: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scan_backward over packed sequences (see scan_forward_varlen): the gradient
-    of ``initial`` has its shape (``dim`` of size num_seqs), 0 for an empty sequence."""
-    entry = _SCAN_BWD[semiring] + "_varlen"
-    dim = _time_dim(_SCAN_OP[semiring], dim, gates.dim())
-    shape = gates.shape
-    seq_state = (*shape[:dim], cu_seqlens.numel() - 1, *shape[dim + 1 :])
-    check_operands(
-        entry, gates.dtype, (gates, shape), (tokens, shape), (out, shape), (grad_out, shape),
-        (initial, seq_state),
-    )  # fmt: skip
-    dims = dims3(shape, dim)
-    grad_gates = torch.empty(shape, dtype=gates.dtype)
-    grad_tokens = torch.empty(shape, dtype=gates.dtype)
-    grad_initial = torch.empty(seq_state, dtype=gates.dtype)
-    (a, a_s), (x, x_s), (gx, gx_s) = view3(gates, dims), view3(out, dims), view3(grad_out, dims)
-    (ga, ga_s), (gb, gb_s) = view3(grad_gates, dims), view3(grad_tokens, dims)
-    b, b_s = view3(tokens, dims) if tokens is not None else (None, (0, 0, 0))
-    varlen, h, gh, keep = _varlen(entry, cu_seqlens, dims[1], initial, grad_initial, dims)
+    keep: object  # what the pointers belong to, held while the kernel runs
+    if cu_seqlens is None:
+        varlen, (keep, h) = None, state2(initial, dims[0], dims[2])
+        gh = (grad_initial.data_ptr(), dims[2], 1)
+    else:
+        varlen, h, gh, keep = _varlen_states(entry, cu_seqlens, dims, initial, grad_initial)
     args = ARG_STRUCTS["scan_bwd"](
         *dims, a.data_ptr(), *a_s, 0 if b is None else b.data_ptr(), *b_s,
         x.data_ptr(), *x_s, gx.data_ptr(), *gx_s, *h, ga.data_ptr(), *ga_s,
         gb.data_ptr(), *gb_s, *gh, reverse, torch.get_num_threads(),
     )  # fmt: skip
-    if kernel(entry, gates.dtype)(args, varlen) != 0:
-        raise RuntimeError(
-            f"parascan: {_SCAN_OP[semiring]} CPU kernel rejected shape {dims} with "
-            f"cu_seqlens {cu_seqlens.tolist()}"
-        )
+    _call(entry, gates.dtype, args, varlen, _SCAN_OP[semiring], dims)
     del keep
     return grad_gates, grad_tokens, grad_initial

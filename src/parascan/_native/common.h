@@ -105,24 +105,39 @@ typedef struct {
     const ps_varlen_args *v;
     ps_segment_fn run;
     int64_t steps, channels, nthreads;
+    int failed; /* a shared sequence's entry failed (written by any member, read after) */
 } ps_varlen_job;
 
 static inline int ps_varlen_alone(const ps_varlen_job *j, int64_t s) {
     const int64_t len = j->v->cu_seqlens[s + 1] - j->v->cu_seqlens[s];
-    return len >= PS_LONG_STEPS || (len > 0 && j->channels >= ((INT64_C(1) << 16) * j->nthreads + len - 1) / len);
+    return len >= PS_LONG_STEPS ||
+           (len > 0 && j->channels >= ((INT64_C(1) << 16) * j->nthreads + len - 1) / len);
 }
 
-static void ps_varlen_shared(const void *vp, int64_t k0, int64_t k1) {
-    const ps_varlen_job *j = (const ps_varlen_job *)vp;
-    const int64_t share = (j->steps + j->nthreads - 1) / j->nthreads; /* >= 1: steps > 0 */
-    for (int64_t s = 0; s < j->v->nseq; ++s) {
-        int64_t k = j->v->cu_seqlens[s] / share;
-        if (k >= j->nthreads) k = j->nthreads - 1;
-        if (k0 <= k && k < k1 && !ps_varlen_alone(j, s)) j->run(j->args, j->v, s, 1);
+/* The first sequence starting at or after step t (cu_seqlens is sorted). */
+static inline int64_t ps_varlen_first_from(const ps_varlen_args *v, int64_t t) {
+    int64_t lo = 0, hi = v->nseq;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (v->cu_seqlens[mid] < t) lo = mid + 1; else hi = mid;
     }
+    return lo;
 }
 
-/* 0, or -1 when cu_seqlens is not 0 = cu[0] <= ... <= cu[nseq] = steps. */
+/* Members k0 .. k1 - 1 of the team: member k runs the shared sequences that start in
+ * its k-th share of the steps (the last member's share runs to the end). */
+static void ps_varlen_shared(const void *vp, int64_t k0, int64_t k1) {
+    ps_varlen_job *j = (ps_varlen_job *)vp;
+    const int64_t share = (j->steps + j->nthreads - 1) / j->nthreads; /* >= 1: steps > 0 */
+    const int64_t s0 = ps_varlen_first_from(j->v, k0 * share);
+    const int64_t s1 = k1 >= j->nthreads ? j->v->nseq : ps_varlen_first_from(j->v, k1 * share);
+    for (int64_t s = s0; s < s1; ++s)
+        if (!ps_varlen_alone(j, s) && j->run(j->args, j->v, s, 1) != 0)
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+}
+
+/* 0; -1 when cu_seqlens is not 0 = cu[0] <= ... <= cu[nseq] = steps, or an entry
+ * failed. */
 static inline int ps_run_varlen(const void *args, const ps_varlen_args *v, ps_segment_fn run,
                                 int64_t steps, int64_t channels, int64_t nthreads) {
     if (!v || v->nseq < 0 || !v->cu_seqlens || v->cu_seqlens[0] != 0 ||
@@ -130,12 +145,14 @@ static inline int ps_run_varlen(const void *args, const ps_varlen_args *v, ps_se
         return -1;
     for (int64_t s = 0; s < v->nseq; ++s)
         if (v->cu_seqlens[s + 1] < v->cu_seqlens[s]) return -1;
-    const ps_varlen_job job = {args, v, run, steps, channels,
-                               ps_threads_for(steps * channels, nthreads)};
+    if (channels == 0) return 0; /* nothing to read or write (data pointers may be NULL) */
+    ps_varlen_job job = {args, v, run, steps, channels,
+                         ps_threads_for(steps * channels, nthreads < 1 ? 1 : nthreads), 0};
     if (steps > 0) ps_parallel_for(job.nthreads, job.nthreads, ps_varlen_shared, &job);
     for (int64_t s = 0; s < v->nseq; ++s)
-        if (steps == 0 || ps_varlen_alone(&job, s)) run(args, v, s, job.nthreads);
-    return 0;
+        if ((steps == 0 || ps_varlen_alone(&job, s)) && run(args, v, s, job.nthreads) != 0)
+            job.failed = 1;
+    return job.failed ? -1 : 0;
 }
 
 /* Token pasting: PS_CAT(a, b) is a_b, after expanding a and b. */

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from parascan._checks import describe
 from parascan.first_order import linear_scan
+from parascan.first_order.varlen import check_cu_seqlens
 
 __all__ = ["chunk_hgrn", "fused_recurrent_hgrn"]
 
@@ -39,10 +40,21 @@ def _hgrn(
             f"{fn}: expected x and g of one shape (B, T, D), but got x {tuple(x.shape)} "
             f"and g {tuple(g.shape)}"
         )
-    if cu_seqlens is not None and x.shape[0] != 1:
+    batch, steps, width = x.shape
+    n = batch
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(
+                f"{fn}: with cu_seqlens the sequences are packed into a batch of one: expected "
+                f"x of shape (1, T, D), but got {tuple(x.shape)}"
+            )
+        n = check_cu_seqlens(fn, cu_seqlens, steps, x.device).numel() - 1
+    if initial_state is not None and (
+        not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != (n, width)
+    ):
         raise ValueError(
-            f"{fn}: with cu_seqlens the sequences are packed into a batch of one: expected "
-            f"x of shape (1, T, D), but got {tuple(x.shape)}"
+            f"{fn}: expected initial_state of shape (N, D) = {(n, width)} (N: the batch, or the "
+            f"number of sequences with cu_seqlens), but got {describe(initial_state)}"
         )
     wide = torch.promote_types(x.dtype, torch.float32)
     gates = g.to(wide).exp()  # the gate's exp in (at least) float32, as the originals

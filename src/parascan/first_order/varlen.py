@@ -39,9 +39,10 @@ from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
 __all__ = ["check_cu_seqlens", "scan", "to_internal", "to_public"]
 
 
-def check_cu_seqlens(name: str, cu_seqlens: object, steps: int) -> Tensor:
+def check_cu_seqlens(name: str, cu_seqlens: object, steps: int, device: torch.device) -> Tensor:
     """``cu_seqlens`` validated: a 1-d integer tensor (num_seqs + 1,) of offsets
-    along the scanned dim, 0 first, ``steps`` last, non-decreasing. Its values are
+    along the scanned dim, 0 first, ``steps`` last, non-decreasing, on the CPU or on
+    ``device`` (the operands'). Its values are
     read (a device sync for a CUDA tensor) unless torch.compile is tracing; the
     kernels check them again."""
     if not isinstance(cu_seqlens, Tensor):
@@ -56,6 +57,11 @@ def check_cu_seqlens(name: str, cu_seqlens: object, steps: int) -> Tensor:
         )
     if cu_seqlens.numel() == 0:
         raise ValueError(f"{name}: expected cu_seqlens to hold at least one offset (0), got none")
+    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected cu_seqlens on the CPU or on {device}, but got it on "
+            f"{cu_seqlens.device}"
+        )
     if not torch.compiler.is_compiling():
         _check_values(name, cu_seqlens.tolist(), steps)
     return cu_seqlens
@@ -154,7 +160,9 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         if backend == "cpu":
             cu = _cpu_cu(cu_seqlens)
             _check_values(ring.op, cu.tolist(), tokens.shape[dim])
-            return bindings.scan_forward_varlen(ring.name, gates, tokens, initial, cu, dim, reverse)
+            return bindings.scan_forward(
+                ring.name, gates, tokens, initial, dim, reverse, cu_seqlens=cu
+            )
         return _by_segments_forward(ring, backend, gates, tokens, initial, cu_seqlens, dim,
                                     reverse)  # fmt: skip
 
@@ -179,9 +187,9 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         if backend == "cpu":
             cu = _cpu_cu(cu_seqlens)
             _check_values(ring.op, cu.tolist(), out.shape[dim])
-            return bindings.scan_backward_varlen(
+            return bindings.scan_backward(
                 ring.name, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
-                initial, cu, dim, reverse,
+                initial, dim, reverse, cu_seqlens=cu,
             )  # fmt: skip
         return _by_segments_backward(ring, backend, gates, tokens, out, grad_out, initial,
                                      cu_seqlens, dim, reverse)  # fmt: skip
@@ -325,12 +333,7 @@ def scan(
     p: Prepared = prepare(ring, gates, tokens, dim, None, reverse, return_final, backend)
     out_shape = tuple(p.tokens.shape)
     d = p.dim % len(out_shape)
-    cu = check_cu_seqlens(name, cu_seqlens, out_shape[d])
-    if not cu.device == p.tokens.device and cu.device.type != "cpu":
-        raise ValueError(
-            f"{name}: expected cu_seqlens on the CPU or on {p.tokens.device}, but got it on "
-            f"{cu.device}"
-        )
+    cu = check_cu_seqlens(name, cu_seqlens, out_shape[d], p.tokens.device)
     nseq = cu.numel() - 1
     public_shape = _public_state_shape(name, out_shape, d, nseq)
     h = None
