@@ -117,7 +117,7 @@ def _comparable(op, t):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
     rng = random.Random(7)
-    lengths = [0, 1, 5, 9] if target.interpreted else [0, 1, 2, 65, 257]
+    lengths = [0, 9] if target.interpreted else [0, 1, 2, 65, 257]
     channels = 3 if target.interpreted else constants().get("ROWS", 2) + 3
     dtypes = [torch.float32] if target.interpreted else DTYPES
     for dtype in dtypes:

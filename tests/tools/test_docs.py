@@ -8,6 +8,7 @@ import pytest
 
 import parascan._backends
 import parascan.compat.accelerated_scan
+import parascan.compat.fla
 import parascan.compat.torch_parallel_scan
 import parascan.first_order.linear
 import parascan.first_order.logspace
@@ -23,6 +24,7 @@ import parascan.matrix.api
         parascan.generic.api,
         parascan.matrix.api,
         parascan.compat.accelerated_scan,
+        parascan.compat.fla,
         parascan.compat.torch_parallel_scan,
         parascan._backends,
     ],

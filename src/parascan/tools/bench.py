@@ -462,7 +462,7 @@ def run_bench(
     omits it) and the sweep when plotting; print tables or JSON. Returns 1 when any
     parascan result was wrong, else 0 (a wrong peer is reported, not an error of this
     program)."""
-    cases = list(cases or DEFAULT_CASES)
+    cases = list(DEFAULT_CASES if cases is None else cases)
     generic = list(generic_cases or [])
     packed = list(packed_cases or [])
     if backend_names and "cpu" not in backend_names:
