@@ -335,3 +335,21 @@ def test_never_materializes_the_state_over_time(where):
     assert None not in peaks
     step_mib = batch * dim * 2048 * n * 4 / 2**20
     assert peaks[1] - peaks[0] < step_mib / 4, (peaks, step_mib)
+
+
+_INTERPRETED = [t for t in targets(interpreter=True) if t.interpreted]
+
+
+@pytest.mark.parametrize("where", _INTERPRETED, ids=[str(t) for t in _INTERPRETED])
+def test_triton_through_the_public_function(where, gen):
+    """The op, its autograd and the backend table route to the Triton kernels (tiny,
+    interpreted); the kernels' own cases are in test_selective_triton.py."""
+    p = _problem(gen, batch=1, dim=3, n=2, length=CHUNKS[0] + 2, b_form="grouped")
+    p["B"] = p["B"][:, :3]
+    want = _grads(p, lambda q: selective_loop(**q))
+    got = _grads(_cast(p, torch.float32, "cpu"), lambda q: _run(q, "triton"))
+    for k in want:
+        assert_matches(got[k], want[k], torch.float32)
+    with pytest.raises(RuntimeError, match=r"backend 'triton' is not available for .*complex A"):
+        q = _problem(gen, complex_a=True)
+        _run(_cast(q, torch.float32, "cpu"), "triton")
