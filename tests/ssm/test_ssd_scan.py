@@ -366,6 +366,7 @@ def test_missing_backends_say_why(gen):
         (lambda p: p.update(dt=[1.0]), None, TypeError, "expected dt to be a Tensor"),
         (lambda p: p.update(dt_limit=(1.0, 0.5)), None, ValueError, "expected dt_limit"),
         (lambda p: p.update(dt_limit=0.5), None, ValueError, "expected dt_limit"),
+        (lambda p: p.update(dt_limit=(math.nan, 1.0)), None, ValueError, "expected dt_limit"),
         (lambda p: p.update(dt_softplus=1), None, TypeError, "expected dt_softplus to be"),
         (lambda p: None, [0, 20], ValueError, "batch of one"),
     ],

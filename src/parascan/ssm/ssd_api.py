@@ -49,7 +49,7 @@ def _limit(dt_limit: object) -> tuple[float, float]:
     )
     if ok:
         lo, hi = float(dt_limit[0]), float(dt_limit[1])  # type: ignore[index]
-        if not (math.isnan(lo) or math.isnan(hi)) and lo <= hi:
+        if lo <= hi:  # False when either is NaN
             return lo, hi
     raise ValueError(
         f"{_FN}: expected dt_limit to be a pair of numbers (min, max) with min <= max, but got "
@@ -82,12 +82,14 @@ def ssd_scan(
         h[t]   = exp(dt'[t] * A) * h[t-1] + dt'[t] * x[t] (outer) B[t]   h[-1] = initial (0)
         y[t]   = h[t] @ C[t] (+ D * x[t]);   out = y * silu(z[t]) when z is given
 
-    As a loop over one batch row (head ``h`` reads group ``h // (heads // groups)``)::
+    As a loop over one batch row, with ``step`` the processed dt' (head ``h`` reads
+    group ``h // (heads // groups)`` of B and C)::
 
         for t in range(L):
             for h in range(heads):
                 g = h // (heads // groups)
-                state[h] = exp(dt_[t, h] * A[h]) * state[h] + dt_[t, h] * outer(x[t, h], B[t, g])
+                s = step[t, h]
+                state[h] = exp(s * A[h]) * state[h] + s * outer(x[t, h], B[t, g])
                 y[t, h] = state[h] @ C[t, g] + D[h] * x[t, h]
 
     ``x``, ``z``: (batch, L, heads, headdim). ``dt``: (batch, L, heads). ``A``,

@@ -59,7 +59,7 @@ def _forward_op(
     return out, final, checkpoints
 
 
-def _states(x: Tensor, B: Tensor, cu_seqlens: Opt) -> int:
+def _states(x: Tensor, cu_seqlens: Opt) -> int:
     """The number of final states: the batch, or the packed sequences."""
     return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
@@ -73,7 +73,7 @@ def _(
     n = B.shape[-1]
     return (
         x.new_empty(batch, length, heads, headdim),
-        x.new_empty(_states(x, B, cu_seqlens), heads, headdim, n),
+        x.new_empty(_states(x, cu_seqlens), heads, headdim, n),
         x.new_empty(batch, n_chunks(length, backend), heads, headdim, n),
     )
 
@@ -198,7 +198,7 @@ class _SSDScan(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(x)
         if grad_final is None:
-            grad_final = x.new_zeros(_states(x, B, cu_seqlens), heads, headdim, B.shape[-1])
+            grad_final = x.new_zeros(_states(x, cu_seqlens), heads, headdim, B.shape[-1])
         grads = _SSDScanBackward.apply(  # type: ignore[no-untyped-call]
             *tensors, checkpoints, grad_out, grad_final, ctx.backend
         )
