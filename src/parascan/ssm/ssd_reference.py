@@ -17,10 +17,10 @@ state entering each chunk and never a state per step over all of L:
               + sum_j exp(seg[q-1, j]) dt[j] x[j] (outer) B[j]        (one product)
 
   seg is summed over each segment directly (a masked cumulative sum, not as a
-  difference of running sums, which would cancel catastrophically), and the entries
-  above the diagonal reach the exponential as 0 and are zeroed after it, so no
-  exponent there can overflow and no 0 * inf appears in the gradient. ``C . B`` is
-  computed once per group and shared by the group's heads.
+  difference of running sums, which would cancel catastrophically); the entries
+  above the diagonal are empty sums, 0, and the causal mask is applied to ``C . B``
+  (computed once per group and shared by the group's heads), so no exponent there
+  can overflow and no 0 * inf appears in the gradient.
 
 Packed sequences: each chunk is cut into pieces at the sequence boundaries inside
 it; a piece that starts a sequence starts from that sequence's initial state, and
@@ -154,22 +154,20 @@ def _floor(t: Tensor) -> float:
     return -80.0 if t.dtype != torch.float64 else -700.0
 
 
-def _weighted_decays(a: Tensor, weight: Tensor) -> Tensor:
-    """exp(a[..., j+1] + ... + a[..., i]) * weight[..., j] for i >= j and 0 above the
-    diagonal, from the log decays a (..., q) and a weight per column (..., q).
+def _decays(a: Tensor) -> Tensor:
+    """exp(a[..., j+1] + ... + a[..., i]) for i >= j, and exactly 1 above the diagonal
+    (an empty sum: the caller masks it), from the log decays a (..., q).
 
     Each segment is summed directly (a masked cumulative sum, not a difference of
-    running sums, which would cancel catastrophically); the entries above the
-    diagonal reach the exponential as 0 and are zeroed after it, so nothing there can
-    overflow or put 0 * inf into the gradient. (The masks multiply: masked_fill is
-    several times slower on CPU.)"""
+    running sums, which would cancel catastrophically), so the entries above the
+    diagonal reach the exponential as 0: nothing there can overflow or put 0 * inf
+    into the gradient. (The mask multiplies: masked_fill is several times slower.)"""
     q = a.shape[-1]
     i = torch.arange(q, device=a.device)
     # a[k] enters seg[i, j] for j < k <= i: row k of the terms keeps columns j < k;
     # the cumulative sum over rows is then 0 on and above the diagonal
     seg = (a[..., :, None] * (i[:, None] > i).to(a.dtype)).cumsum(-2)
-    keep = (i[:, None] >= i).to(a.dtype) * weight[..., None, :]
-    return torch.exp(seg.clamp(min=_floor(a))) * keep
+    return torch.exp(seg.clamp(min=_floor(a)))
 
 
 def _dual_piece(
@@ -193,18 +191,20 @@ def _dual_piece(
     m = batch * blocks  # (batch, blocks) folded
     dt_h = dt.reshape(m, size, heads).transpose(1, 2).contiguous()  # (m, heads, size)
     a = dt_h * A[:, None]  # the log decays
-    # decay[i, j] * dt[j] (m, heads, size, size), 0 above the diagonal
-    decay_dt = _weighted_decays(a, dt_h)
+    decay = _decays(a)  # (m, heads, size, size), 1 above the diagonal
     into = torch.exp(a.cumsum(-1).clamp(min=_floor(a)))  # (m, heads, size): entry to step i
     b_g = B.reshape(m, size, groups, n).transpose(1, 2)  # (m, groups, size, N)
     c_g = C.reshape(m, size, groups, n).transpose(1, 2)
     x_h = x.reshape(m, size, groups, r, headdim).permute(0, 2, 3, 1, 4)  # (m, G, r, size, P)
-    # within each block: (C B^T, shared by the group) * decay * dt[j], times x
-    scores = decay_dt.view(m, groups, r, size, size) * (c_g @ b_g.transpose(-1, -2))[:, :, None]
-    y = scores @ x_h  # (m, groups, r, size, headdim)
-    # each block's own input to the state at its end (from a zero state)
-    w = decay_dt[..., -1, :].reshape(m, groups, r, size, 1)
-    own = (x_h * w).transpose(-1, -2).reshape(m, groups, r * headdim, size) @ b_g
+    x_dt = x_h * dt_h.view(m, groups, r, size, 1)
+    # within each block: C B^T (shared by the group, masked to j <= i) * decay, times dt x
+    i = torch.arange(size, device=x.device)
+    cb = (c_g @ b_g.transpose(-1, -2)) * (i[:, None] >= i).to(x.dtype)
+    y = (decay.view(m, groups, r, size, size) * cb[:, :, None]) @ x_dt  # (m, G, r, size, P)
+    # each block's own input to the state at its end (from a zero state); the last
+    # row of the decays has no entry above the diagonal
+    w = decay[..., -1, :].reshape(m, groups, r, size, 1)
+    own = (x_dt * w).transpose(-1, -2).reshape(m, groups, r * headdim, size) @ b_g
     own = own.view(batch, blocks, heads, headdim, n)
     # the states entering the blocks, chained
     through = into[..., -1].view(batch, blocks, heads, 1, 1)  # a whole block's decay
