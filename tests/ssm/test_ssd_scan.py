@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
 import parascan as ps
@@ -329,6 +330,30 @@ def test_no_state_per_step_is_allocated(gen):
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert x.grad is not None
     assert 0 < largest < x.numel() * 64 * 4 / 4
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_opcheck(where, gen, packed):
+    """The raw ops: schema, fake kernel and AOT dispatch of the forward (opcheck); the
+    backward's fake kernel against its real results. (opcheck cannot run the backward
+    op itself: its checkers are dispatch modes, under which the torch.func.vjp inside
+    the kernel cannot run.)"""
+    cu = [0, 10, 10, 70] if packed else None
+    p = _cast(_problem(gen, batch=1, length=70, states=3 if packed else None), torch.float32)
+    d = p["D"]
+    args = (p["x"], p["dt"], p["A"], p["B"], p["C"], d, p["z"], p["initial"],
+            None if cu is None else torch.tensor(cu), where.backend)  # fmt: skip
+    torch.library.opcheck(ssd_ops._forward_op, args)
+    out, final, checkpoints = ssd_ops._forward_op(*args)
+    backward_args = (*args[:9], checkpoints, torch.ones_like(out), torch.ones_like(final),
+                     where.backend)  # fmt: skip
+    real = ssd_ops._backward_op(*backward_args)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                     for a in backward_args]  # fmt: skip
+        fake = ssd_ops._backward_op(*fake_args)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
 
 
 def test_inputs_are_not_modified(gen):
