@@ -30,6 +30,7 @@ __all__ = [
     "packed_loop",
     "python_linear_loop",
     "python_log_loop",
+    "selective_loop",
 ]
 
 
@@ -224,3 +225,53 @@ def matmul_fold(x: torch.Tensor, dim: int) -> torch.Tensor:
     for m in matrices[1:]:
         acc = acc @ m
     return acc
+
+
+# --- state-space scans -------------------------------------------------------------------
+
+
+def selective_loop(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    initial: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-1's selective scan, one step at a time, as API.md writes it: (out, last
+    state). ``B``/``C``: (dim, N), (batch, N, L) or (batch, G, N, L); complex A makes
+    the state complex and ``y = 2 Re(sum_n C h)``. Computes in the dtype it is given."""
+    batch, dim, length = u.shape
+    n = A.shape[-1]
+    state = A.dtype if A.is_complex() else u.dtype
+
+    def at(m: torch.Tensor, t: int) -> torch.Tensor:
+        """Row of B or C for each (batch, channel) at step t: (batch or 1, dim, N)."""
+        if m.dim() == 2:
+            return m.unsqueeze(0)
+        if m.dim() == 3:
+            m = m.unsqueeze(1)
+        groups = m.shape[1]
+        return m[..., t].repeat_interleave(dim // groups, dim=1)
+
+    h = torch.zeros(batch, dim, n, dtype=state) if initial is None else initial.to(state)
+    ys = []
+    for t in range(length):
+        dt = delta[:, :, t]
+        if delta_bias is not None:
+            dt = dt + delta_bias
+        if delta_softplus:
+            dt = torch.where(dt > 20, dt, torch.log1p(torch.exp(dt)))
+        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t])[..., None] * at(B, t)
+        y = (at(C, t) * h).sum(-1)
+        ys.append(2 * y.real if y.is_complex() else y)
+    out = torch.stack(ys, dim=-1) if ys else u.new_zeros(batch, dim, 0)
+    if D is not None:
+        out = out + D[:, None] * u
+    if z is not None:
+        out = out * z * torch.sigmoid(z)
+    return out, h

@@ -18,6 +18,7 @@ with _warnings.catch_warnings():
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
     from parascan.matrix import matrix_linear_scan
+    from parascan.ssm import selective_scan, selective_state_update
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,6 @@ __all__ = [
     "linear_scan",
     "log_linear_scan",
     "matrix_linear_scan",
+    "selective_scan",
+    "selective_state_update",
 ]

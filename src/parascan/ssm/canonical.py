@@ -76,6 +76,6 @@ def state_dtype(A: Tensor, u: Tensor) -> torch.dtype:
     return u.dtype
 
 
-def EMPTY(like: Tensor) -> Tensor:  # noqa: N802 (a constant-like factory)
+def EMPTY(like: Tensor) -> Tensor:
     """The placeholder gradient of an absent operand."""
     return like.new_empty(0)

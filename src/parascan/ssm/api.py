@@ -1,0 +1,290 @@
+"""Public selective-scan functions: ``selective_scan`` (Mamba-1's scan) and
+``selective_state_update`` (one decoding step)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from parascan._backends import resolve
+from parascan._checks import check_layout, describe
+from parascan.ssm import ops
+
+__all__ = ["selective_scan", "selective_state_update"]
+
+_FN = "parascan.selective_scan"
+_REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_COMPLEX = (torch.complex64, torch.complex128)
+Opt = Tensor | None
+
+
+def _tensor(fn: str, name: str, value: object, *, complex_ok: bool = False) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{fn}: expected {name} to be a Tensor, but got {describe(value)}")
+    check_layout(fn, name, value)
+    allowed = _REAL + _COMPLEX if complex_ok else _REAL
+    if value.dtype not in allowed:
+        kinds = "a floating or complex" if complex_ok else "a real floating"
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(
+            f"{fn}: expected {name} to have {kinds} dtype ({names}), but got {value.dtype}"
+        )
+    return value
+
+
+def _shape(fn: str, name: str, t: Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != expected:
+        raise ValueError(
+            f"{fn}: expected {name} of shape {what} = {expected}, but got {describe(t)}"
+        )
+
+
+def _bc(fn: str, name: str, m: Tensor, batch: int, dim: int, n: int, length: int) -> Tensor:
+    """B or C in canonical form: (dim, N), or (batch, G, N, L)."""
+    if m.dim() == 2:
+        _shape(fn, name, m, (dim, n), "(dim, N)")
+        return m
+    if m.dim() == 3:
+        _shape(fn, name, m, (batch, n, length), "(batch, N, L)")
+        return m.unsqueeze(1)
+    if m.dim() == 4:
+        groups = m.shape[1]
+        if groups < 1 or dim % groups:
+            raise ValueError(
+                f"{fn}: expected {name}'s group count (dim 1 of (batch, G, N, L)) to divide "
+                f"dim = {dim}, but got {describe(m)}"
+            )
+        _shape(fn, name, m, (batch, groups, n, length), "(batch, G, N, L)")
+        return m
+    raise ValueError(
+        f"{fn}: expected {name} of shape (dim, N), (batch, N, L) or (batch, G, N, L), "
+        f"but got {describe(m)}"
+    )
+
+
+def _complex_of(dtype: torch.dtype) -> torch.dtype:
+    return torch.complex128 if dtype == torch.float64 else torch.complex64
+
+
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Opt = None,
+    z: Opt = None,
+    delta_bias: Opt = None,
+    delta_softplus: bool = False,
+    *,
+    initial: Opt = None,
+    return_final: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba-1's selective scan, the state never materialized over time::
+
+        dt[t] = softplus(delta[t] + delta_bias) if delta_softplus else delta[t] + delta_bias
+        h[t]  = exp(dt[t] * A) * h[t-1] + dt[t] * B[t] * u[t]       h[-1] = initial (0)
+        y[t]  = sum_n C[t, n] h[t, n] (+ D * u[t]);   out = y * silu(z) when z is given
+
+    ``u``, ``delta``, ``z``: (batch, dim, L). ``A``: (dim, N), real or complex. ``B``,
+    ``C``: (dim, N) (time-invariant), (batch, N, L) (shared by all channels) or
+    (batch, G, N, L) (G groups, each shared by dim / G channels); complex only with a
+    complex ``A``, and then ``y = 2 Re(sum_n C h)``. ``D``, ``delta_bias``: (dim,).
+    ``initial``: (batch, dim, N). The state and sums are float32 (float64 when ``u`` is
+    float64); the output has ``u``'s dtype. ``return_final=True`` returns ``(out,
+    final)``, the last state, differentiable. Differentiable in every tensor; works
+    under vmap, torch.func and torch.compile.
+
+    >>> import torch, parascan as ps
+    >>> u, delta = torch.randn(2, 8, 100), torch.rand(2, 8, 100)
+    >>> A, B, C = -torch.rand(8, 4), torch.randn(2, 4, 100), torch.randn(2, 4, 100)
+    >>> ps.selective_scan(u, delta, A, B, C, delta_softplus=True).shape
+    torch.Size([2, 8, 100])
+    """
+    fn = _FN
+    u = _tensor(fn, "u", u)
+    if u.dim() != 3:
+        raise ValueError(f"{fn}: expected u of shape (batch, dim, L), but got {describe(u)}")
+    batch, dim, length = u.shape
+    delta = _tensor(fn, "delta", delta)
+    _shape(fn, "delta", delta, (batch, dim, length), "(batch, dim, L) like u")
+    A = _tensor(fn, "A", A, complex_ok=True)
+    if A.dim() != 2 or A.shape[0] != dim:
+        raise ValueError(
+            f"{fn}: expected A of shape (dim, N) with dim = {dim}, but got {describe(A)}"
+        )
+    n = A.shape[1]
+    named: list[tuple[str, Tensor]] = [("u", u), ("delta", delta), ("A", A)]
+    B = _tensor(fn, "B", B, complex_ok=True)
+    C = _tensor(fn, "C", C, complex_ok=True)
+    for name, m in (("B", B), ("C", C)):
+        if m.is_complex() and not A.is_complex():
+            raise TypeError(
+                f"{fn}: expected a real {name} with a real A (a complex {name} needs a complex "
+                f"A), but got {name} {describe(m)} and A {describe(A)}"
+            )
+        named.append((name, m))
+    B = _bc(fn, "B", B, batch, dim, n, length)
+    C = _bc(fn, "C", C, batch, dim, n, length)
+    optional = {"D": D, "z": z, "delta_bias": delta_bias}
+    for name, value in optional.items():
+        if value is not None:
+            t = _tensor(fn, name, value)
+            if name == "z":
+                _shape(fn, name, t, (batch, dim, length), "(batch, dim, L) like u")
+            else:
+                _shape(fn, name, t, (dim,), "(dim,)")
+            named.append((name, t))
+    if initial is not None:
+        initial = _tensor(fn, "initial", initial, complex_ok=True)
+        _shape(fn, "initial", initial, (batch, dim, n), "(batch, dim, N)")
+        if initial.is_complex() and not A.is_complex():
+            raise TypeError(
+                f"{fn}: expected a real initial with a real A, but got {describe(initial)}"
+            )
+        named.append(("initial", initial))
+    device = u.device
+    for name, t in named:
+        if t.device != device:
+            raise ValueError(
+                f"{fn}: expected all tensors on one device, but u is on {device} and {name} "
+                f"is on {t.device}"
+            )
+    if not isinstance(delta_softplus, bool):
+        raise TypeError(
+            f"{fn}: expected delta_softplus to be a bool, but got {describe(delta_softplus)}"
+        )
+
+    cd = torch.float64 if u.dtype == torch.float64 else torch.float32
+    sd = _complex_of(cd) if A.is_complex() else cd
+    name = resolve(ops.ROW, backend, device, sd, name=fn)
+
+    def real(t: Opt) -> Opt:
+        return None if t is None else t.to(cd)
+
+    def either(t: Tensor) -> Tensor:
+        return t.to(_complex_of(cd) if t.is_complex() else cd)
+
+    out, final = ops.apply(
+        u.to(cd), delta.to(cd), either(A), either(B), either(C), real(D), real(z),
+        real(delta_bias), None if initial is None else initial.to(sd), delta_softplus, name,
+    )  # fmt: skip
+    out = out.to(u.dtype)
+    return (out, final) if return_final else out
+
+
+_UPDATE = "parascan.selective_state_update"
+
+
+def selective_state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Opt = None,
+    z: Opt = None,
+    dt_bias: Opt = None,
+    dt_softplus: bool = False,
+) -> Tensor:
+    """One decoding step of the selective scan (or of the SSD scan): updates ``state``
+    in place and returns the step's output, in ``x``'s dtype.
+
+    Mamba-1 layout: ``state`` (batch, dim, N), ``x``, ``dt``, ``z`` (batch, dim), ``A``
+    (dim, N), ``B``, ``C`` (batch, N) or (batch, G, N), ``D``, ``dt_bias`` (dim,).
+    Multi-head layout: ``state`` (batch, heads, headdim, N), ``x``, ``dt``, ``z``
+    (batch, heads, headdim), ``A`` (heads, headdim, N), ``B``, ``C`` (batch, G, N),
+    ``D``, ``dt_bias`` (heads, headdim). Computed in float32 (float64 for a float64
+    state); the new state is written in the state's dtype.
+    """
+    fn = _UPDATE
+    state = _tensor(fn, "state", state, complex_ok=True)
+    if state.dim() not in (3, 4):
+        raise ValueError(
+            f"{fn}: expected state of shape (batch, dim, N) or (batch, heads, headdim, N), "
+            f"but got {describe(state)}"
+        )
+    heads_layout = state.dim() == 4
+    batch, n = state.shape[0], state.shape[-1]
+    lead = tuple(state.shape[1:-1])  # (dim,) or (heads, headdim)
+    what = "(dim,)" if not heads_layout else "(heads, headdim)"
+    x = _tensor(fn, "x", x)
+    _shape(fn, "x", x, (batch, *lead), f"(batch, *{what})")
+    dt = _tensor(fn, "dt", dt)
+    _shape(fn, "dt", dt, (batch, *lead), f"(batch, *{what})")
+    A = _tensor(fn, "A", A, complex_ok=True)
+    _shape(fn, "A", A, (*lead, n), f"({what[1:-1]}, N)".replace(",,", ","))
+    if A.is_complex() != state.is_complex():
+        raise TypeError(
+            f"{fn}: expected a complex state with a complex A and a real one with a real A, "
+            f"but got state {describe(state)} and A {describe(A)}"
+        )
+    units = lead[0]  # channels (Mamba-1) or heads: what the groups split
+    mats = []
+    for name, m in (("B", B), ("C", C)):
+        m = _tensor(fn, name, m, complex_ok=True)
+        if m.is_complex() and not A.is_complex():
+            raise TypeError(f"{fn}: expected a real {name} with a real A, but got {describe(m)}")
+        if m.dim() == 2 and not heads_layout:
+            _shape(fn, name, m, (batch, n), "(batch, N)")
+            m = m.unsqueeze(1)
+        elif m.dim() == 3 and m.shape[1] >= 1 and units % m.shape[1] == 0:
+            _shape(fn, name, m, (batch, m.shape[1], n), "(batch, G, N)")
+        else:
+            raise ValueError(
+                f"{fn}: expected {name} of shape (batch, N) or (batch, G, N) with G dividing "
+                f"{units}, but got {describe(m)}"
+            )
+        mats.append(m)
+    extras = {}
+    for name, value, shape in (
+        ("D", D, lead), ("z", z, (batch, *lead)), ("dt_bias", dt_bias, lead)
+    ):  # fmt: skip
+        if value is not None:
+            t = _tensor(fn, name, value)
+            _shape(fn, name, t, shape, "(batch, *" + what + ")" if name == "z" else what)
+            extras[name] = t
+    for name, t in (
+        ("x", x),
+        ("dt", dt),
+        ("A", A),
+        ("B", mats[0]),
+        ("C", mats[1]),
+        *extras.items(),
+    ):
+        if t.device != state.device:
+            raise ValueError(
+                f"{fn}: expected all tensors on one device, but state is on {state.device} and "
+                f"{name} is on {t.device}"
+            )
+
+    cd = torch.float64 if state.dtype in (torch.float64, torch.complex128) else torch.float32
+    step = dt.to(cd)
+    if "dt_bias" in extras:
+        step = step + extras["dt_bias"].to(cd)
+    if dt_softplus:
+        step = F.softplus(step)
+    a = A.to(_complex_of(cd) if A.is_complex() else cd)
+    decay = torch.exp(step[..., None] * a)
+
+    def per_unit(m: Tensor) -> Tensor:
+        # (batch, G, N) -> one row per channel/head, then a headdim axis in the
+        # multi-head layout: (batch, *lead, N)
+        m = m.to(_complex_of(cd) if m.is_complex() else cd)
+        m = m.repeat_interleave(units // m.shape[1], dim=1)
+        return m[:, :, None, :] if heads_layout else m
+
+    b_row, c_row = per_unit(mats[0]), per_unit(mats[1])
+    xc = x.to(cd)
+    new = decay * state.to(decay.dtype) + (step * xc)[..., None] * b_row
+    y = (c_row * new).sum(-1)
+    y = 2 * y.real if y.is_complex() else y
+    if "D" in extras:
+        y = y + extras["D"].to(cd) * xc
+    if "z" in extras:
+        y = y * F.silu(extras["z"].to(cd))
+    state.copy_(new)
+    return y.to(x.dtype)

@@ -1,0 +1,232 @@
+"""The selective scan's raw ops (torch.library) and the autograd.Function around them.
+
+``parascan::selective_scan`` and ``parascan::selective_scan_backward`` take the
+canonical operands of canonical.py and a concrete backend; they carry fake kernels
+(torch.compile) and vmap rules, and ``_SelectiveScan`` (an autograd.Function with
+``generate_vmap_rule``: see first_order/ops.py for why not register_autograd) gives
+them gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parascan._backends import Backend, OpBackends, register
+from parascan._op_utils import resolved, resolved_optional
+from parascan.ssm import reference
+from parascan.ssm.canonical import n_chunks, state_dtype
+
+__all__ = ["ROW", "apply"]
+
+_STATE_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+# The backend table's row: the dtypes are the state's (complex when A is).
+ROW = register(
+    OpBackends(
+        op="parascan.selective_scan",
+        backends={
+            "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
+            "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
+        },
+        missing={
+            "cpu": "the selective scan's C kernel is not built yet; use 'torch' or 'auto'",
+            "triton": "the selective scan's Triton kernels are not built yet; use 'torch'",
+        },
+    )
+)
+
+Opt = Tensor | None
+
+
+def _resolved_all(*ts: Opt) -> list[Opt]:
+    return [resolved_optional(t) for t in ts]
+
+
+@torch.library.custom_op("parascan::selective_scan", mutates_args=())
+def _forward_op(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+    delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(out, final, checkpoints) of canonical operands; see canonical.py."""
+    args = _resolved_all(u, delta, A, B, C, D, z, delta_bias, initial)
+    out, final, checkpoints = ROW.backends[backend].forward(*args, softplus)
+    return out, final, checkpoints
+
+
+@_forward_op.register_fake
+def _(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+    delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    batch, dim, length = u.shape
+    n = A.shape[-1]
+    sd = state_dtype(A, u)
+    return (
+        u.new_empty(batch, dim, length),
+        u.new_empty(batch, dim, n, dtype=sd),
+        u.new_empty(batch, dim, n_chunks(length, backend), n, dtype=sd),
+    )
+
+
+@torch.library.custom_op("parascan::selective_scan_backward", mutates_args=())
+def _backward_op(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+    delta_bias: Opt, initial: Opt, softplus: bool, backend: str, checkpoints: Tensor,
+    grad_out: Tensor, grad_final: Tensor,
+) -> list[Tensor]:  # fmt: skip
+    """The 9 gradients of canonical.py's backward (empty for absent operands)."""
+    args = _resolved_all(u, delta, A, B, C, D, z, delta_bias, initial)
+    backward = ROW.backends[backend].backward
+    assert backward is not None
+    grads = backward(*args, softplus, checkpoints, resolved(grad_out), resolved(grad_final))
+    return list(grads)
+
+
+@_backward_op.register_fake
+def _(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+    delta_bias: Opt, initial: Opt, softplus: bool, backend: str, checkpoints: Tensor,
+    grad_out: Tensor, grad_final: Tensor,
+) -> list[Tensor]:  # fmt: skip
+    return [
+        torch.empty_like(t) if t is not None else u.new_empty(0)
+        for t in (u, delta, A, B, C, D, z, delta_bias, initial)
+    ]
+
+
+def _loop_vmap(op: Callable[..., Any], tensors: int) -> Callable[..., Any]:
+    """A vmap rule that runs ``op`` once per vmapped element and stacks the results:
+    the operands' shapes are fixed by the contract, so a vmapped dim has no batch
+    dimension it could always fold into."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        results = []
+        for i in range(info.batch_size):
+            sliced = [
+                a.select(d, i) if d is not None and a is not None else a
+                for a, d in zip(args[:tensors], in_dims[:tensors], strict=True)
+            ]
+            results.append(op(*sliced, *args[tensors:]))
+        stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
+        out = tuple(stacked) if isinstance(results[0], tuple) else stacked
+        return out, [0] * len(stacked) if isinstance(out, list) else (0,) * len(stacked)
+
+    return rule
+
+
+def _backward_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    # Tensors before and after the (softplus, backend) pair.
+    head, tail = args[:9], args[11:]
+    dims = (*in_dims[:9], *in_dims[11:])
+    results = []
+    for i in range(info.batch_size):
+        s = [
+            a.select(d, i) if d is not None and a is not None else a
+            for a, d in zip((*head, *tail), dims, strict=True)
+        ]
+        results.append(_backward_op(*s[:9], args[9], args[10], *s[9:]))
+    stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
+    return stacked, [0] * len(stacked)
+
+
+torch.library.register_vmap("parascan::selective_scan", _loop_vmap(_forward_op, 9))
+torch.library.register_vmap("parascan::selective_scan_backward", _backward_vmap)
+
+
+class _SelectiveScanBackward(torch.autograd.Function):
+    """The backward op as a function of its own, so that torch.func transforms can
+    run it (they track the backward's operations); differentiating it again raises."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+        delta_bias: Opt, initial: Opt, softplus: bool, backend: str, checkpoints: Tensor,
+        grad_out: Tensor, grad_final: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        # spelled out: torch.compile tells forward(ctx, ...) from forward(...) by name
+        return tuple(
+            _backward_op(
+                u,
+                delta,
+                A,
+                B,
+                C,
+                D,
+                z,
+                delta_bias,
+                initial,
+                softplus,
+                backend,
+                checkpoints,
+                grad_out,
+                grad_final,
+            )
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(
+            "parascan.selective_scan: second derivatives (double backward, hessians) are not "
+            "implemented; the first derivatives of every input are"
+        )
+
+
+class _SelectiveScan(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+        delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        result: tuple[Tensor, Tensor, Tensor] = _forward_op(
+            u, delta, A, B, C, D, z, delta_bias, initial, softplus, backend
+        )
+        return result
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        *tensors, softplus, backend = inputs
+        checkpoints = output[2]
+        ctx.save_for_backward(*tensors, checkpoints)
+        ctx.softplus, ctx.backend = softplus, backend
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
+        *tensors, checkpoints = ctx.saved_tensors
+        u, A = tensors[0], tensors[2]
+        batch, dim, _length = u.shape
+        if grad_out is None:
+            grad_out = torch.zeros_like(u)
+        if grad_final is None:
+            grad_final = u.new_zeros(batch, dim, A.shape[-1], dtype=state_dtype(A, u))
+        grads = _SelectiveScanBackward.apply(  # type: ignore[no-untyped-call]
+            *tensors, ctx.softplus, ctx.backend, checkpoints, grad_out, grad_final
+        )
+        need = ctx.needs_input_grad
+        return (
+            *(g if need[i] and tensors[i] is not None else None for i, g in enumerate(grads)),
+            None,
+            None,
+        )
+
+
+def apply(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+    delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, final) of canonical operands on a concrete backend, differentiable."""
+    out, final, _ = _SelectiveScan.apply(  # type: ignore[no-untyped-call]
+        u, delta, A, B, C, D, z, delta_bias, initial, softplus, backend
+    )
+    return out, final

@@ -1,0 +1,304 @@
+"""ps.selective_scan and ps.selective_state_update against the float64 loop
+(oracles.selective_loop), on every backend of the selective scan's row."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import parascan as ps
+from parascan.ssm import ops
+from parascan.ssm.canonical import CHECKPOINT_STEPS
+
+from conftest import DTYPES, assert_matches, targets
+from oracles import selective_loop
+
+# The backends of the selective scan's row that run here (the Triton interpreter on
+# tiny shapes only: see test_selective_triton.py for its own cases).
+TARGETS = [t for t in targets(interpreter=False) if t.backend in ops.ROW.backends]
+IDS = [str(t) for t in TARGETS]
+# Lengths around every backend's checkpoint interval, and the edge cases.
+CHUNKS = sorted(set(CHECKPOINT_STEPS.values()))
+LENGTHS = sorted({0, 1, 2, 3, 17, *(k + d for k in CHUNKS for d in (-1, 0, 1))})
+FORMS = ("invariant", "shared", "grouped")
+
+
+def _bc(form: str, batch: int, dim: int, n: int, length: int, gen: torch.Generator,
+        complex_: bool = False) -> torch.Tensor:  # fmt: skip
+    shape = {
+        "invariant": (dim, n), "shared": (batch, n, length), "grouped": (batch, 3, n, length)
+    }[form]  # fmt: skip
+    m = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if complex_:
+        m = torch.complex(m, torch.randn(shape, generator=gen, dtype=torch.float64))
+    return m
+
+
+def _problem(
+    gen: torch.Generator, batch: int = 2, dim: int = 6, n: int = 3, length: int = 20,
+    b_form: str = "shared", c_form: str = "shared", extras: bool = True,
+    complex_a: bool = False, complex_bc: bool = False,
+) -> dict[str, torch.Tensor | bool | None]:  # fmt: skip
+    """A float64 problem; dim is a multiple of 3 (the grouped form's G)."""
+    f64 = torch.float64
+    a = -0.5 - torch.rand(dim, n, generator=gen, dtype=f64)
+    if complex_a:
+        a = torch.complex(a, torch.randn(dim, n, generator=gen, dtype=f64))
+    p: dict[str, torch.Tensor | bool | None] = {
+        "u": torch.randn(batch, dim, length, generator=gen, dtype=f64),
+        "delta": torch.rand(batch, dim, length, generator=gen, dtype=f64) - 0.5,
+        "A": a,
+        "B": _bc(b_form, batch, dim, n, length, gen, complex_bc),
+        "C": _bc(c_form, batch, dim, n, length, gen, complex_bc),
+        "D": None, "z": None, "delta_bias": None, "delta_softplus": False, "initial": None,
+    }  # fmt: skip
+    if extras:
+        p["D"] = torch.randn(dim, generator=gen, dtype=f64)
+        p["z"] = torch.randn(batch, dim, length, generator=gen, dtype=f64)
+        p["delta_bias"] = torch.randn(dim, generator=gen, dtype=f64) * 0.5
+        p["delta_softplus"] = True
+        p["initial"] = torch.randn(batch, dim, n, generator=gen, dtype=a.dtype)
+    return p
+
+
+def _cast(p: dict, dtype: torch.dtype, device: str) -> dict:
+    """The problem's inputs in ``dtype`` on ``device``; A and the initial state (and
+    complex operands) in the state's precision: float32 for the half types."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    out = {}
+    for k, v in p.items():
+        if isinstance(v, torch.Tensor):
+            if v.is_complex():
+                v = v.to(torch.complex128 if wide == torch.float64 else torch.complex64)
+            else:
+                v = v.to(wide if k in ("A", "initial") else dtype)
+            v = v.to(device)
+        out[k] = v
+    return out
+
+
+def _run(p: dict, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q = dict(p)
+    initial = q.pop("initial")
+    return ps.selective_scan(**q, initial=initial, return_final=True, backend=backend)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_lengths_against_loop(where, gen, length):
+    p = _problem(gen, length=length, b_form="grouped", c_form="shared")
+    want_out, want_final = selective_loop(**p)
+    out, final = _run(_cast(p, torch.float32, where.device), where.backend)
+    assert out.dtype == torch.float32 and final.dtype == torch.float32
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize(("b_form", "c_form"), list(itertools.product(FORMS, FORMS)))
+@pytest.mark.parametrize("extras", [False, True])
+def test_forms_against_loop(where, gen, b_form, c_form, extras):
+    p = _problem(gen, length=CHUNKS[0] + 3, b_form=b_form, c_form=c_form, extras=extras)
+    want_out, want_final = selective_loop(**p)
+    out, final = _run(_cast(p, torch.float32, where.device), where.backend)
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("complex_bc", [False, True])
+def test_complex_a_against_loop(where, gen, complex_bc):
+    p = _problem(gen, length=CHUNKS[0] + 1, b_form="invariant", c_form="grouped",
+                 complex_a=True, complex_bc=complex_bc)  # fmt: skip
+    want_out, want_final = selective_loop(**p)
+    out, final = _run(_cast(p, torch.float32, where.device), where.backend)
+    assert out.dtype == torch.float32 and final.dtype == torch.complex64
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.complex64)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not d.is_complex])
+def test_dtypes(where, gen, dtype):
+    """Inputs of every float dtype; the state and sums in float32 (float64 for float64):
+    the reference runs on the same rounded inputs."""
+    p = _cast(_problem(gen, length=33), dtype, where.device)
+    want_out, want_final = selective_loop(**_cast(p, torch.float64, "cpu"))
+    out, final = _run(p, where.backend)
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.dtype == dtype and final.dtype == state
+    # the output is rounded to the input dtype; the sums are at least float32
+    assert_matches(out, want_out, dtype if dtype != torch.float16 else torch.float16)
+    assert_matches(final, want_final, state)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_non_contiguous_inputs(where, gen):
+    p = _cast(_problem(gen, length=40, b_form="grouped", c_form="invariant"), torch.float32,
+              where.device)  # fmt: skip
+    q = dict(p)
+    for k in ("u", "delta", "z"):
+        q[k] = p[k].transpose(0, 2).contiguous().transpose(0, 2)  # batch-innermost strides
+    q["B"] = p["B"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    q["C"] = p["C"].t().contiguous().t()
+    q["A"] = p["A"].t().contiguous().t()
+    q["D"] = torch.stack([p["D"], p["D"]], 1)[:, 0]
+    assert not q["u"].is_contiguous() and not q["B"].is_contiguous()
+    want_out, want_final = selective_loop(**_cast(p, torch.float64, "cpu"))
+    out, final = _run(q, where.backend)
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+def _grads(p: dict, fn) -> dict[str, torch.Tensor]:
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in p.items()
+              if isinstance(v, torch.Tensor)}  # fmt: skip
+    q = {**p, **leaves}
+    out, final = fn(q)
+    gen = torch.Generator().manual_seed(7)
+    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    w_fin = torch.randn(final.shape, generator=gen, dtype=torch.float64).to(final.dtype)
+    loss = (out * w_out).sum() + (final * w_fin.conj()).real.sum()
+    loss.backward()
+    return {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize(
+    ("b_form", "c_form", "complex_a", "complex_bc"),
+    [("grouped", "shared", False, False), ("invariant", "grouped", False, False),
+     ("shared", "invariant", True, False), ("grouped", "shared", True, True)],
+)  # fmt: skip
+def test_gradients_against_loop(where, gen, b_form, c_form, complex_a, complex_bc):
+    """The gradient of every input (including the final state's) against autograd
+    through the float64 loop."""
+    p = _problem(gen, length=CHUNKS[0] + 5, b_form=b_form, c_form=c_form,
+                 complex_a=complex_a, complex_bc=complex_bc)  # fmt: skip
+    want = _grads(p, lambda q: selective_loop(**q))
+    got = _grads(_cast(p, torch.float32, where.device), lambda q: _run(q, where.backend))
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] is not None, k
+        assert_matches(got[k], want[k], torch.complex64 if want[k].is_complex() else torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_gradcheck_float64(where, gen):
+    p = _problem(gen, batch=1, dim=3, n=2, length=CHUNKS[0] + 2, b_form="grouped",
+                 c_form="invariant")  # fmt: skip
+    p["B"] = p["B"][:, :3]
+    names = [k for k, v in p.items() if isinstance(v, torch.Tensor)]
+    inputs = tuple(p[k].requires_grad_() for k in names)
+
+    def fn(*ts):
+        q = {**p, **dict(zip(names, ts, strict=True))}
+        return _run(q, where.backend)
+
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_vmap_and_grad(where, gen):
+    p = _cast(_problem(gen, batch=1, length=30, extras=False), torch.float32, where.device)
+    us = torch.randn(4, *p["u"].shape, generator=gen).to(where.device)
+    As = -torch.rand(4, *p["A"].shape, generator=gen).to(where.device)
+
+    def f(u, A):
+        return ps.selective_scan(u, p["delta"], A, p["B"], p["C"], backend=where.backend)
+
+    got = torch.vmap(f)(us, As)
+    want = torch.stack([f(us[i], As[i]) for i in range(4)])
+    torch.testing.assert_close(got, want)
+    grad = torch.func.grad(lambda A: f(us[0], A).square().sum())(As[0])
+    A0 = As[0].clone().requires_grad_()
+    f(us[0], A0).square().sum().backward()
+    torch.testing.assert_close(grad, A0.grad)
+    per = torch.vmap(torch.func.grad(lambda u, A: f(u, A).sum()))(us, As)
+    assert per.shape == us.shape
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_compile_fullgraph(where, gen):
+    p = _cast(_problem(gen, length=CHUNKS[0] + 1), torch.float32, where.device)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if isinstance(v, torch.Tensor)}
+
+    def f(q):
+        return _run(q, where.backend)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out, final = compiled({**p, **leaves})
+    want_out, _want_final = f(p)
+    torch.testing.assert_close(out, want_out)
+    (out.sum() + final.sum()).backward()
+    assert all(v.grad is not None for v in leaves.values())
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_decode_steps_equal_the_scan(where, gen):
+    """selective_state_update over L steps, one at a time, equals the scan (both
+    layouts: the multi-head one is the scan over heads * headdim channels)."""
+    p = _cast(_problem(gen, length=9, b_form="grouped", c_form="grouped"), torch.float32,
+              where.device)  # fmt: skip
+    out, final = _run(p, where.backend)
+    state = p["initial"].clone()
+    steps = [
+        ps.selective_state_update(
+            state, p["u"][..., t], p["delta"][..., t], p["A"], p["B"][..., t], p["C"][..., t],
+            p["D"], p["z"][..., t], p["delta_bias"], dt_softplus=True,
+        )
+        for t in range(9)
+    ]  # fmt: skip
+    torch.testing.assert_close(torch.stack(steps, -1), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
+    # heads layout: dim 6 = 3 heads x 2 headdim, B/C in 3 groups
+    state4 = p["initial"].clone().view(2, 3, 2, -1)
+    for t in range(9):
+        y = ps.selective_state_update(
+            state4, p["u"][..., t].view(2, 3, 2), p["delta"][..., t].view(2, 3, 2),
+            p["A"].view(3, 2, -1), p["B"][..., t], p["C"][..., t], p["D"].view(3, 2),
+            p["z"][..., t].view(2, 3, 2), p["delta_bias"].view(3, 2), dt_softplus=True,
+        )  # fmt: skip
+        torch.testing.assert_close(y.view(2, 6), out[..., t], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state4.view(2, 6, -1), final, rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_are_not_modified(gen):
+    p = _cast(_problem(gen, length=70), torch.float32, "cpu")
+    before = {k: v.clone() for k, v in p.items() if isinstance(v, torch.Tensor)}
+    _run(p, "auto")
+    for k, v in before.items():
+        torch.testing.assert_close(p[k], v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda p: p.update(u=p["u"][:, :, :-1]), ValueError, "delta of shape"),
+        (lambda p: p.update(B=torch.randn(2, 4, 3, 20)), ValueError, "group count"),
+        (lambda p: p.update(u=p["u"].to(torch.int64)), TypeError, "expected u to have"),
+        (lambda p: p.update(B=p["B"].to(torch.complex64)), TypeError, "complex B needs"),
+        (lambda p: p.update(A=p["A"][:-1]), ValueError, "expected A of shape"),
+        (lambda p: p.update(D=torch.randn(5)), ValueError, "expected D of shape"),
+        (lambda p: p.update(initial=torch.randn(2, 6, 4)), ValueError, "expected initial"),
+        (lambda p: p.update(C=torch.randn(2, 3, 21)), ValueError, "expected C of shape"),
+        (lambda p: p.update(u=[1.0]), TypeError, "expected u to be a Tensor"),
+    ],
+)  # fmt: skip
+def test_errors(gen, change, error, match):
+    p = _cast(_problem(gen), torch.float32, "cpu")
+    change(p)
+    with pytest.raises(error, match="parascan.selective_scan: .*" + match):
+        _run(p, "auto")
+
+
+def test_state_update_errors(gen):
+    state = torch.zeros(2, 6, 3)
+    x = torch.randn(2, 6)
+    with pytest.raises(ValueError, match=r"parascan\.selective_state_update: expected B"):
+        ps.selective_state_update(state, x, x, -torch.rand(6, 3), torch.randn(2, 4, 3),
+                                  torch.randn(2, 3))  # fmt: skip
+    with pytest.raises(ValueError, match=r"parascan\.selective_state_update: expected x"):
+        ps.selective_state_update(state, x[:, :5], x, -torch.rand(6, 3), torch.randn(2, 3),
+                                  torch.randn(2, 3))  # fmt: skip
