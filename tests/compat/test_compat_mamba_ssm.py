@@ -102,6 +102,7 @@ def case(gen, *, batch=2, dim=6, n=3, length=17, b_form="shared", c_form="shared
          cplx=False, dtype=torch.float32, extras=True):  # type: ignore[no-untyped-def]  # fmt: skip
     """Random inputs in mamba's conventions; weights (A, D, delta_bias, invariant B/C)
     in float32 / complex64 as mamba_ssm keeps them, activations in ``dtype``."""
+
     def bc(form):  # type: ignore[no-untyped-def]
         if form == "invariant":
             return invariant(gen, dim, n, cplx)
@@ -178,8 +179,7 @@ def test_dtypes_of_the_results(dtype, cplx) -> None:
     out, last = selective_scan_fn(**args, delta_softplus=True, return_last_state=True)
     want, want_last = mamba_loop(**args, delta_softplus=True)
     wide = dtype == torch.float64
-    state = {(False, False): torch.float32, (False, True): torch.complex64,
-             (True, False): torch.float64, (True, True): torch.complex128}[(wide, cplx)]  # fmt: skip
+    state = [[torch.float32, torch.complex64], [torch.float64, torch.complex128]][wide][cplx]
     assert out.dtype == dtype and last.dtype == state
     assert_matches(out, want, dtype)
     assert_matches(last, want_last, state if wide else torch.float32)
@@ -265,8 +265,9 @@ def update_oracle(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):  # type: i
     dt = softplus(dt) if dt_softplus else dt
     Bh = B.double().repeat_interleave(heads // groups, dim=1)[:, :, None]  # (batch, h, 1, N)
     Ch = C.double().repeat_interleave(heads // groups, dim=1)[:, :, None]
-    new = torch.exp(dt[..., None] * A.double()) * state.double() + dt[..., None] * Bh * (
-        x.double()[..., None]
+    new = (
+        torch.exp(dt[..., None] * A.double()) * state.double()
+        + dt[..., None] * Bh * (x.double()[..., None])
     )
     out = (new * Ch).sum(-1) + (0 if D is None else D.double() * x.double())
     if z is not None:
@@ -309,7 +310,10 @@ def test_state_update_matches_the_formula(device, layout, dt_softplus) -> None:
     want_state, want_out = update_oracle(state, **args, dt_softplus=dt_softplus)
     if layout == "dim":
         args, state, want_state, want_out = (
-            squeeze_heads(args), state[:, 0], want_state[:, 0], want_out[:, 0]
+            squeeze_heads(args),
+            state[:, 0],
+            want_state[:, 0],
+            want_out[:, 0],
         )
     state = state.to(device)
     out = selective_state_update(state, **on(device, args), dt_softplus=dt_softplus)

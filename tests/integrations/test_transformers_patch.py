@@ -105,7 +105,9 @@ def both(run: Callable[[], object]) -> tuple[object, object]:
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def cache_tensors(cache: object) -> list[torch.Tensor]:
@@ -178,7 +180,10 @@ def test_the_patched_paths_run_parascan(monkeypatch) -> None:
     """The comparisons above are not vacuous: the patched model calls the replacements,
     for the full-sequence scan and for each decoding step."""
     calls: dict[str, int] = {"scan": 0, "step": 0}
-    scan, step = integration.mamba_ssm.selective_scan_fn, integration.mamba_ssm.selective_state_update
+    scan, step = (
+        integration.mamba_ssm.selective_scan_fn,
+        integration.mamba_ssm.selective_state_update,
+    )
 
     def counted_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls["scan"] += 1

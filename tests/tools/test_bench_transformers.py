@@ -9,22 +9,22 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from parascan.integrations import transformers as integration  # noqa: E402
-from parascan.tools import bench_transformers  # noqa: E402
+from parascan.integrations import transformers as integration
+from parascan.tools import bench_transformers
 
 
 def test_quick_run_gives_a_checked_row_per_workload() -> None:
     lines: list[str] = []
-    rows = bench_transformers.run(quick=True, tokens=32, new_tokens=4, progress=lines.append)
-    assert [r.name for r in rows] == ["forward, 32 tokens", "train step, 32 tokens",
-                                      "generate 4 tokens"]  # fmt: skip
+    rows = bench_transformers.run(quick=True, tokens=16, new_tokens=3, progress=lines.append)
+    assert [r.name for r in rows] == ["forward, 16 tokens", "train step, 16 tokens",
+                                      "generate 3 tokens"]  # fmt: skip
     for r in rows:
         assert r.correct, r
         assert r.speedup == pytest.approx(r.unpatched_s / r.patched_s)
         assert r.unpatched_s > 0 and r.patched_s > 0
     assert len(lines) == 6
     table = bench_transformers.format_rows(rows)
-    assert "transformers" in table and "train step, 32 tokens" in table
+    assert "transformers" in table and "train step, 16 tokens" in table
     assert integration.patched() == []
 
 
@@ -46,7 +46,7 @@ def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:
     monkeypatch.setattr(
         integration, "_FAMILIES", (dataclasses.replace(family, functions=functions),)
     )
-    rows = bench_transformers.run(quick=True, tokens=16, new_tokens=2)
+    rows = bench_transformers.run(quick=True, tokens=8, new_tokens=2)
     forward = rows[0]
     assert not forward.correct and forward.speedup is None
     assert "WRONG" in bench_transformers.format_rows(rows)

@@ -61,8 +61,10 @@ def _compute_dtype(u: Tensor) -> torch.dtype:
 def _complex_from_interleaved(fn: str, name: str, X: Tensor, u: Tensor) -> Tensor:
     """A variable ``B``/``C`` of a complex-``A`` scan, in parascan's form: mamba_ssm's
     real ``(..., 2L)`` with interleaved real and imaginary parts becomes a complex
-    ``(..., L)`` tensor (differentiably: its gradient flows back to the real parts)."""
-    if X.is_complex():
+    ``(..., L)`` tensor (differentiably: its gradient flows back to the real parts).
+    A complex one is taken as it is; a non-float one is left to parascan.selective_scan's
+    dtype check."""
+    if X.is_complex() or not X.is_floating_point():
         return X
     length = u.shape[-1] if isinstance(u, Tensor) and u.dim() == 3 else None
     if length is None or X.shape[-1] != 2 * length:
@@ -96,15 +98,9 @@ def _selective_scan(
             B = _complex_from_interleaved(fn, "B", B, u)
         if isinstance(C, Tensor) and C.dim() >= 3:
             C = _complex_from_interleaved(fn, "C", C, u)
-    if not return_last_state:
-        out: Tensor = ps.selective_scan(
-            u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus)
-        )
-        return out
-    out, last_state = ps.selective_scan(
-        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), return_final=True
+    return ps.selective_scan(
+        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), return_final=return_last_state
     )
-    return out, last_state
 
 
 def selective_scan_fn(

@@ -173,9 +173,19 @@ _MAMBA1 = _Family(
         _Function(
             "mamba_selective_scan",
             selective_scan,
-            ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
-             "return_last_state"),
-        ),  # fmt: skip
+            (
+                "hidden_states",
+                "dt",
+                "A",
+                "B",
+                "C",
+                "D",
+                "z",
+                "delta_bias",
+                "delta_softplus",
+                "return_last_state",
+            ),
+        ),
         _Function(
             "mamba_selective_state_update",
             selective_state_update,
@@ -222,7 +232,7 @@ def _unsupported(version: str, what: str) -> UnsupportedVersionError:
     )
 
 
-def _candidate_modules(transformers: ModuleType, family: _Family) -> list[str]:
+def _candidate_modules(family: _Family) -> list[str]:
     """The modeling modules whose source defines ``family.marker`` (read as text, so only
     those are imported)."""
     spec = importlib.util.find_spec("transformers.models")
@@ -284,7 +294,7 @@ def _targets() -> list[tuple[ModuleType, _Function]]:
         raise _unsupported(version, f"older than {MIN_VERSION}")
     targets = []
     for family in _FAMILIES:
-        names = _candidate_modules(transformers, family)
+        names = _candidate_modules(family)
         for expected in _EXPECTED_MODULES:
             wanted = f"transformers.models.{expected}.modeling_{expected}"
             if wanted not in names:
