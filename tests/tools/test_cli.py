@@ -230,16 +230,20 @@ def test_default_bench_times_every_backend_and_peer_and_the_headline_shapes() ->
 @pytest.mark.parametrize(
     ("flags", "workload"),
     [
-        ([], (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES, bench.DEFAULT_PACKED_CASES)),
-        (["--full"], (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES)),
-        (["--quick"], (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES, bench.QUICK_PACKED_CASES)),
+        ([], (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES, bench.DEFAULT_PACKED_CASES,
+              bench.DEFAULT_SSM_CASES)),
+        (["--full"], (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES,
+                      bench.FULL_SSM_CASES)),
+        (["--quick"], (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES, bench.QUICK_PACKED_CASES,
+                       bench.QUICK_SSM_CASES)),
     ],
-)
+)  # fmt: skip
 def test_bench_runs_the_default_full_or_quick_workload(flags, workload, monkeypatch) -> None:
     seen = []
     monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.append(kw) or 0)
     assert main(["bench", "--json", *flags]) == 0
-    assert (seen[0]["cases"], seen[0]["generic_cases"], seen[0]["packed_cases"]) == workload
+    kw = seen[0]
+    assert (kw["cases"], kw["generic_cases"], kw["packed_cases"], kw["ssm_cases"]) == workload
 
 
 def test_bench_packed_rows_compare_with_one_sequence_and_a_loop() -> None:
@@ -295,3 +299,31 @@ def test_bench_workload_is_correct_for_every_backend(workload) -> None:
     assert all(r["correct"] for r in result["rows"] if r["kind"] == "parascan")
     assert all(r["correct"] for r in result["generic_rows"] if r["source"] == "parascan")
     assert all(r["correct"] for r in result["packed_rows"])
+
+
+def test_bench_ssm_rows_compare_with_the_loop_and_the_exp_limit() -> None:
+    out = io.StringIO()
+    status = bench.run_bench(
+        cases=[], ssm_cases=bench.QUICK_SSM_CASES, repeat=1, as_json=True, out=out
+    )
+    assert status == 0
+    rows = json.loads(out.getvalue())["ssm_rows"]
+    assert [(r["impl"], r["direction"]) for r in rows] == [
+        ("parascan", "forward"), ("parascan", "forward+backward"),
+        ("reference loop", "forward"), ("reference loop", "forward+backward"),
+    ]  # fmt: skip
+    ours = rows[1]
+    assert ours["correct"] and ours["max_error"] < 1e-4 and ours["exp_limit_ms"] > 0
+    assert ours["speedup_vs_loop"] > 0 and ours["peak_extra_mib"] is not None
+
+
+def test_bench_never_reports_a_speed_for_a_wrong_ssm_result(monkeypatch) -> None:
+    from parascan.tools import bench_ssm
+
+    real = bench_ssm.selective_scan
+    monkeypatch.setattr(bench_ssm, "selective_scan", lambda *a, **kw: real(*a, **kw) * 1.01)
+    out = io.StringIO()
+    status = bench.run_bench(cases=[], ssm_cases=bench.QUICK_SSM_CASES, repeat=1, out=out)
+    assert status == 1
+    wrong = [line for line in out.getvalue().splitlines() if "WRONG" in line]
+    assert len(wrong) == 2 and all("parascan" in line for line in wrong)

@@ -56,6 +56,15 @@ from parascan.tools.bench_packed import (
     run_packed,
 )
 from parascan.tools.bench_packed import implementation_names as packed_names
+from parascan.tools.bench_ssm import (
+    DEFAULT_SSM_CASES,
+    FULL_SSM_CASES,
+    QUICK_SSM_CASES,
+    SsmCase,
+    format_ssm,
+    run_ssm,
+    ssm_step_names,
+)
 from parascan.tools.info import summary
 from parascan.tools.timing import elapsed as _elapsed
 from parascan.tools.tolerance import TOLERANCE, relative_error
@@ -65,12 +74,15 @@ __all__ = [
     "DEFAULT_CASES",
     "DEFAULT_GENERIC_CASES",
     "DEFAULT_PACKED_CASES",
+    "DEFAULT_SSM_CASES",
     "FULL_CASES",
     "FULL_GENERIC_CASES",
     "FULL_PACKED_CASES",
+    "FULL_SSM_CASES",
     "QUICK_CASES",
     "QUICK_GENERIC_CASES",
     "QUICK_PACKED_CASES",
+    "QUICK_SSM_CASES",
     "Case",
     "Row",
     "run_bench",
@@ -451,6 +463,7 @@ def run_bench(
     cases: list[Case] | None = None,
     generic_cases: list[GenericCase] | None = None,
     packed_cases: list[PackedCase] | None = None,
+    ssm_cases: list[SsmCase] | None = None,
     backend_names: list[str] | None = None,
     repeat: int = 5,
     as_json: bool = False,
@@ -465,8 +478,10 @@ def run_bench(
     cases = list(DEFAULT_CASES if cases is None else cases)
     generic = list(generic_cases or [])
     packed = list(packed_cases or [])
+    ssm = list(ssm_cases or [])
     if backend_names and "cpu" not in backend_names:
         packed = []
+        ssm = []
     if backend_names:  # only these backends; a case that runs none of them is left out
         cases = [
             replace(
@@ -480,12 +495,14 @@ def run_bench(
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
     steps += sum(len(implementation_names(c)) for c in generic)
     steps += sum(len(packed_names(c)) for c in packed)
+    steps += sum(len(ssm_step_names(c)) for c in ssm)
     progress = _Progress(steps)
     rows: list[Row] = []
     for case in cases:
         rows.extend(_bench_case(case, repeat, progress))
     generic_rows = run_generic(generic, repeat, progress.step)
     packed_rows = run_packed(packed, repeat, progress.step)
+    ssm_rows = run_ssm(ssm, repeat, progress.step)
     if plot_path:
         rows.extend(_sweep(repeat, progress))
     info = summary()
@@ -495,6 +512,7 @@ def run_bench(
             "rows": [asdict(r) for r in rows],
             "generic_rows": [asdict(r) for r in generic_rows],
             "packed_rows": [asdict(r) for r in packed_rows],
+            "ssm_rows": [asdict(r) for r in ssm_rows],
         }
         json.dump(result, out, indent=2)
         out.write("\n")
@@ -504,9 +522,12 @@ def run_bench(
             print("\n" + format_generic(generic_rows), file=out)
         if packed_rows:
             print("\n" + format_packed(packed_rows), file=out)
+        if ssm_rows:
+            print("\n" + format_ssm(ssm_rows), file=out)
     if plot_path:
         plot(rows, plot_path)
     ours = [r.correct for r in rows if r.kind == "parascan"]
     ours += [r.correct for r in generic_rows if r.source == "parascan"]
     ours += [r.correct for r in packed_rows]
+    ours += [r.correct for r in ssm_rows if r.impl == "parascan"]
     return 0 if all(ours) else 1

@@ -42,15 +42,19 @@ def _bench(args: argparse.Namespace) -> int:
             backend_names=args.backend, repeat=args.repeat, as_json=args.json,
         )  # fmt: skip
     workload = "quick" if args.quick else "full" if args.full else "default"
-    cases, generic_cases, packed_cases = {
-        "quick": (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES, bench.QUICK_PACKED_CASES),
-        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES, bench.DEFAULT_PACKED_CASES),
-        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES),
-    }[workload]
+    cases, generic_cases, packed_cases, ssm_cases = {
+        "quick": (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES, bench.QUICK_PACKED_CASES,
+                  bench.QUICK_SSM_CASES),
+        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES,
+                    bench.DEFAULT_PACKED_CASES, bench.DEFAULT_SSM_CASES),
+        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES,
+                 bench.FULL_SSM_CASES),
+    }[workload]  # fmt: skip
     status = bench.run_bench(
         cases=cases,
         generic_cases=generic_cases,
         packed_cases=packed_cases,
+        ssm_cases=ssm_cases,
         backend_names=args.backend,
         repeat=args.repeat,
         as_json=args.json,
