@@ -19,8 +19,8 @@ models:
 
 ``mamba_selective_scan``
     the full-sequence scan (prefill, training, evaluation) becomes
-    :func:`parascan.compat.mamba_ssm.selective_scan_fn`; its last state is the same
-    float32 tensor that transformers stores in the cache (``ssm_states``).
+    :func:`parascan.compat.mamba_ssm.selective_scan_fn`; its last state is the float32
+    tensor that transformers stores as the cache's recurrent (ssm) state, as unpatched.
 ``mamba_selective_state_update``
     the decoding step (one token with a cache) becomes
     :func:`parascan.compat.mamba_ssm.selective_state_update`, advancing the cached state
@@ -37,8 +37,8 @@ In float32 the logits, gradients, caches and greedy generations equal the unpatc
 to rounding; in half precision parascan takes the step ``softplus(dt + dt_bias)`` in
 float32 where transformers' loop rounds it to the model's dtype first.
 
-Supported: transformers 5.15.0 and later (tested with 5.23.0): from 5.15 on, these
-mixers call the scan through those module functions. ``patch()`` checks the installed
+Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0 and 5.23.0): from
+5.15 on, these mixers call the scan through those module functions. ``patch()`` checks the installed
 version, that each module defines the functions with the expected parameters, and that
 a mixer's ``forward`` calls them; otherwise it raises :class:`UnsupportedVersionError`,
 naming the version and what is missing, and patches nothing.
@@ -70,7 +70,7 @@ from parascan.compat import mamba_ssm
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
 
 MIN_VERSION = "5.15.0"
-TESTED_VERSION = "5.23.0"
+TESTED_VERSIONS = "5.15.0, 5.20.0 and 5.23.0"
 _FN = "parascan.integrations.transformers.patch"
 
 
@@ -225,7 +225,7 @@ def _import_transformers() -> ModuleType:
 def _unsupported(version: str, what: str) -> UnsupportedVersionError:
     return UnsupportedVersionError(
         f"{_FN}: transformers {version} is installed, {what}. The patch supports "
-        f"transformers>={MIN_VERSION} (tested with {TESTED_VERSION}), whose Mamba-family "
+        f"transformers>={MIN_VERSION} (tested with {TESTED_VERSIONS}), whose Mamba-family "
         "modeling modules compute their scans in module-level functions "
         "(mamba_selective_scan, mamba_selective_state_update) called by the mixers; "
         "nothing was patched"
@@ -251,15 +251,32 @@ def _original(module: ModuleType, name: str) -> Any:
     return _ORIGINALS.get((module.__name__, name), getattr(module, name, None))
 
 
+def _global_names(fn: object, depth: int = 3) -> set[str]:
+    """The global (and attribute) names ``fn``'s code looks up, and those of the functions
+    it wraps: through ``__wrapped__`` and through its closure, since a decorator may wrap
+    without functools.wraps (transformers 5.15's ``force_accelerate_hooks`` does)."""
+    code = getattr(fn, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    if depth > 0:
+        inner = [getattr(fn, "__wrapped__", None)]
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        for f in inner:
+            if inspect.isfunction(f):
+                names |= _global_names(f, depth - 1)
+    return names
+
+
 def _calls(module: ModuleType, name: str) -> bool:
     """Whether a class of ``module`` has a ``forward`` that looks ``name`` up."""
     for value in vars(module).values():
         if isinstance(value, type) and value.__module__ == module.__name__:
             forward = vars(value).get("forward")
-            if forward is not None:
-                code = getattr(inspect.unwrap(forward), "__code__", None)
-                if code is not None and name in code.co_names:
-                    return True
+            if forward is not None and name in _global_names(forward):
+                return True
     return False
 
 

@@ -215,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement (min)")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = run(
         quick=args.quick, repeat=args.repeat, tokens=args.tokens, new_tokens=args.new_tokens,
         progress=lambda line: print(line, flush=True),
