@@ -62,7 +62,7 @@ from torch import Tensor
 __all__ = ["CHECKPOINT_STEPS", "EMPTY", "n_chunks", "state_dtype"]
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
-CHECKPOINT_STEPS = {"cpu": 64, "triton": 64, "torch": 256, "loop": 64}
+CHECKPOINT_STEPS = {"cpu": 64, "triton": 64, "torch": 64, "loop": 64}
 
 
 def n_chunks(length: int, backend: str) -> int:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import resolved, resolved_optional
-from parascan.ssm import reference
+from parascan.ssm import reference, triton
 from parascan.ssm.canonical import n_chunks, state_dtype
 
 __all__ = ["ROW", "apply"]
@@ -29,12 +29,18 @@ ROW = register(
     OpBackends(
         op="parascan.selective_scan",
         backends={
+            "triton": Backend(
+                triton.forward,
+                triton.backward,
+                (torch.float32, torch.float64),
+                unsupported="{dtype} states (a complex A): its kernels take a real A; use "
+                "'torch' (or 'auto')",
+            ),
             "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
         missing={
             "cpu": "the selective scan's C kernel is not built yet; use 'torch' or 'auto'",
-            "triton": "the selective scan's Triton kernels are not built yet; use 'torch'",
         },
     )
 )

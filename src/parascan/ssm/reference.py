@@ -72,7 +72,8 @@ def chunk_forward(
         decay = torch.exp(dt[..., None] * A[:, None, :])  # (batch, dim, K, N)
         states = linear_scan(decay, dtu[..., None] * b_full, dim=2, initial=h0)
         y = (c_full * states).sum(-1)
-        last = states[:, :, -1] if steps else h0
+        # a copy: a view would keep the chunk's (batch, dim, K, N) states alive
+        last = states[:, :, -1].clone() if steps else h0
     y = 2 * y.real if y.is_complex() else y
     if D is not None:
         y = y + D[:, None] * u

@@ -25,6 +25,7 @@ call), next to the size of one (batch, dim, L, N) float32 tensor.
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,15 +133,23 @@ def reference_loop(
 
 
 def _peak_extra_mib(fn: Callable[[], object]) -> float | None:
-    """Growth of the peak resident set during ``fn`` (Linux), in MiB."""
+    """Growth of the peak resident set during ``fn`` (Linux, glibc), in MiB. Blocks of
+    64 KiB and more are first made to come from (and go back to) the OS directly, so
+    that memory freed earlier and kept by malloc cannot hide an allocation."""
     try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)  # also turns off its dynamic growth
+        libc.malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident set
         base = _status_kib("VmRSS")
         fn()
         return (_status_kib("VmHWM") - base) / 1024
-    except OSError:
+    except (OSError, AttributeError):
         return None
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def _status_kib(key: str) -> int:
