@@ -15,7 +15,9 @@ from parascan.tools import bench_transformers
 
 def test_quick_run_gives_a_checked_row_per_workload() -> None:
     lines: list[str] = []
-    rows = bench_transformers.run(quick=True, tokens=16, new_tokens=3, progress=lines.append)
+    rows = bench_transformers.run(
+        quick=True, tokens=16, new_tokens=3, repeat=1, progress=lines.append
+    )
     assert [r.name for r in rows] == ["forward, 16 tokens", "train step, 16 tokens",
                                       "generate 3 tokens"]  # fmt: skip
     for r in rows:
@@ -46,7 +48,7 @@ def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:
     monkeypatch.setattr(
         integration, "_FAMILIES", (dataclasses.replace(family, functions=functions),)
     )
-    rows = bench_transformers.run(quick=True, tokens=8, new_tokens=2)
+    rows = bench_transformers.run(quick=True, tokens=8, new_tokens=2, repeat=1)
     forward = rows[0]
     assert not forward.correct and forward.speedup is None
     assert "WRONG" in bench_transformers.format_rows(rows)
