@@ -9,6 +9,7 @@ import pytest
 import parascan._backends
 import parascan.compat.accelerated_scan
 import parascan.compat.fla
+import parascan.compat.mamba_ssm
 import parascan.compat.torch_parallel_scan
 import parascan.first_order.linear
 import parascan.first_order.logspace
@@ -25,6 +26,7 @@ import parascan.matrix.api
         parascan.matrix.api,
         parascan.compat.accelerated_scan,
         parascan.compat.fla,
+        parascan.compat.mamba_ssm,
         parascan.compat.torch_parallel_scan,
         parascan._backends,
     ],

@@ -1,0 +1,373 @@
+"""Hugging Face transformers' Mamba-family models, computing their scans with parascan::
+
+    import parascan.integrations.transformers as parascan_hf
+
+    parascan_hf.patch()      # the names it replaced, e.g.
+                             # 'transformers.models.mamba.modeling_mamba.mamba_selective_scan'
+    model = MambaForCausalLM(config)          # before or after patch(): both work
+    model(input_ids, labels=input_ids).loss.backward()
+    model.generate(input_ids, max_new_tokens=64)
+    parascan_hf.unpatch()    # the originals again
+
+Without mamba_ssm (on CPU, or on a GPU where it is not installed), transformers runs a
+Mamba layer's scan as a Python loop over the tokens, materializing a (batch, dim, L, N)
+tensor and keeping every step for the backward. ``patch()`` replaces, in each modeling
+module of a Mamba-1 mixer (``mamba``, ``falcon_mamba`` and the hybrids whose modules carry
+the same functions, ``jamba`` and ``zamba`` in transformers 5.23), the module-level
+functions the mixers call, as Liger Kernel's ``apply_liger_kernel_to_*`` do for other
+models:
+
+``mamba_selective_scan``
+    the full-sequence scan (prefill, training, evaluation) becomes
+    :func:`parascan.compat.mamba_ssm.selective_scan_fn`; its last state is the float32
+    tensor that transformers stores as the cache's recurrent (ssm) state, as unpatched.
+``mamba_selective_state_update``
+    the decoding step (one token with a cache) becomes
+    :func:`parascan.compat.mamba_ssm.selective_state_update`, advancing the cached state
+    in place as the original does.
+``mamba_inner_fn``
+    the fused training kernel that transformers uses when mamba_ssm is installed: the
+    replacement declines (returns None, as the original does without mamba_ssm), so that
+    training runs the mixer's unfused path, whose scan is parascan's.
+
+Everything else (projections, the causal convolution and its ``conv_states`` cache, the
+cache's bookkeeping) is the model's own code, unchanged; so are its quirks (a prompt
+continued with several tokens at once restarts the scan from a zero state, as unpatched).
+In float32 the logits, gradients, caches and greedy generations equal the unpatched ones
+to rounding; in half precision parascan takes the step ``softplus(dt + dt_bias)`` in
+float32 where transformers' loop rounds it to the model's dtype first.
+
+Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0 and 5.23.0): from
+5.15 on, these mixers call the scan through those module functions. ``patch()`` checks the installed
+version, that each module defines the functions with the expected parameters, and that
+a mixer's ``forward`` calls them; otherwise it raises :class:`UnsupportedVersionError`,
+naming the version and what is missing, and patches nothing.
+
+Mamba-2 (``mamba2``, ``zamba2``, ``bamba``, ``nemotron_h``, ``granitemoehybrid``,
+``falcon_h1``) is not patched yet: its mixers call ``mamba2_chunk_scan``,
+``mamba2_split_conv1d_scan_combined`` and ``mamba2_selective_state_update``, which
+need mamba_chunk_scan_combined's drop-in. Supporting it is one more :class:`_Family`
+in ``_FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from torch import Tensor
+
+from parascan.compat import mamba_ssm
+
+__all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
+
+MIN_VERSION = "5.15.0"
+TESTED_VERSIONS = "5.15.0, 5.20.0 and 5.23.0"
+_FN = "parascan.integrations.transformers.patch"
+
+
+class UnsupportedVersionError(RuntimeError):
+    """The installed transformers does not have the functions ``patch()`` replaces."""
+
+
+# --- the replacements ------------------------------------------------------------------------
+
+
+def _reject_extras(fn: str, kwargs: dict[str, Any]) -> None:
+    given = sorted(k for k, v in kwargs.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"{fn}: parascan's replacement takes no {', '.join(given)} (the Mamba-1 mixers pass "
+            f"none); call unpatch() to use transformers' own function"
+        )
+
+
+def selective_scan(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Replaces transformers' ``mamba_selective_scan`` (same parameters): the scan by
+    :func:`parascan.compat.mamba_ssm.selective_scan_fn`. ``use_mambapy`` and
+    ``use_associative_scan`` choose among transformers' own loops; they change nothing
+    here."""
+    _reject_extras("mamba_selective_scan", kwargs)
+    return mamba_ssm.selective_scan_fn(
+        hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state
+    )
+
+
+def selective_state_update(
+    state: Tensor,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    z: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Replaces transformers' ``mamba_selective_state_update`` (same parameters, which
+    differ in order from mamba_ssm's): one decoding step by
+    :func:`parascan.compat.mamba_ssm.selective_state_update`, ``state`` updated in place."""
+    _reject_extras("mamba_selective_state_update", kwargs)
+    return mamba_ssm.selective_state_update(
+        state, hidden_states, dt, A, B, C, D, z, dt_bias, dt_softplus
+    )
+
+
+def no_fused_inner(*args: Any, **kwargs: Any) -> None:
+    """Replaces transformers' ``mamba_inner_fn``: returning None sends training through
+    the mixer's unfused path (projections, convolution, then the patched scan), as it
+    goes whenever mamba_ssm is not installed."""
+    return None
+
+
+# --- what is patched where ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Function:
+    """One module-level function of a modeling module and its replacement."""
+
+    name: str
+    replacement: Callable[..., Any]
+    # The original's leading parameters, which the mixers pass and the replacement takes.
+    params: tuple[str, ...]
+    # Whether a mixer's forward must call it (False: patched where present).
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class _Family:
+    """A kind of mixer: the modeling modules that define ``marker`` are patched."""
+
+    marker: str
+    functions: tuple[_Function, ...]
+
+
+_MAMBA1 = _Family(
+    marker="mamba_selective_scan",
+    functions=(
+        _Function(
+            "mamba_selective_scan",
+            selective_scan,
+            (
+                "hidden_states",
+                "dt",
+                "A",
+                "B",
+                "C",
+                "D",
+                "z",
+                "delta_bias",
+                "delta_softplus",
+                "return_last_state",
+            ),
+        ),
+        _Function(
+            "mamba_selective_state_update",
+            selective_state_update,
+            ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z"),
+        ),
+        # Only where the mixer has a fused training path (not zamba's).
+        _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
+    ),
+)
+# Mamba-2's entry goes here once its scan has a drop-in (see the module docstring).
+_FAMILIES = (_MAMBA1,)
+# The modules the patch promises: a transformers without them is not supported.
+_EXPECTED_MODULES = ("mamba", "falcon_mamba")
+
+# (module name, function name) -> the original, for every function patched now.
+_ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return (0,)
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def _import_transformers() -> ModuleType:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            f"{_FN}: transformers is not installed; install transformers>={MIN_VERSION} "
+            "(pip install 'parascan[transformers]')"
+        ) from error
+    return transformers
+
+
+def _unsupported(version: str, what: str) -> UnsupportedVersionError:
+    return UnsupportedVersionError(
+        f"{_FN}: transformers {version} is installed, {what}. The patch supports "
+        f"transformers>={MIN_VERSION} (tested with {TESTED_VERSIONS}), whose Mamba-family "
+        "modeling modules compute their scans in module-level functions "
+        "(mamba_selective_scan, mamba_selective_state_update) called by the mixers; "
+        "nothing was patched"
+    )
+
+
+def _candidate_modules(family: _Family) -> list[str]:
+    """The modeling modules whose source defines ``family.marker`` (read as text, so only
+    those are imported)."""
+    spec = importlib.util.find_spec("transformers.models")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = Path(next(iter(spec.submodule_search_locations)))
+    pattern = f"\ndef {family.marker}("
+    found = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        if pattern in path.read_text(encoding="utf-8", errors="replace"):
+            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return found
+
+
+def _original(module: ModuleType, name: str) -> Any:
+    return _ORIGINALS.get((module.__name__, name), getattr(module, name, None))
+
+
+def _global_names(fn: object, depth: int = 3) -> set[str]:
+    """The global (and attribute) names ``fn``'s code looks up, and those of the functions
+    it wraps: through ``__wrapped__`` and through its closure, since a decorator may wrap
+    without functools.wraps (transformers 5.15's ``force_accelerate_hooks`` does)."""
+    code = getattr(fn, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    if depth > 0:
+        inner = [getattr(fn, "__wrapped__", None)]
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        for f in inner:
+            if inspect.isfunction(f):
+                names |= _global_names(f, depth - 1)
+    return names
+
+
+def _calls(module: ModuleType, name: str) -> bool:
+    """Whether a class of ``module`` has a ``forward`` that looks ``name`` up."""
+    for value in vars(module).values():
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            forward = vars(value).get("forward")
+            if forward is not None and name in _global_names(forward):
+                return True
+    return False
+
+
+def _check(version: str, module: ModuleType, fn: _Function) -> bool:
+    """Whether ``fn`` is to be patched in ``module``; raises if the module does not
+    have it as expected."""
+    where = f"{module.__name__}.{fn.name}"
+    original = _original(module, fn.name)
+    if original is None or not callable(original):
+        if fn.required:
+            raise _unsupported(version, f"but {module.__name__} has no function {fn.name}")
+        return False
+    try:
+        params = tuple(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        params = ()
+    if params[: len(fn.params)] != fn.params:
+        raise _unsupported(
+            version,
+            f"but {where} takes ({', '.join(params)}), not ({', '.join(fn.params)}, ...)",
+        )
+    if fn.required and not _calls(module, fn.name):
+        raise _unsupported(version, f"but no mixer's forward in {module.__name__} calls {fn.name}")
+    return True
+
+
+def _targets() -> list[tuple[ModuleType, _Function]]:
+    """Every (module, function) to patch, all checked before any is touched."""
+    transformers = _import_transformers()
+    version = str(getattr(transformers, "__version__", "unknown"))
+    if _version_tuple(version) < _version_tuple(MIN_VERSION):
+        raise _unsupported(version, f"older than {MIN_VERSION}")
+    targets = []
+    for family in _FAMILIES:
+        names = _candidate_modules(family)
+        for expected in _EXPECTED_MODULES:
+            wanted = f"transformers.models.{expected}.modeling_{expected}"
+            if wanted not in names:
+                raise _unsupported(
+                    version, f"but {wanted} does not define {family.marker} (or is missing)"
+                )
+        for name in names:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue  # a model whose own dependencies are missing cannot be built either
+            targets += [(module, fn) for fn in family.functions if _check(version, module, fn)]
+    return targets
+
+
+# --- the public functions -----------------------------------------------------------------
+
+
+def patch() -> list[str]:
+    """Make the installed transformers' Mamba-family models compute their scans and
+    decoding steps with parascan (see the module docstring).
+
+    Idempotent: a second call changes nothing. Models created before the call are
+    patched too (the mixers look the functions up on every call).
+
+    Returns:
+        The fully qualified names of the functions replaced now (the same list on every
+        call until :func:`unpatch`), e.g.
+        ``'transformers.models.mamba.modeling_mamba.mamba_selective_scan'``.
+
+    Raises:
+        ImportError: transformers is not installed.
+        UnsupportedVersionError: the installed transformers is older than
+            :data:`MIN_VERSION` or its modules do not have the functions as expected
+            (nothing is patched then).
+    """
+    for module, fn in _targets():
+        key = (module.__name__, fn.name)
+        if key not in _ORIGINALS:
+            _ORIGINALS[key] = getattr(module, fn.name)
+            setattr(module, fn.name, fn.replacement)
+    return patched()
+
+
+def unpatch() -> list[str]:
+    """Restore every function :func:`patch` replaced; returns their names (empty when
+    nothing was patched)."""
+    restored = patched()
+    for (module_name, name), original in _ORIGINALS.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(module, name, original)
+    _ORIGINALS.clear()
+    return restored
+
+
+def patched() -> list[str]:
+    """The fully qualified names of the functions replaced now."""
+    return sorted(f"{module}.{name}" for module, name in _ORIGINALS)

@@ -1,0 +1,391 @@
+"""parascan.compat.mamba_ssm against float64 loops written here from mamba_ssm 2.x's
+documented conventions: u, delta, z (batch, dim, L); A (dim, N) real or complex; B, C
+time-invariant (dim, N), shared (batch, N, L) or grouped (batch, G, N, L), and with a
+complex A a variable B/C is real (..., 2L) with real and imaginary parts interleaved;
+y = sum_n C h (2 Re of it when A is complex); out = (y + D u) * silu(z); the decoding
+step in both of its layouts, (batch, dim, N) and (batch, heads, dim, N)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from parascan.compat.mamba_ssm import selective_scan_fn, selective_scan_ref, selective_state_update
+
+from conftest import assert_matches
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SCANS = [selective_scan_fn, selective_scan_ref]
+
+
+# --- the oracles --------------------------------------------------------------------------
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x <= 20, torch.log1p(torch.exp(x)), x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def step_operand(X: torch.Tensor, t: int, dim: int, length: int, cplx: bool) -> torch.Tensor:
+    """B or C at step t for every (batch, channel): (batch or 1, dim, N), float64, read
+    directly from mamba's layout (de-interleaving the complex variable form)."""
+    if X.dim() == 2:  # (dim, N), complex when A is complex
+        return (X.to(torch.complex128) if X.is_complex() else X.double())[None]
+    if X.dim() == 3:
+        X = X[:, None]  # one group
+    if cplx:  # real (..., 2L): step t at 2t (real) and 2t + 1 (imaginary)
+        pairs = X.double().reshape(*X.shape[:-1], length, 2)
+        at_t = torch.view_as_complex(pairs.contiguous())[..., t]
+    else:
+        at_t = X.double()[..., t]  # (batch, G, N)
+    per_group = dim // at_t.shape[1]
+    return torch.stack([at_t[:, d // per_group] for d in range(dim)], dim=1)
+
+
+def mamba_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):  # type: ignore[no-untyped-def]
+    """(out, last_state): the recurrence one step at a time in float64 / complex128."""
+    u, delta = u.double(), delta.double()
+    batch, dim, length = u.shape
+    cplx = A.is_complex()
+    A = A.to(torch.complex128) if cplx else A.double()
+    if delta_bias is not None:
+        delta = delta + delta_bias.double()[:, None]
+    if delta_softplus:
+        delta = softplus(delta)
+    h = torch.zeros(batch, dim, A.shape[1], dtype=A.dtype)
+    ys = []
+    for t in range(length):
+        dt = delta[:, :, t, None]
+        Bt = step_operand(B, t, dim, length, cplx)
+        Ct = step_operand(C, t, dim, length, cplx)
+        h = torch.exp(dt * A) * h + dt * Bt * u[:, :, t, None]
+        y = (h * Ct).sum(-1)
+        ys.append(2 * y.real if cplx else y)
+    y = torch.stack(ys, dim=-1) if ys else u.new_zeros(batch, dim, 0)
+    if D is not None:
+        y = y + D.double()[:, None] * u
+    if z is not None:
+        y = y * silu(z.double())
+    return y, h
+
+
+def variable(gen, batch, groups, n, length, dtype, cplx):  # type: ignore[no-untyped-def]
+    shape = (batch, n, 2 * length if cplx else length)
+    if groups:
+        shape = (batch, groups, *shape[1:])
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def invariant(gen, dim, n, cplx):  # type: ignore[no-untyped-def]
+    X = torch.randn(dim, n, generator=gen, dtype=torch.float64)
+    if cplx:
+        return torch.complex(X, torch.randn(dim, n, generator=gen, dtype=torch.float64)).to(
+            torch.complex64
+        )
+    return X.float()
+
+
+def random_A(gen, dim, n, cplx):  # type: ignore[no-untyped-def]
+    real = -torch.rand(dim, n, generator=gen, dtype=torch.float64) - 0.1
+    if cplx:
+        imag = torch.randn(dim, n, generator=gen, dtype=torch.float64) * 3
+        return torch.complex(real, imag).to(torch.complex64)
+    return real.float()
+
+
+def case(gen, *, batch=2, dim=6, n=3, length=17, b_form="shared", c_form="shared", groups=2,
+         cplx=False, dtype=torch.float32, extras=True):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Random inputs in mamba's conventions; weights (A, D, delta_bias, invariant B/C)
+    in float32 / complex64 as mamba_ssm keeps them, activations in ``dtype``."""
+
+    def bc(form):  # type: ignore[no-untyped-def]
+        if form == "invariant":
+            return invariant(gen, dim, n, cplx)
+        return variable(gen, batch, groups if form == "grouped" else 0, n, length, dtype, cplx)
+
+    u = torch.randn(batch, dim, length, generator=gen, dtype=torch.float64).to(dtype)
+    delta = (torch.rand(batch, dim, length, generator=gen, dtype=torch.float64) - 0.5).to(dtype)
+    args = dict(u=u, delta=delta, A=random_A(gen, dim, n, cplx), B=bc(b_form), C=bc(c_form))
+    if extras:
+        args["D"] = torch.randn(dim, generator=gen)
+        args["z"] = torch.randn(batch, dim, length, generator=gen, dtype=torch.float64).to(dtype)
+        args["delta_bias"] = torch.randn(dim, generator=gen) * 0.5
+    return args
+
+
+def on(device: str, args: dict) -> dict:  # type: ignore[type-arg]
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+# --- selective_scan_fn / selective_scan_ref ---------------------------------------------------
+
+FORMS = list(itertools.product(["invariant", "shared", "grouped"], repeat=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", SCANS)
+@pytest.mark.parametrize("cplx", [False, True], ids=["real", "complex"])
+@pytest.mark.parametrize(("b_form", "c_form"), FORMS, ids=[f"B{b}-C{c}" for b, c in FORMS])
+def test_matches_the_loop_in_every_form_of_B_and_C(device, fn, cplx, b_form, c_form) -> None:
+    gen = torch.Generator().manual_seed(7)
+    args = case(gen, cplx=cplx, b_form=b_form, c_form=c_form)
+    out, last = fn(**on(device, args), delta_softplus=True, return_last_state=True)
+    want, want_last = mamba_loop(**args, delta_softplus=True)
+    assert out.dtype == torch.float32 and out.device.type == device
+    assert last.dtype == (torch.complex64 if cplx else torch.float32)
+    assert last.shape == (2, 6, 3)
+    assert_matches(out, want, torch.float32)
+    assert_matches(last, want_last, torch.complex64 if cplx else torch.float32)
+
+
+@pytest.mark.parametrize("cplx", [False, True], ids=["real", "complex"])
+@pytest.mark.parametrize("length", [0, 1, 2, 17, 64, 65])
+@pytest.mark.parametrize("n", [1, 16])
+def test_awkward_lengths_and_state_sizes(cplx, length, n) -> None:
+    gen = torch.Generator().manual_seed(length * 31 + n)
+    args = case(gen, dim=5, n=n, length=length, cplx=cplx, groups=5, b_form="grouped")
+    out, last = selective_scan_fn(**args, delta_softplus=True, return_last_state=True)
+    want, want_last = mamba_loop(**args, delta_softplus=True)
+    assert out.shape == (2, 5, length)
+    assert_matches(out, want, torch.float32)
+    assert_matches(last, want_last, torch.complex64 if cplx else torch.float32)
+
+
+@pytest.mark.parametrize("delta_softplus", [False, True])
+@pytest.mark.parametrize("extras", [False, True], ids=["bare", "D-z-bias"])
+def test_optional_arguments_and_the_plain_return(delta_softplus, extras) -> None:
+    gen = torch.Generator().manual_seed(3)
+    args = case(gen, extras=extras)
+    if not delta_softplus:
+        args["delta"] = args["delta"].abs()  # a positive step without softplus
+    out = selective_scan_fn(**args, delta_softplus=delta_softplus)
+    assert isinstance(out, torch.Tensor)
+    assert_matches(out, mamba_loop(**args, delta_softplus=delta_softplus)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("cplx", [False, True], ids=["real", "complex"])
+def test_dtypes_of_the_results(dtype, cplx) -> None:
+    gen = torch.Generator().manual_seed(5)
+    args = case(gen, dtype=dtype, cplx=cplx, b_form="grouped", c_form="shared")
+    if dtype == torch.float64:  # float64 weights too: the state is float64 / complex128
+        args = {k: v.to(torch.complex128 if v.is_complex() else torch.float64) for k, v in
+                args.items()}  # fmt: skip
+    out, last = selective_scan_fn(**args, delta_softplus=True, return_last_state=True)
+    want, want_last = mamba_loop(**args, delta_softplus=True)
+    wide = dtype == torch.float64
+    state = [[torch.float32, torch.complex64], [torch.float64, torch.complex128]][wide][cplx]
+    assert out.dtype == dtype and last.dtype == state
+    assert_matches(out, want, dtype)
+    assert_matches(last, want_last, state if wide else torch.float32)
+
+
+def test_the_interleaved_form_is_checked() -> None:
+    gen = torch.Generator().manual_seed(1)
+    args = case(gen, cplx=True)
+    args["B"] = args["B"][..., :-1]  # 2L - 1 entries
+    with pytest.raises(ValueError, match=r"selective_scan_fn: with a complex A, a variable B"):
+        selective_scan_fn(**args)
+
+
+def test_a_complex_variable_B_is_taken_as_it_is() -> None:
+    gen = torch.Generator().manual_seed(2)
+    args = case(gen, cplx=True, extras=False)
+    interleaved = args["C"]
+    args["C"] = torch.view_as_complex(
+        interleaved.reshape(*interleaved.shape[:-1], -1, 2).contiguous()
+    )
+    got = selective_scan_fn(**args)
+    want = selective_scan_fn(**{**args, "C": interleaved})
+    torch.testing.assert_close(got, want)
+
+
+# --- gradients ----------------------------------------------------------------------------
+
+
+def grads_of(fn, args, names):  # type: ignore[no-untyped-def]
+    """The gradients of a weighted sum of ``fn(**args) = (out, last_state)``."""
+    leaves = {k: v.detach().clone().requires_grad_(k in names) for k, v in args.items()}
+    out, last = fn(**leaves)
+    w_out = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)
+    w_last = torch.linspace(1, 2, last.numel(), dtype=torch.float64).reshape(last.shape)
+    # The final state's gradient counts (parascan propagates it).
+    loss = (out.double() * w_out).sum() + (last.real.double() * w_last).sum()
+    if last.is_complex():
+        loss = loss + (last.imag.double() * w_last.flip(0)).sum()
+    loss.backward()
+    return {k: leaves[k].grad for k in names}
+
+
+@pytest.mark.parametrize("fn", SCANS)
+@pytest.mark.parametrize("cplx", [False, True], ids=["real", "complex"])
+@pytest.mark.parametrize(("b_form", "c_form"), [("shared", "grouped"), ("invariant", "shared")])
+def test_gradients_of_every_argument_and_the_last_state(fn, cplx, b_form, c_form) -> None:
+    gen = torch.Generator().manual_seed(11)
+    args = case(gen, cplx=cplx, b_form=b_form, c_form=c_form, length=13)
+    args = {k: v.to(torch.complex128 if v.is_complex() else torch.float64) for k, v in
+            args.items()}  # fmt: skip
+    names = list(args)
+    got = grads_of(lambda **a: fn(**a, delta_softplus=True, return_last_state=True), args, names)
+    want = grads_of(lambda **a: mamba_loop(**a, delta_softplus=True), args, names)
+    for k in names:
+        assert got[k] is not None, k
+        assert got[k].shape == args[k].shape, k
+        assert_matches(got[k], want[k], torch.float64)
+
+
+def test_gradcheck_complex_interleaved() -> None:
+    gen = torch.Generator().manual_seed(13)
+    args = case(gen, cplx=True, length=4, dim=2, n=2, batch=1, groups=1, b_form="grouped")
+    args = {k: v.to(torch.complex128 if v.is_complex() else torch.float64) for k, v in
+            args.items()}  # fmt: skip
+    names = list(args)
+
+    def f(*leaves):  # type: ignore[no-untyped-def]
+        out, last = selective_scan_fn(
+            **dict(zip(names, leaves, strict=True)), delta_softplus=True, return_last_state=True
+        )
+        return out, torch.view_as_real(last)
+
+    assert torch.autograd.gradcheck(f, [args[k].clone().requires_grad_() for k in names])
+
+
+# --- selective_state_update -----------------------------------------------------------------
+
+
+def update_oracle(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):  # type: ignore[no-untyped-def]
+    """(new state, out) in float64, in the heads layout, written from the formula."""
+    heads, groups = state.shape[1], B.shape[1]
+    dt = dt.double() + (0 if dt_bias is None else dt_bias.double())
+    dt = softplus(dt) if dt_softplus else dt
+    Bh = B.double().repeat_interleave(heads // groups, dim=1)[:, :, None]  # (batch, h, 1, N)
+    Ch = C.double().repeat_interleave(heads // groups, dim=1)[:, :, None]
+    new = (
+        torch.exp(dt[..., None] * A.double()) * state.double()
+        + dt[..., None] * Bh * (x.double()[..., None])
+    )
+    out = (new * Ch).sum(-1) + (0 if D is None else D.double() * x.double())
+    if z is not None:
+        out = out * silu(z.double())
+    return new, out
+
+
+def decode_inputs(gen, batch, heads, dim, n, groups, dtype=torch.float32):  # type: ignore[no-untyped-def]
+    def r(*shape):  # type: ignore[no-untyped-def]
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    return dict(
+        x=r(batch, heads, dim).to(dtype),
+        dt=(r(batch, heads, dim) * 0.5).to(dtype),
+        A=-r(heads, dim, n).abs().float(),
+        B=r(batch, groups, n).to(dtype),
+        C=r(batch, groups, n).to(dtype),
+        D=r(heads, dim).float(),
+        z=r(batch, heads, dim).to(dtype),
+        dt_bias=r(heads, dim).float(),
+    )
+
+
+def squeeze_heads(args: dict) -> dict:  # type: ignore[type-arg]
+    """The (batch, dim, N) layout of a one-head, one-group input."""
+    drop = {"x": 1, "dt": 1, "z": 1, "B": 1, "C": 1, "A": 0, "D": 0, "dt_bias": 0}
+    return {k: v.squeeze(drop[k]) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["dim", "heads"])
+@pytest.mark.parametrize("dt_softplus", [False, True])
+def test_state_update_matches_the_formula(device, layout, dt_softplus) -> None:
+    gen = torch.Generator().manual_seed(17)
+    heads, groups = (1, 1) if layout == "dim" else (4, 2)
+    args = decode_inputs(gen, 3, heads, 5, 16, groups)
+    if not dt_softplus:
+        args["dt"] = args["dt"].abs()
+    state = torch.randn(3, heads, 5, 16, generator=gen)
+    want_state, want_out = update_oracle(state, **args, dt_softplus=dt_softplus)
+    if layout == "dim":
+        args, state, want_state, want_out = (
+            squeeze_heads(args),
+            state[:, 0],
+            want_state[:, 0],
+            want_out[:, 0],
+        )
+    state = state.to(device)
+    out = selective_state_update(state, **on(device, args), dt_softplus=dt_softplus)
+    assert out.shape == args["x"].shape and out.dtype == torch.float32
+    assert_matches(state, want_state, torch.float32)
+    assert_matches(out, want_out, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["dim", "heads"])
+def test_decoding_step_by_step_equals_the_scan(layout) -> None:
+    """L decoding steps from a zero state == selective_scan_fn over the L steps (the heads
+    layout is the scan over heads * dim channels with groups of heads)."""
+    gen = torch.Generator().manual_seed(19)
+    batch, heads, dim, n, groups, length = 2, 4, 3, 5, 2, 9
+    if layout == "dim":
+        heads, groups = 1, 1
+    steps = [decode_inputs(gen, batch, heads, dim, n, groups) for _ in range(length)]
+    weights = {k: steps[0][k] for k in ("A", "D", "dt_bias")}
+    state = torch.zeros(batch, heads, dim, n)
+    outs = []
+    for step in steps:
+        args = {**step, **weights}
+        if layout == "dim":
+            outs.append(selective_state_update(state[:, 0], **squeeze_heads(args),
+                                               dt_softplus=True))  # fmt: skip
+        else:
+            outs.append(selective_state_update(state, **args, dt_softplus=True))
+    got = torch.stack(outs, dim=-1).reshape(batch, heads * dim, length)
+
+    def over_time(key: str) -> torch.Tensor:
+        return torch.stack([s[key] for s in steps], dim=-1)
+
+    want, last = selective_scan_fn(
+        over_time("x").reshape(batch, heads * dim, length),
+        over_time("dt").reshape(batch, heads * dim, length),
+        weights["A"].reshape(heads * dim, n),
+        over_time("B"),  # (batch, groups, N, L)
+        over_time("C"),
+        weights["D"].reshape(-1),
+        over_time("z").reshape(batch, heads * dim, length),
+        weights["dt_bias"].reshape(-1),
+        delta_softplus=True,
+        return_last_state=True,
+    )
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state.reshape(batch, heads * dim, n), last, rtol=2e-5, atol=2e-5)
+
+
+def test_state_batch_indices_pick_rows_of_a_pool() -> None:
+    gen = torch.Generator().manual_seed(23)
+    args = decode_inputs(gen, 3, 2, 4, 3, 1)
+    pool = torch.randn(5, 2, 4, 3, generator=gen)
+    before = pool.clone()
+    idx = torch.tensor([4, -1, 1])
+    out = selective_state_update(pool, **args, dt_softplus=True, state_batch_indices=idx)
+    for b, row in enumerate(idx.tolist()):
+        if row < 0:
+            assert bool((out[b] == 0).all())
+            continue
+        one = {k: v[b : b + 1] if k in ("x", "dt", "z", "B", "C") else v for k, v in args.items()}
+        want_state, want_out = update_oracle(before[row : row + 1], **one, dt_softplus=True)
+        assert_matches(pool[row], want_state[0], torch.float32)
+        assert_matches(out[b], want_out[0], torch.float32)
+    for row in (0, 2, 3):  # untouched, padding included
+        assert torch.equal(pool[row], before[row])
+
+
+def test_state_batch_indices_are_checked() -> None:
+    gen = torch.Generator().manual_seed(29)
+    args = decode_inputs(gen, 2, 1, 4, 3, 1)
+    pool = torch.zeros(3, 1, 4, 3)
+    fn = "parascan.compat.mamba_ssm.selective_state_update"
+    for bad in (torch.tensor([0, 3]), torch.tensor([1, 1]), torch.tensor([0.0, 1.0])):
+        with pytest.raises(ValueError, match=fn):
+            selective_state_update(pool, **args, state_batch_indices=bad)

@@ -1,0 +1,311 @@
+"""parascan.integrations.transformers: small randomly initialized Mamba-family models of
+the installed transformers compute the same logits, caches, parameter gradients and greedy
+generations patched as unpatched (float32, to rounding); patch() is idempotent and
+names what it replaced, unpatch() restores the very same functions, and an unsupported
+transformers is refused before anything is patched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import parascan.integrations.transformers as integration  # noqa: E402
+from parascan.integrations.transformers import UnsupportedVersionError  # noqa: E402
+
+VOCAB = 100
+
+
+def mamba() -> torch.nn.Module:
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16
+    )
+    return transformers.MambaForCausalLM(config)
+
+
+def falcon_mamba() -> torch.nn.Module:
+    config = transformers.FalconMambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16
+    )
+    return transformers.FalconMambaForCausalLM(config)
+
+
+def zamba() -> torch.nn.Module:
+    """A hybrid whose mixer splits the channels into heads (the state update works on a
+    strided view of the cached state)."""
+    config = transformers.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, n_mamba_heads=2,
+        mamba_d_state=16, num_attention_heads=4, num_key_value_heads=4,
+        attention_hidden_size=128, intermediate_size=64,
+        layers_block_type=["hybrid", "linear_attention", "hybrid"],
+    )  # fmt: skip
+    return transformers.ZambaForCausalLM(config)
+
+
+def jamba() -> torch.nn.Module:
+    config = transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, mamba_d_state=16,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+        attn_layer_period=2, attn_layer_offset=1, num_experts=2, expert_layer_period=2,
+    )  # fmt: skip
+    return transformers.JambaForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "mamba": mamba,
+    "falcon_mamba": falcon_mamba,
+    "zamba": zamba,
+    "jamba": jamba,
+}
+
+
+@pytest.fixture(autouse=True)
+def restored() -> Iterator[None]:
+    """Every test starts and ends unpatched."""
+    integration.unpatch()
+    yield
+    integration.unpatch()
+
+
+def installed():  # type: ignore[no-untyped-def]
+    """The transformers module as imported now (importing one of its submodules may put a
+    new module object in sys.modules in place of the one importorskip returned)."""
+    import importlib
+
+    return importlib.import_module("transformers")
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def inputs(batch: int = 2, length: int = 19) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1:
+        mask[1, :5] = 0  # left padding in the second row
+    return ids, mask
+
+
+def both(run: Callable[[], object]) -> tuple[object, object]:
+    """``run()`` unpatched, then patched."""
+    want = run()
+    integration.patch()
+    try:
+        got = run()
+    finally:
+        integration.unpatch()
+    return got, want
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(
+        got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def cache_tensors(cache: object) -> list[torch.Tensor]:
+    """The conv_states and ssm (recurrent) states of every Mamba layer of a cache."""
+    found = []
+    for layer in cache.layers:  # type: ignore[attr-defined]
+        for key in ("conv_states", "recurrent_states"):
+            states = getattr(layer, key, {})  # {state index: tensor}
+            found += [t for _, t in sorted(states.items()) if isinstance(t, torch.Tensor)]
+    return found
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_and_cache_contents(name) -> None:
+    model = build(name).eval()
+    ids, mask = inputs()
+
+    def run():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+        cache = out.past_key_values if name in ("zamba", "jamba") else out.cache_params
+        return out.logits, cache_tensors(cache)
+
+    (got, got_cache), (want, want_cache) = both(run)
+    close(got, want, "logits")
+    assert len(got_cache) == len(want_cache) > 0
+    for i, (g, w) in enumerate(zip(got_cache, want_cache, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, i
+        close(g, w, f"cache tensor {i}")
+
+
+def test_a_bfloat16_model() -> None:
+    """In bfloat16 the two round differently (transformers rounds the step and each
+    step's output to bfloat16 inside its loop; parascan keeps float32 until the output):
+    patched, the logits are as close to the float32 model's as unpatched, and the cache
+    keeps the same dtypes."""
+    model = build("mamba").eval()
+    ids, mask = inputs()
+    with torch.no_grad():
+        exact = model(ids, attention_mask=mask).logits.double()
+    model = model.to(torch.bfloat16)
+
+    def run():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+        return out.logits.double(), cache_tensors(out.cache_params)
+
+    (got, got_cache), (want, want_cache) = both(run)
+    scale = exact.abs().max().item()
+    patched_error = (got - exact).abs().max().item() / scale
+    unpatched_error = (want - exact).abs().max().item() / scale
+    assert unpatched_error < 0.02 and patched_error < 1.5 * unpatched_error, (
+        patched_error,
+        unpatched_error,
+    )
+    assert [t.dtype for t in got_cache] == [t.dtype for t in want_cache]
+    assert torch.float32 in [t.dtype for t in got_cache]  # the ssm state
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_of_every_parameter(name) -> None:
+    model = build(name).train()
+    ids, mask = inputs()
+
+    def run():  # type: ignore[no-untyped-def]
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {
+            k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None
+        }
+
+    (got_loss, got), (want_loss, want) = both(run)
+    close(got_loss, want_loss, "loss")
+    assert got.keys() == want.keys() and any("A_log" in k for k in want)
+    for k in want:
+        close(got[k], want[k], k)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_generation(name) -> None:
+    model = build(name).eval()
+    ids, mask = inputs(length=11)
+
+    def run():  # type: ignore[no-untyped-def]
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        return out.sequences, torch.stack(out.scores)
+
+    (got, got_scores), (want, want_scores) = both(run)
+    assert torch.equal(got, want)
+    close(got_scores, want_scores, "scores")
+
+
+def test_the_patched_paths_run_parascan(monkeypatch) -> None:
+    """The comparisons above are not vacuous: the patched model calls the replacements,
+    for the full-sequence scan and for each decoding step."""
+    calls: dict[str, int] = {"scan": 0, "step": 0}
+    scan, step = (
+        integration.mamba_ssm.selective_scan_fn,
+        integration.mamba_ssm.selective_state_update,
+    )
+
+    def counted_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["scan"] += 1
+        return scan(*args, **kwargs)
+
+    def counted_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["step"] += 1
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(integration.mamba_ssm, "selective_scan_fn", counted_scan)
+    monkeypatch.setattr(integration.mamba_ssm, "selective_state_update", counted_step)
+    model = build("mamba").eval()
+    ids, _ = inputs(batch=1, length=5)
+    integration.patch()
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert calls == {"scan": 2, "step": 2 * 2}  # 2 layers: one prefill, two decoding steps
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert calls["scan"] == 4
+
+
+def test_patch_is_idempotent_and_names_what_it_replaced() -> None:
+    from transformers.models.mamba import modeling_mamba
+
+    original = modeling_mamba.mamba_selective_scan
+    names = integration.patch()
+    prefix = "transformers.models"
+    for model in ("mamba", "falcon_mamba"):
+        for fn in ("mamba_selective_scan", "mamba_selective_state_update", "mamba_inner_fn"):
+            assert f"{prefix}.{model}.modeling_{model}.{fn}" in names
+    assert "transformers.models.zamba.modeling_zamba.mamba_selective_scan" in names
+    assert not any("mamba2" in n for n in names)  # Mamba-2 is not patched
+    assert modeling_mamba.mamba_selective_scan is integration.selective_scan
+    assert integration.patch() == names == integration.patched()
+    assert modeling_mamba.mamba_selective_scan is integration.selective_scan
+    assert integration.unpatch() == names
+    assert modeling_mamba.mamba_selective_scan is original
+    assert integration.unpatch() == [] and integration.patched() == []
+
+
+def test_unpatch_restores_the_original_functions() -> None:
+    import importlib
+
+    names = integration.patch()
+    modules = {n.rsplit(".", 1)[0] for n in names}
+    integration.unpatch()
+    before = {n: getattr(importlib.import_module(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1])
+              for n in names}  # fmt: skip
+    integration.patch()
+    for n in names:
+        module, fn = n.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), fn) is not before[n]
+    integration.unpatch()
+    for n in names:
+        module, fn = n.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), fn) is before[n]
+    assert len(modules) >= 2
+
+
+def test_an_older_transformers_is_refused(monkeypatch) -> None:
+    from transformers.models.mamba import modeling_mamba
+
+    original = modeling_mamba.mamba_selective_scan
+    monkeypatch.setattr(installed(), "__version__", "5.14.1")
+    with pytest.raises(UnsupportedVersionError, match=r"transformers 5\.14\.1 is installed.*5\.15"):
+        integration.patch()
+    assert modeling_mamba.mamba_selective_scan is original and integration.patched() == []
+
+
+@pytest.mark.parametrize("change", ["missing", "signature", "not-called"])
+def test_a_changed_module_is_refused(monkeypatch, change) -> None:
+    from transformers.models.falcon_mamba import modeling_falcon_mamba as module
+    from transformers.models.mamba import modeling_mamba
+
+    original = modeling_mamba.mamba_selective_scan
+    if change == "missing":
+        monkeypatch.delattr(module, "mamba_selective_state_update")
+        match = "has no function mamba_selective_state_update"
+    elif change == "signature":
+        monkeypatch.setattr(module, "mamba_selective_scan", lambda x, dt: x)
+        match = r"mamba_selective_scan takes \(x, dt\)"
+    else:
+        monkeypatch.setattr(module.FalconMambaMixer, "forward", lambda self, x: x)
+        match = "no mixer's forward in .*falcon_mamba calls mamba_selective_scan"
+    version = installed().__version__
+    with pytest.raises(UnsupportedVersionError, match=rf"transformers {version} .*{match}"):
+        integration.patch()
+    # Nothing patched, not even the modules checked before the bad one.
+    assert modeling_mamba.mamba_selective_scan is original and integration.patched() == []
+
+
+def test_extra_arguments_are_refused() -> None:
+    ids = torch.zeros(1, 4, 3)
+    A = -torch.ones(4, 2)
+    B = torch.ones(1, 2, 3)
+    with pytest.raises(ValueError, match="mamba_selective_scan: parascan's replacement takes no"):
+        integration.selective_scan(ids, ids, A, B, B, seq_idx=torch.zeros(1, 3))
