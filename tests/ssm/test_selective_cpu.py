@@ -47,18 +47,22 @@ def loop(
     dt = F.softplus(x, beta=1, threshold=20) if softplus else x
     h = initial if initial is not None else torch.zeros(batch, dim, A.shape[1], dtype=A.dtype)
 
-    def at(M: Tensor, t: int) -> Tensor:
+    def steps(M: Tensor) -> list[Tensor]:
+        """M[t] as each channel reads it, step by step (one unbind: a cheap backward)."""
         if M.dim() == 2:  # (dim, N)
-            return M
-        # channel d reads group d // (dim / G)
-        return M[:, :, :, t].repeat_interleave(dim // M.shape[1], dim=1)
+            return [M] * length
+        # (batch, G, N, L): channel d reads group d // (dim / G)
+        groups, n = M.shape[1], M.shape[2]
+        wide = M[:, :, None].expand(batch, groups, dim // groups, n, length)
+        return list(wide.reshape(batch, dim, n, length).unbind(-1))
 
+    Bs, Cs = steps(B), steps(C)
     ys, entering = [], []
     for t in range(length):
         if t % K == 0:
             entering.append(h)
-        h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[..., None] * at(B, t)
-        y = (at(C, t) * h).sum(-1)
+        h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[..., None] * Bs[t]
+        y = (Cs[t] * h).sum(-1)
         ys.append(2 * y.real if A.is_complex() else y)
     out = torch.stack(ys, -1) if ys else u * 0
     if D is not None:
@@ -87,6 +91,7 @@ class Case:
     complex_B: bool = True
     complex_C: bool = True
     delta_scale: float = 0.5
+    grow: bool = False  # every other column of A positive: dt A > 0, the general exp
     seed: int = 0
 
     def operands(self) -> Operands:
@@ -101,6 +106,8 @@ class Case:
 
         b, d, L, n = self.batch, self.dim, self.length, self.n
         A = -torch.exp(rand(d, n))
+        if self.grow:  # at most 0.02: the state grows but stays finite in float32
+            A[:, ::2] = 0.02 * torch.rand(d, (n + 1) // 2, generator=g, dtype=cd)
         if self.complex_A:
             A = torch.complex(A, 3 * rand(d, n))
 
@@ -208,7 +215,7 @@ def _cases() -> list[Case]:
                 dtype=torch.float64 if i % 4 == 3 else torch.float32,
                 B_groups=groups(bf), C_groups=groups(cf), D=flags[0], z=flags[1],
                 delta_bias=flags[2], initial=flags[3], softplus=not flags[4] or i % 3 == 0,
-                delta_scale=8.0 if i % 5 == 0 else 0.5, seed=i,
+                delta_scale=8.0 if i % 5 == 0 else 0.5, grow=i % 3 == 1, seed=i,
             )
         )  # fmt: skip
     return cases
@@ -240,15 +247,29 @@ def test_complex_state_against_the_loop(case: Case) -> None:
 @pytest.mark.parametrize(
     "case",
     [
+        Case(1, 5, 65, 40, B_groups=1, C_groups=0),
+        Case(2, 3, 70, 20, dtype=torch.float64, B_groups=0, C_groups=3),
+        Case(1, 3, 66, 20, complex_A=True, B_groups=3, C_groups=1),
+    ],
+    ids=["float32", "float64", "complex64"],
+)
+def test_large_states(case: Case) -> None:
+    """N past the sizes whose state the kernel keeps in registers (4 vectors)."""
+    check(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
         Case(1, 3, 1100, 16, dtype=torch.float64, B_groups=1, C_groups=1),
-        Case(1, 2, 1100, 16, dtype=torch.float64, complex_A=True, B_groups=1, C_groups=0),
+        Case(1, 2, 1100, 16, dtype=torch.float64, complex_A=True, B_groups=2, C_groups=1),
     ],
     ids=["real", "complex"],
 )
 def test_spans(case: Case) -> None:
     """Long enough that the kernel packs B and C, and sums the backward's g_B and g_C,
     a span of chunks at a time (two spans of 1024 steps for a float64 state of 16;
-    three of 512 for a complex one)."""
+    three of 512 for a complex one, whose B is one group per channel)."""
     check(case)
 
 
@@ -301,7 +322,7 @@ def test_strided_inputs_give_the_same_bits(case: Case) -> None:
 @pytest.mark.parametrize(
     "case",
     [
-        Case(2, 37, 200, 16, B_groups=1, C_groups=0, seed=3),
+        Case(2, 37, 200, 16, B_groups=1, C_groups=0, grow=True, seed=3),
         Case(2, 24, 150, 16, B_groups=24, C_groups=1, seed=6),
         Case(3, 24, 150, 3, dtype=torch.float64, B_groups=0, C_groups=4, seed=4),
         Case(2, 10, 300, 4, complex_A=True, B_groups=1, C_groups=0, complex_C=False, seed=5),
@@ -382,12 +403,14 @@ def _ulps(got: Tensor, ref: Tensor) -> Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_vector_math_is_within_a_few_ulp(dtype: torch.dtype) -> None:
-    """exp (0 instead of results under 2^-125 in float32, 2^-1021 in float64),
-    softplus with mamba's threshold, sigmoid; special values."""
+    """exp (0 instead of results under 2^-125 in float32, 2^-1021 in float64) and its
+    variant for x <= 0, softplus with mamba's threshold, sigmoid; special values."""
     lo, hi = (-86.9, 88.72) if dtype == torch.float32 else (-708.0, 709.78)
     x = torch.cat([torch.linspace(lo, hi, 400_001, dtype=torch.float64), torch.randn(100_000)])
     x = x.to(dtype).double()
     assert _ulps(_math(dtype, 0, x), torch.exp(x)).max() <= 2
+    x = x[x <= 0]
+    assert torch.equal(_math(dtype, 4, x), _math(dtype, 0, x))  # the same operations
     x = torch.linspace(-80, 40, 200_001, dtype=torch.float64).to(dtype).double()
     assert _ulps(_math(dtype, 1, x), F.softplus(x, threshold=20)).max() <= 4
     x = torch.linspace(-60, 60, 200_001, dtype=torch.float64).to(dtype).double()
@@ -399,3 +422,5 @@ def test_the_vector_math_is_within_a_few_ulp(dtype: torch.dtype) -> None:
     s = _math(dtype, 1, special)
     assert s[0].isnan() and s[1] == float("inf") and s[2] == 0 and s[4] == 0
     assert s[3] == special.to(dtype)[3]
+    e = _math(dtype, 4, special[2:])
+    assert e[0] == 0 and e[2] == 0 and e[3] == 1 and e[4] == 0

@@ -15,22 +15,26 @@
  *   chunks with scalar complex arithmetic (libm exp, cos, sin).
  *
  *   Channels are grouped into work units: runs of channels of one batch element
- *   inside one group of B and one of C, so that a unit packs the chunk's variable B
- *   and C into contiguous rows of N once for all its channels, and processes its
- *   channels chunk by chunk (their states in a small buffer), B and C staying in L1.
+ *   inside one group of each shared variable B and C (a group of several channels),
+ *   so that a unit packs the variable B and C of a span of chunks into contiguous
+ *   rows of N once for all its channels (a group of one channel is packed per
+ *   channel), and runs each channel through the span's chunks in turn, its rows read
+ *   from start to end with the next chunk's lines prefetched.
  *
- *   The backward walks the chunks from last to first. For each channel it rebuilds
- *   the chunk's states and exp(dt A) from its checkpoint (K + 1 rows of N), then runs
- *   the adjoint sweep backwards:
+ *   The backward walks the spans and their chunks from last to first. For each
+ *   channel it rebuilds a chunk's states and exp(dt A) from its checkpoint (K + 1
+ *   rows of N), then runs the adjoint sweep backwards:
  *       g_h[t] = C[t] g_y[t] + exp(dt[t+1] A) g_h[t+1]   (g_h[L-1] adds grad_final)
  *   and accumulates every gradient on the way. Gradients of operands shared between
  *   channels are summed in an order fixed by the shapes alone: a channel's sums over
  *   time run in its own buffers (g_A, invariant g_B and g_C, g_D, g_delta_bias), then
- *   over the batch in batch order; the variable g_B and g_C of a chunk are summed per
- *   unit, then over the units of a group in unit order, after a barrier. Units are
+ *   over the batch in batch order; a shared variable g_B or g_C of a span is summed
+ *   per unit, then over the units of a group in unit order, after a barrier (one per
+ *   span: the spans are as long as those sums fit PS_SEL_PARTIAL_BYTES). Units are
  *   sized from the shapes (about PS_SEL_BWD_UNITS of them), never from the thread
  *   count: any number of threads gives the same bits. No buffer grows with
- *   batch * dim * length * N: the backward holds one chunk of states per thread.
+ *   batch * dim * length * N: the backward holds one chunk of states per thread, the
+ *   unit sums at most PS_SEL_PARTIAL_BYTES (or one chunk of them per unit).
  *
  *   The vector code uses GCC's vector extensions, compiled twice (x86-64-v3 and the
  *   baseline, PS_HOT) with the same operations in the same order (no contraction

@@ -47,6 +47,19 @@ PS_MATH V FN(ps_sel_exp)(V x) {
     return FN(ps_sel_select)(big, x + (T)INFINITY, (V)(~small & (VI)scaled));
 }
 
+/* exp(x) for x <= 0, never NaN (a steps function's common case, dt >= 0 and A <= 0,
+ * both finite): ps_sel_exp without the checks for large x and NaN. */
+PS_MATH V FN(ps_sel_exp_nonpos)(V x) {
+    const V round = SPLAT(PS_SEL_ROUND);
+    const V t = x * PS_SEL_LOG2E + round;
+    const V kf = t - round;
+    const V r = (x - kf * PS_SEL_LN2_HI) - kf * PS_SEL_LN2_LO;
+    const V r2 = r * r;
+    const V p = PS_SEL_EXP_POLY(r, r2);
+    const V scaled = (V)((VU)p + ((VU)t << PS_SEL_MANT));
+    return (V)(~(VI)(x < PS_SEL_EXP_LO) & (VI)scaled);
+}
+
 /* log1p(y) for y >= 0 (or NaN): w = 1 + y = 2^e m with m in [sqrt(1/2), sqrt(2)),
  * log m = 2 atanh(s), s = (m - 1) / (m + 1), and the rounding of 1 + y put back by
  * (y - (w - 1)) / w, which keeps tiny y exact. */
@@ -151,7 +164,9 @@ typedef struct {
     int64_t bper, cper;         /* channels per group of B and C (0: invariant) */
     int64_t bshared, cshared;   /* groups of more than one channel: packed once per
                                    unit, their gradients summed over units */
-    int64_t seg, nseg, unit, upseg, units; /* work units (selective.c) */
+    /* work units (selective.c): segments of seg channels (nseg per batch element),
+     * each cut into upseg units of at most `unit` channels; units in all */
+    int64_t seg, nseg, unit, upseg, units;
     int64_t scratch_len;        /* T elements per member */
     T *scratch;                 /* nthreads * scratch_len */
     T *partial;                 /* backward: per span parity and unit, the span's g_B
@@ -345,8 +360,10 @@ PS_MATH void FN(ps_sel_prepass)(const CTX *c, SCRATCH *s, int64_t b, int64_t d, 
 
 /* Steps 0 .. len - 1 from h (nv vectors, updated): p[t] = C[t] h[t] lane by lane;
  * hs/da, when given, receive h[t] in row t + 1 and exp(dt[t] A) in row t. B and C
- * advance bstep and cstep vectors a step (0: invariant). */
-PS_MATH void FN(ps_sel_steps)(int64_t len, const int64_t nv, const T *restrict dt,
+ * advance bstep and cstep vectors a step (0: invariant). nonpos: every dt[t] A is
+ * at most 0, none NaN (ps_sel_nonpos). */
+PS_MATH void FN(ps_sel_steps)(int64_t len, const int64_t nv, const int nonpos,
+                              const T *restrict dt,
                               const T *restrict du, const V *restrict a,
                               const V *restrict bv, int64_t bstep, const V *restrict cv,
                               int64_t cstep, V *restrict h, V *restrict p, V *restrict hs,
@@ -356,7 +373,8 @@ PS_MATH void FN(ps_sel_steps)(int64_t len, const int64_t nv, const T *restrict d
         const V *bt = bv + t * bstep, *ct = cv + t * cstep;
         V acc = SPLAT(0);
         for (int64_t j = 0; j < nv; j++) {
-            const V e = FN(ps_sel_exp)(dtv * a[j]);
+            const V x = dtv * a[j];
+            const V e = nonpos ? FN(ps_sel_exp_nonpos)(x) : FN(ps_sel_exp)(x);
             h[j] = e * h[j] + duv * bt[j];
             acc = j == 0 ? ct[0] * h[0] : acc + ct[j] * h[j];
             if (da) da[t * nv + j] = e, hs[(t + 1) * nv + j] = h[j];
@@ -410,6 +428,15 @@ PS_MATH void FN(ps_sel_sweep)(int64_t len, const int64_t nv, const T *restrict d
         case 4: CALL(4); break;                    \
         default: CALL(nv); break;                  \
     }
+
+/* Whether every dt[t] A[n] of a chunk is at most 0 and not NaN: 0 <= dt < inf and
+ * -inf < A <= 0 (the padding lanes of A are 0). */
+static inline int FN(ps_sel_nonpos)(const T *dt, int64_t len, const T *a, int64_t npad) {
+    int ok = 1;
+    for (int64_t k = 0; k < len; k++) ok &= dt[k] >= 0 && dt[k] < (T)INFINITY;
+    for (int64_t n = 0; n < npad; n++) ok &= a[n] <= 0 && a[n] > -(T)INFINITY;
+    return ok;
+}
 
 /* ---- the complex state (planar rows of S = 2 npad), scalar ---------------------- */
 
@@ -493,6 +520,7 @@ PS_HOT static void FN(ps_sel_fwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         for (int64_t k = len; k < c->kpad; k++) y[k] = 0;
     } else {
         const int64_t nv = c->nv;
+        const int nonpos = FN(ps_sel_nonpos)(dt, len, s->a, c->npad);
         V *hv = (V *)h;
 #define PS_SEL_FWD_CALL(NV)                                                               \
     do {                                                                                  \
@@ -500,8 +528,12 @@ PS_HOT static void FN(ps_sel_fwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         V *hp = (NV) <= 4 ? hl : hv;                                                      \
         if ((NV) <= 4)                                                                    \
             for (int64_t j = 0; j < (NV); j++) hl[j] = hv[j];                             \
-        FN(ps_sel_steps)(len, NV, dt, du, (const V *)s->a, (const V *)bv, bstep / W,      \
-                         (const V *)cv, cstep / W, hp, s->p, NULL, NULL);                 \
+        if (nonpos)                                                                       \
+            FN(ps_sel_steps)(len, NV, 1, dt, du, (const V *)s->a, (const V *)bv,          \
+                             bstep / W, (const V *)cv, cstep / W, hp, s->p, NULL, NULL);  \
+        else                                                                              \
+            FN(ps_sel_steps)(len, NV, 0, dt, du, (const V *)s->a, (const V *)bv,          \
+                             bstep / W, (const V *)cv, cstep / W, hp, s->p, NULL, NULL);  \
         if ((NV) <= 4)                                                                    \
             for (int64_t j = 0; j < (NV); j++) hv[j] = hl[j];                             \
     } while (0)
@@ -647,13 +679,18 @@ PS_HOT static void FN(ps_sel_bwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         for (int64_t k = len; k < kpad; k++) y[k] = 0;
     } else {
         const int64_t nv = c->nv;
+        const int nonpos = FN(ps_sel_nonpos)(dt, len, s->a, c->npad);
         V *hs = (V *)s->hs, *da = (V *)s->da, *p = s->p; /* p unused without z */
 #define PS_SEL_REBUILD_CALL(NV)                                                           \
     do {                                                                                  \
         V hl[NV];                                                                         \
         for (int64_t j = 0; j < (NV); j++) hl[j] = hs[j];                                 \
-        FN(ps_sel_steps)(len, NV, dt, du, (const V *)s->a, (const V *)bv, bstep / W,      \
-                         (const V *)cv, cstep / W, hl, p, hs, da);                        \
+        if (nonpos)                                                                       \
+            FN(ps_sel_steps)(len, NV, 1, dt, du, (const V *)s->a, (const V *)bv,          \
+                             bstep / W, (const V *)cv, cstep / W, hl, p, hs, da);         \
+        else                                                                              \
+            FN(ps_sel_steps)(len, NV, 0, dt, du, (const V *)s->a, (const V *)bv,          \
+                             bstep / W, (const V *)cv, cstep / W, hl, p, hs, da);         \
     } while (0)
         PS_SEL_BY_NV(nv, PS_SEL_REBUILD_CALL)
 #undef PS_SEL_REBUILD_CALL
@@ -985,6 +1022,14 @@ static int FN(ps_sel_alloc)(CTX *c, int64_t nthreads, T **block) {
     return 0;
 }
 
+/* A fresh (batch, dim, length) output, when contiguous, backed by huge pages: one
+ * page fault per 2 MiB as it is first written (parallel.h). */
+static void FN(ps_sel_huge)(const CTX *c, void *ptr, const int64_t *st) {
+    const ps_selective_operands *in = c->in;
+    if (ptr && st[2] == 1 && st[1] == in->length && st[0] == in->dim * in->length)
+        ps_prefer_huge_pages(ptr, c->channels * in->length * (int64_t)sizeof(T));
+}
+
 /* Threads for the work of a call: one below 2^15 state updates, at most one per
  * unit. */
 static int64_t FN(ps_sel_threads)(const CTX *c) {
@@ -1014,6 +1059,7 @@ static int FN(ps_sel_fwd)(const ps_selective_fwd_args *f, int64_t cplx) {
     const int64_t nthreads = FN(ps_sel_threads)(&c);
     T *block;
     if ((rc = FN(ps_sel_alloc)(&c, nthreads, &block)) != 0) return rc;
+    FN(ps_sel_huge)(&c, f->out, f->out_stride);
     ps_parallel_team(nthreads, FN(ps_sel_fwd_member), &c);
     free(block);
     return 0;
@@ -1088,6 +1134,9 @@ static int FN(ps_sel_bwd)(const ps_selective_bwd_args *g, int64_t cplx) {
     const int64_t nthreads = FN(ps_sel_threads)(&c);
     T *block;
     if ((rc = FN(ps_sel_alloc)(&c, nthreads, &block)) != 0) return rc;
+    FN(ps_sel_huge)(&c, g->grad_u, g->grad_u_stride);
+    FN(ps_sel_huge)(&c, g->grad_delta, g->grad_delta_stride);
+    if (in->z) FN(ps_sel_huge)(&c, g->grad_z, g->grad_z_stride);
     ps_parallel_team(nthreads, FN(ps_sel_bwd_member), &c);
     free(block);
     return 0;
@@ -1107,17 +1156,18 @@ PS_API int PS_CAT(ps_selective_bwd, CSFX)(const ps_selective_bwd_args *g) {
 }
 
 /* The vector functions one by one, for tests of their accuracy:
- * which 0: exp, 1: softplus, 2: log1p (x >= 0), 3: sigmoid. n any; 1 for another
- * `which`. */
+ * which 0: exp, 1: softplus, 2: log1p (x >= 0), 3: sigmoid, 4: exp for x <= 0 (not
+ * NaN). n any; 1 for another `which`. */
 PS_API int PS_CAT(ps_selective_math, SFX)(int64_t which, const T *x, T *out, int64_t n) {
-    if (which < 0 || which > 3 || n < 0) return 1;
+    if (which < 0 || which > 4 || n < 0) return 1;
     for (int64_t i = 0; i < n; i += W) {
         V v = SPLAT(0);
         for (int64_t j = 0; j < W && i + j < n; j++) v[j] = x[i + j];
         v = which == 0 ? FN(ps_sel_exp)(v)
             : which == 1 ? FN(ps_sel_softplus)(v)
             : which == 2 ? FN(ps_sel_log1p)(v)
-                         : FN(ps_sel_sigmoid)(v);
+            : which == 3 ? FN(ps_sel_sigmoid)(v)
+                         : FN(ps_sel_exp_nonpos)(v);
         for (int64_t j = 0; j < W && i + j < n; j++) out[i + j] = v[j];
     }
     return 0;
