@@ -24,14 +24,14 @@ from parascan._native import kernel_library
 from parascan.ssm import cpu
 from parascan.ssm.canonical import CHECKPOINT_STEPS
 
+from conftest import assert_matches
+
 K = CHECKPOINT_STEPS["cpu"]
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial")
 Operands = tuple[
     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None,
     Tensor | None,
 ]  # fmt: skip
-# max |kernel - loop| <= TOL * max |loop|, per compute dtype
-TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
 def loop(
@@ -137,15 +137,13 @@ def _map(fn: Callable[[Tensor], Tensor], ops: Operands) -> Operands:
 
 
 def _close(got: Tensor, ref: Tensor, like: Tensor, what: str) -> None:
-    """``got`` has ``like``'s shape and dtype and is within TOL of the loop's ``ref``."""
+    """``got`` has ``like``'s shape and dtype and matches the loop's ``ref`` within the
+    tolerance of its dtype (the one table, conftest.assert_matches)."""
     assert got.shape == like.shape and got.dtype == like.dtype, (what, got.shape, got.dtype)
-    real = torch.float64 if not like.is_complex() else torch.complex128
-    tol = TOL[torch.float64 if like.dtype in (torch.float64, torch.complex128) else torch.float32]
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    atol = tol * max(scale, 1e-30)
-    torch.testing.assert_close(
-        got.to(real), ref.to(real), rtol=0, atol=atol, msg=lambda m: f"{what}: {m}"
-    )
+    try:
+        assert_matches(got, ref.detach(), got.dtype)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
 
 
 def check(case: Case) -> None:

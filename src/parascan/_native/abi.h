@@ -21,6 +21,8 @@
  *   ps_selective_bwd_{f32,f64,c64,c128}                       (ps_selective_bwd_args)
  *     (the suffix names the state: f32/f64 for a real A, c64/c128 for a complex one;
  *     every other real tensor is float32 for f32/c64, float64 for f64/c128)
+ *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
+ *     vector exp, softplus, log1p, sigmoid one by one, for tests; ssm/selective_kernel.h)
  */
 #ifndef PARASCAN_ABI_H
 #define PARASCAN_ABI_H

@@ -20,7 +20,6 @@ __all__ = ["DTYPES", "SUPPORTS_COMPLEX", "backward", "forward"]
 DTYPES = (torch.float32, torch.float64)
 SUPPORTS_COMPLEX = True
 
-_NULL3 = (0, 0, 0, 0)  # a NULL tensor with up to three strides
 _K = CHECKPOINT_STEPS["cpu"]
 
 
@@ -182,7 +181,11 @@ def backward(
     )  # fmt: skip
     _run("selective_bwd", ops.sd, args, ops)
     del checkpoints, grad_out, grad_final  # held until the kernel returned
+
+    def given(g: Tensor | None) -> Tensor:
+        return EMPTY(u) if g is None else g
+
     return (
-        grad_u, grad_delta, grad_A, grad_B, grad_C,
-        *(EMPTY(u) if g is None else g for g in (grad_D, grad_z, grad_bias, grad_initial)),
-    )  # type: ignore[return-value]  # fmt: skip
+        grad_u, grad_delta, grad_A, grad_B, grad_C, given(grad_D), given(grad_z),
+        given(grad_bias), given(grad_initial),
+    )  # fmt: skip

@@ -557,8 +557,8 @@ PS_HOT static void FN(ps_sel_fwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
     for (int64_t k = 0; k < len; k++) out[k * f->out_stride[2]] = y[k];
 }
 
-/* Work unit u: batch element *b and channels [*d0, *d1), inside one segment (one
- * group of B and of C). */
+/* Work unit u: batch element *b and channels [*d0, *d1), inside one segment (inside
+ * one group of each shared B and C). */
 static inline void FN(ps_sel_unit)(const CTX *c, int64_t u, int64_t *b, int64_t *d0,
                                    int64_t *d1) {
     const int64_t per_b = c->nseg * c->upseg, sg = (u % per_b) / c->upseg;
@@ -620,8 +620,9 @@ static void FN(ps_sel_fwd_member)(const void *vc, int64_t member, int64_t size) 
                     } else if (d + 1 < d1) {
                         FN(ps_sel_prefetch)(c, 0, b, d + 1, ts, te - ts < K ? te - ts : K);
                     }
-                    FN(ps_sel_fwd_chunk)(c, &s, b, d, t0, len, h, s.bchunk + (t0 - ts) * S,
-                                         s.cchunk + (t0 - ts) * S);
+                    FN(ps_sel_fwd_chunk)(c, &s, b, d, t0, len, h,
+                                         c->bper ? s.bchunk + (t0 - ts) * S : NULL,
+                                         c->cper ? s.cchunk + (t0 - ts) * S : NULL);
                 }
             }
         }
@@ -884,8 +885,9 @@ static void FN(ps_sel_bwd_member)(const void *vc, int64_t member, int64_t size) 
                     if (ch == sp) pd = d + 1 < d1 ? d + 1 : -1, pt = (sp1 - 1) * K;
                     if (pd >= 0) FN(ps_sel_prefetch)(c, 0, b, pd, pt, L - pt < K ? L - pt : K);
                     FN(ps_sel_bwd_chunk)(c, &s, b, d, ch, t0, len,
-                                         c->persist + (b * in->dim + d) * P, s.bchunk + o * S,
-                                         s.cchunk + o * S,
+                                         c->persist + (b * in->dim + d) * P,
+                                         c->bper ? s.bchunk + o * S : NULL,
+                                         c->cper ? s.cchunk + o * S : NULL,
                                          gbase ? gbase + o * S : NULL,
                                          gcase ? gcase + o * S : NULL, pd, pt);
                 }
