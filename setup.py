@@ -14,6 +14,7 @@ KERNEL_SOURCES = [
     "src/parascan/first_order/scan.c",
     "src/parascan/matrix/recurrence.c",
     "src/parascan/generic/matmul.c",
+    "src/parascan/ssm/selective.c",
 ]
 
 setup(
@@ -31,6 +32,9 @@ setup(
                 "-fno-trapping-math",  # lets gcc vectorize selects (no FP traps are used)
                 "-fopenmp",  # threads from torch's own OpenMP pool (parallel.c)
                 "-fvisibility=hidden",
+                # no note on 32-byte vectors passed between inlined functions built for
+                # SSE2 (ssm/selective.c): no such call crosses a library boundary
+                "-Wno-psabi",
             ],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

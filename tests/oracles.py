@@ -31,6 +31,7 @@ __all__ = [
     "python_linear_loop",
     "python_log_loop",
     "selective_loop",
+    "ssd_loop",
 ]
 
 
@@ -275,3 +276,60 @@ def selective_loop(
     if z is not None:
         out = out * z * torch.sigmoid(z)
     return out, h
+
+
+def ssd_loop(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    initial: torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's SSD scan, one step and one head at a time, in the dtype it is given:
+    x, z (batch, L, heads, headdim); dt (batch, L, heads); A, dt_bias (heads,); B, C
+    (batch, L, groups, N), head h reading group h // (heads // groups); D (heads,
+    headdim) or (heads,); initial (states, heads, headdim, N)::
+
+        dt'  = dt + dt_bias, then log1p(exp(.)) where <= 20 if dt_softplus, then
+               clamped to dt_limit unless it is (0, inf)
+        h    = exp(dt' A) h + dt' x (outer) B;  y = h @ C + D x;  out = y * silu(z)
+
+    ``cu_seqlens`` (a list of offsets, batch 1): the state restarts at each offset
+    from that sequence's row of ``initial`` (zeros by default). Returns (out, the
+    final states: one per batch row, or one per packed sequence)."""
+    batch, length, heads, headdim = x.shape
+    groups, n = B.shape[2], B.shape[3]
+    step = dt if dt_bias is None else dt + dt_bias
+    if dt_softplus:
+        step = torch.where(step <= 20, torch.log1p(torch.exp(step)), step)
+    if tuple(dt_limit) != (0.0, math.inf):
+        step = torch.clamp(step, dt_limit[0], dt_limit[1])
+    bounds = [0, length] if cu_seqlens is None else list(cu_seqlens)
+    b_heads = B.repeat_interleave(heads // groups, dim=2)  # head h reads group h // (H / G)
+    c_heads = C.repeat_interleave(heads // groups, dim=2)
+    ys: list[torch.Tensor] = []
+    finals = []
+    for s in range(len(bounds) - 1):
+        rows = slice(None) if cu_seqlens is None else slice(s, s + 1)
+        zero = torch.zeros(x.shape[0], heads, headdim, n, dtype=x.dtype)
+        state = zero if initial is None else initial[rows]
+        for t in range(bounds[s], bounds[s + 1]):
+            decay = torch.exp(step[:, t] * A)[:, :, None, None]
+            inp = (step[:, t, :, None] * x[:, t])[..., None] * b_heads[:, t, :, None, :]
+            state = decay * state + inp
+            ys.append((state * c_heads[:, t, :, None, :]).sum(-1))
+        finals.append(state)
+    out = torch.stack(ys, 1) if ys else x.new_zeros(batch, 0, heads, headdim)
+    if D is not None:
+        out = out + D.reshape(heads, -1) * x
+    if z is not None:
+        out = out * z * torch.sigmoid(z)
+    final = torch.cat(finals) if finals else x.new_zeros(0, heads, headdim, n)
+    return out, final

@@ -18,7 +18,7 @@ with _warnings.catch_warnings():
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
     from parascan.matrix import matrix_linear_scan
-    from parascan.ssm import selective_scan, selective_state_update
+    from parascan.ssm import selective_scan, selective_state_update, ssd_scan
 
 __version__ = "0.1.0"
 
@@ -32,4 +32,5 @@ __all__ = [
     "matrix_linear_scan",
     "selective_scan",
     "selective_state_update",
+    "ssd_scan",
 ]

@@ -100,4 +100,5 @@ def test_the_table_has_a_row_for_every_op_with_a_backend_argument():
         "parascan.log_linear_scan",
         "parascan.matrix_linear_scan",
         "parascan.selective_scan",
+        "parascan.ssd_scan",
     }

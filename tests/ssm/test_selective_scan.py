@@ -304,10 +304,15 @@ def test_state_update_errors(gen):
                                   torch.randn(2, 3))  # fmt: skip
 
 
-_FAST = [t for t in TARGETS if t.backend != "loop"]
+# the torch backend's case takes 10-30 s on 2 cores: in the slow suite
+_FAST = [
+    pytest.param(t, id=str(t), marks=[pytest.mark.slow] if t.backend == "torch" else [])
+    for t in TARGETS
+    if t.backend != "loop"
+]
 
 
-@pytest.mark.parametrize("where", _FAST, ids=[str(t) for t in _FAST])
+@pytest.mark.parametrize("where", _FAST)
 def test_never_materializes_the_state_over_time(where):
     """Memory grows with L by the inputs, outputs and checkpoints only: doubling L from
     2048 to 4096 grows the peak resident set of forward + backward (Linux VmHWM, reset

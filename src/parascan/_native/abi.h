@@ -17,6 +17,10 @@
  *                                         (ps_scan_bwd_args, ps_varlen_args)
  *   ps_matrix_linear_scan_fwd_{f32,f64}                      (ps_matrix_linear_scan_args)
  *   ps_matmul_reduce_{f32,f64}                                (ps_matmul_args)
+ *   ps_selective_fwd_{f32,f64,c64,c128}                       (ps_selective_fwd_args)
+ *   ps_selective_bwd_{f32,f64,c64,c128}                       (ps_selective_bwd_args)
+ *     (the suffix names the state: f32/f64 for a real A, c64/c128 for a complex one;
+ *     every other real tensor is float32 for f32/c64, float64 for f64/c128)
  */
 #ifndef PARASCAN_ABI_H
 #define PARASCAN_ABI_H
@@ -25,7 +29,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 7
+#define PS_ABI_VERSION 8
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -106,6 +110,68 @@ typedef struct {
     int64_t simd; /* 0: the portable block products even where AVX2 is there (tests) */
 } ps_matmul_args;
 
+/* The selective scan (ssm/selective.c; the contract and the math are in
+ * ssm/canonical.py):
+ *   dt[t]  = softplus(delta[t] + delta_bias) if softplus else delta[t] + delta_bias
+ *   h[t]   = exp(dt[t] A) h[t-1] + dt[t] u[t] B[t],   h[-1] = initial (NULL: zeros)
+ *   y[t]   = sum_n C[t, n] h[t, n]   (complex state: 2 Re sum_n C[t, n] h[t, n])
+ *   out[t] = (y[t] + D u[t]) silu(z[t])   (D, z: NULL when absent)
+ * per (batch, channel), with an N-wide state. Every tensor comes with the strides
+ * of its shape below. B and C are each time-invariant (groups == 0: (dim, nstate))
+ * or variable (groups = G >= 1 dividing dim: (batch, G, nstate, length), channel d
+ * reading group d / (dim / G)); with a complex state each is complex (complex == 1)
+ * or real (0), and must be real with a real one. The operands, shared by both
+ * entries: */
+typedef struct {
+    int64_t batch, dim, length, nstate;
+    int64_t chunk; /* K, the steps between checkpoints (1 .. 4096) */
+    const void *u;          int64_t u_stride[3];       /* (batch, dim, length) */
+    const void *delta;      int64_t delta_stride[3];   /* (batch, dim, length) */
+    const void *A;          int64_t A_stride[2];       /* (dim, nstate), the state's type */
+    const void *B;          int64_t B_stride[4];       /* as said above */
+    int64_t B_groups, B_complex;
+    const void *C;          int64_t C_stride[4];
+    int64_t C_groups, C_complex;
+    const void *D;          int64_t D_stride;          /* (dim,) or NULL */
+    const void *z;          int64_t z_stride[3];       /* (batch, dim, length) or NULL */
+    const void *delta_bias; int64_t delta_bias_stride; /* (dim,) or NULL */
+    const void *initial;    int64_t initial_stride[3]; /* (batch, dim, nstate) or NULL */
+    int64_t softplus, nthreads;
+} ps_selective_operands;
+
+/* forward: out, the last state, and the state entering each chunk of K steps,
+ * checkpoints[:, :, c] = h[c K - 1] (nchunks = ceil(length / K); final is the
+ * initial state when length == 0). */
+typedef struct {
+    ps_selective_operands in;
+    void *out;         int64_t out_stride[3];         /* (batch, dim, length) */
+    void *final;       int64_t final_stride[3];       /* (batch, dim, nstate) */
+    void *checkpoints; int64_t checkpoints_stride[4]; /* (batch, dim, nchunks, nstate) */
+} ps_selective_fwd_args;
+
+/* backward: from the forward's checkpoints, grad_out and grad_final (both always
+ * given), the gradient of every operand, each with its operand's shape and type
+ * (B and C summed over the batch when invariant, over the channels of a group when
+ * variable; A, D and delta_bias over batch and time); the pointer of an absent
+ * operand's gradient is NULL. Complex gradients are torch's (conjugate Wirtinger).
+ * Every sum runs in an order fixed by the shapes alone: the same bits with any
+ * number of threads. */
+typedef struct {
+    ps_selective_operands in;
+    const void *checkpoints; int64_t checkpoints_stride[4];
+    const void *grad_out;    int64_t grad_out_stride[3];
+    const void *grad_final;  int64_t grad_final_stride[3];
+    void *grad_u;            int64_t grad_u_stride[3];
+    void *grad_delta;        int64_t grad_delta_stride[3];
+    void *grad_A;            int64_t grad_A_stride[2];
+    void *grad_B;            int64_t grad_B_stride[4];
+    void *grad_C;            int64_t grad_C_stride[4];
+    void *grad_D;            int64_t grad_D_stride;
+    void *grad_z;            int64_t grad_z_stride[3];
+    void *grad_delta_bias;   int64_t grad_delta_bias_stride;
+    void *grad_initial;      int64_t grad_initial_stride[3];
+} ps_selective_bwd_args;
+
 /* What Python checks before anything else is called (abi.c). */
 PS_API int64_t ps_abi_version(void);
 PS_API int64_t ps_scan_fwd_args_size(void);
@@ -113,5 +179,7 @@ PS_API int64_t ps_scan_bwd_args_size(void);
 PS_API int64_t ps_varlen_args_size(void);
 PS_API int64_t ps_matrix_linear_scan_args_size(void);
 PS_API int64_t ps_matmul_args_size(void);
+PS_API int64_t ps_selective_fwd_args_size(void);
+PS_API int64_t ps_selective_bwd_args_size(void);
 
 #endif

@@ -1,5 +1,6 @@
 """ctypes bindings of the C kernels (linear_scan, log_linear_scan,
-matrix_linear_scan, and the matrix products of associative_reduce).
+matrix_linear_scan, the matrix products of associative_reduce, and the selective
+scan, whose wrapper is ssm/cpu.py).
 
 Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
 scan dim, without copying when its strides allow it (contiguous, transposed,
@@ -50,6 +51,14 @@ def _tensor(name: str, dims: int) -> tuple[str, ...]:
     return (name, *(f"{name}_stride[{i}]" for i in range(dims)))
 
 
+# ps_selective_operands, the first member of both selective scan structs.
+_SELECTIVE_OPERANDS = (
+    "batch", "dim", "length", "nstate", "chunk", *_tensor("u", 3), *_tensor("delta", 3),
+    *_tensor("A", 2), *_tensor("B", 4), "B_groups", "B_complex", *_tensor("C", 4),
+    "C_groups", "C_complex", "D", "D_stride", *_tensor("z", 3),
+    "delta_bias", "delta_bias_stride", *_tensor("initial", 3), "softplus", "nthreads",
+)  # fmt: skip
+
 # The argument structs of abi.h (ps_<name>_args), member by member: the one Python
 # copy of their layouts. Each is passed as a flat int64 array of that many members,
 # its size checked against the library's ps_<name>_args_size() once.
@@ -72,6 +81,17 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
     "matmul": (
         "batch", "steps", "d", "x", "x_batch", "x_step", "x_row", "x_col", "out",
         "nthreads", "simd",
+    ),
+    "selective_fwd": (
+        *_SELECTIVE_OPERANDS, *_tensor("out", 3), *_tensor("final", 3),
+        *_tensor("checkpoints", 4),
+    ),
+    "selective_bwd": (
+        *_SELECTIVE_OPERANDS, *_tensor("checkpoints", 4), *_tensor("grad_out", 3),
+        *_tensor("grad_final", 3), *_tensor("grad_u", 3), *_tensor("grad_delta", 3),
+        *_tensor("grad_A", 2), *_tensor("grad_B", 4), *_tensor("grad_C", 4),
+        "grad_D", "grad_D_stride", *_tensor("grad_z", 3),
+        "grad_delta_bias", "grad_delta_bias_stride", *_tensor("grad_initial", 3),
     ),
 }  # fmt: skip
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import resolved, resolved_optional
-from parascan.ssm import reference, triton
+from parascan.ssm import cpu, reference, triton
 from parascan.ssm.canonical import n_chunks, state_dtype
 
 __all__ = ["ROW", "apply"]
@@ -29,6 +29,7 @@ ROW = register(
     OpBackends(
         op="parascan.selective_scan",
         backends={
+            "cpu": Backend(cpu.forward, cpu.backward, _STATE_DTYPES),
             "triton": Backend(
                 triton.forward,
                 triton.backward,
@@ -38,9 +39,6 @@ ROW = register(
             ),
             "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
-        },
-        missing={
-            "cpu": "the selective scan's C kernel is not built yet; use 'torch' or 'auto'",
         },
     )
 )

@@ -1,0 +1,221 @@
+"""The SSD scan's raw ops (torch.library) and the autograd.Function around them.
+
+``parascan::ssd_scan`` and ``parascan::ssd_scan_backward`` take the canonical
+operands of ssd_canonical.py (``cu_seqlens`` among them, as a tensor: its values are
+read inside the op, where torch.compile does not trace) and a concrete backend; they
+carry fake kernels (torch.compile) and vmap rules, and ``_SSDScan`` (an
+autograd.Function with ``generate_vmap_rule``, as in ops.py) gives them gradients.
+Every op takes its tensors first and the backend's name last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parascan._backends import Backend, OpBackends, register
+from parascan._op_utils import resolved, resolved_optional
+from parascan.ssm import ssd_reference as reference
+from parascan.ssm.ssd_canonical import n_chunks
+
+__all__ = ["ROW", "apply"]
+
+_STATE_DTYPES = (torch.float32, torch.float64)
+
+# The backend table's row: the dtypes are the state's (float32, or float64).
+ROW = register(
+    OpBackends(
+        op="parascan.ssd_scan",
+        backends={
+            "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
+            "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
+        },
+        missing={
+            "cpu": "the SSD scan's C kernel is coming but not built yet; use 'torch' or 'auto'",
+            "triton": "the SSD scan's Triton kernels are coming but not built yet; use 'torch'",
+        },
+    )
+)
+
+Opt = Tensor | None
+_TENSORS = 9  # x, dt, A, B, C, D, z, initial, cu_seqlens
+
+
+def _resolved_all(*ts: Opt) -> list[Opt]:
+    return [resolved_optional(t) for t in ts]
+
+
+@torch.library.custom_op("parascan::ssd_scan", mutates_args=())
+def _forward_op(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(out, final, checkpoints) of canonical operands; see ssd_canonical.py."""
+    args = _resolved_all(x, dt, A, B, C, D, z, initial)
+    out, final, checkpoints = ROW.backends[backend].forward(*args, cu_seqlens)
+    return out, final, checkpoints
+
+
+def _states(x: Tensor, cu_seqlens: Opt) -> int:
+    """The number of final states: the batch, or the packed sequences."""
+    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@_forward_op.register_fake
+def _(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    batch, length, heads, headdim = x.shape
+    n = B.shape[-1]
+    return (
+        x.new_empty(batch, length, heads, headdim),
+        x.new_empty(_states(x, cu_seqlens), heads, headdim, n),
+        x.new_empty(batch, n_chunks(length, backend), heads, headdim, n),
+    )
+
+
+@torch.library.custom_op("parascan::ssd_scan_backward", mutates_args=())
+def _backward_op(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """The 8 gradients of ssd_canonical.py's backward (empty for absent operands)."""
+    args = _resolved_all(x, dt, A, B, C, D, z, initial)
+    backward = ROW.backends[backend].backward
+    assert backward is not None
+    grads = backward(*args, cu_seqlens, checkpoints, resolved(grad_out), resolved(grad_final))
+    return list(grads)
+
+
+@_backward_op.register_fake
+def _(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    return [
+        torch.empty_like(t) if t is not None else x.new_empty(0)
+        for t in (x, dt, A, B, C, D, z, initial)
+    ]
+
+
+def _loop_vmap(op: Callable[..., Any], tensors: int) -> Callable[..., Any]:
+    """A vmap rule that runs ``op`` once per vmapped element and stacks the results:
+    the operands' shapes are fixed by the contract (and a vmapped ``cu_seqlens`` is
+    one packing per element), so a vmapped dim has no batch dimension it could always
+    fold into. The first ``tensors`` arguments are tensors (or None), the rest plain."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        results = []
+        for i in range(info.batch_size):
+            sliced = [
+                a.select(d, i) if d is not None and a is not None else a
+                for a, d in zip(args[:tensors], in_dims[:tensors], strict=True)
+            ]
+            results.append(op(*sliced, *args[tensors:]))
+        stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
+        if isinstance(results[0], tuple):
+            return tuple(stacked), (0,) * len(stacked)
+        return stacked, [0] * len(stacked)
+
+    return rule
+
+
+torch.library.register_vmap("parascan::ssd_scan", _loop_vmap(_forward_op, _TENSORS))
+torch.library.register_vmap("parascan::ssd_scan_backward", _loop_vmap(_backward_op, 12))
+
+
+class _SSDScanBackward(torch.autograd.Function):
+    """The backward op as a function of its own, so that torch.func transforms can
+    run it (they track the backward's operations); differentiating it again raises."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+        cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor, backend: str,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        # spelled out: torch.compile tells forward(ctx, ...) from forward(...) by name
+        return tuple(
+            _backward_op(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                D,
+                z,
+                initial,
+                cu_seqlens,
+                checkpoints,
+                grad_out,
+                grad_final,
+                backend,
+            )
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(
+            "parascan.ssd_scan: second derivatives (double backward, hessians) are not "
+            "implemented; the first derivatives of every input are"
+        )
+
+
+class _SSDScan(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+        cu_seqlens: Opt, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        result: tuple[Tensor, Tensor, Tensor] = _forward_op(
+            x, dt, A, B, C, D, z, initial, cu_seqlens, backend
+        )
+        return result
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        *tensors, backend = inputs
+        ctx.save_for_backward(*tensors, output[2])
+        ctx.backend = backend
+        ctx.mark_non_differentiable(output[2])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
+        *tensors, checkpoints = ctx.saved_tensors
+        x, B, cu_seqlens = tensors[0], tensors[3], tensors[8]
+        _batch, _length, heads, headdim = x.shape
+        if grad_out is None:
+            grad_out = torch.zeros_like(x)
+        if grad_final is None:
+            grad_final = x.new_zeros(_states(x, cu_seqlens), heads, headdim, B.shape[-1])
+        grads = _SSDScanBackward.apply(  # type: ignore[no-untyped-call]
+            *tensors, checkpoints, grad_out, grad_final, ctx.backend
+        )
+        need = ctx.needs_input_grad
+        return (
+            *(g if need[i] and tensors[i] is not None else None for i, g in enumerate(grads)),
+            None,  # cu_seqlens
+            None,  # backend
+        )
+
+
+def apply(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, final) of canonical operands on a concrete backend, differentiable."""
+    out, final, _ = _SSDScan.apply(  # type: ignore[no-untyped-call]
+        x, dt, A, B, C, D, z, initial, cu_seqlens, backend
+    )
+    return out, final
