@@ -12,11 +12,15 @@ forward     the logits of ``tokens`` tokens (eval mode, no cache)
 train step  forward, loss and backward on ``tokens`` tokens (training mode)
 generate    greedy ``generate`` of ``new_tokens`` tokens after a 16-token prompt
 
-Summary of method. Each workload runs unpatched, then patched, on the same model and
-inputs, and again ``repeat`` times (``train_repeat`` for the training step, whose
-unpatched run takes minutes at full size), alternating so that a slow spell of a shared
-machine hits both alike; the minimum of each is reported (noise only adds).
-The first run's results are compared: logits and every parameter's gradient to the
+Summary of method. Each workload runs ``repeat`` rounds (``train_repeat`` for the
+training step, whose unpatched run takes minutes at full size), each round unpatched then
+patched on the same model and inputs, so that a slow spell of a shared machine hits both
+alike; the minimum of each variant is reported (noise only adds). On a machine
+shared with other work, ``--threads 1`` gives steadier figures: a parallel region whose
+second thread is descheduled stalls, and the patched backward (many short torch ops)
+then varies many-fold from run to run.
+
+The first round's results are compared: logits and every parameter's gradient to the
 float32 tolerance relative to the largest unpatched magnitude, generated tokens exactly.
 A workload whose results differ gets no speed-up.
 """
