@@ -271,19 +271,21 @@ def selective_state_update(
     decay = torch.exp(step[..., None] * a)
 
     def per_unit(m: Tensor) -> Tensor:
-        # (batch, G, N) -> one row per channel/head, then a headdim axis in the
-        # multi-head layout: (batch, *lead, N)
+        # (batch, G, N) -> a row per channel/head (a broadcast view when G = 1, the
+        # decode step's common case: no copy), then a headdim axis in the multi-head
+        # layout: (batch, *lead, N) or broadcastable to it
         m = m.to(_complex_of(cd) if m.is_complex() else cd)
-        m = m.repeat_interleave(units // m.shape[1], dim=1)
+        if m.shape[1] != 1:
+            m = m.repeat_interleave(units // m.shape[1], dim=1)
         return m[:, :, None, :] if heads_layout else m
 
     b_row, c_row = per_unit(mats[0]), per_unit(mats[1])
     xc = x.to(cd)
-    new = decay * state.to(decay.dtype) + (step * xc)[..., None] * b_row
+    new = torch.addcmul(decay * state.to(decay.dtype), (step * xc)[..., None], b_row)
     y = (c_row * new).sum(-1)
     y = 2 * y.real if y.is_complex() else y
     if "D" in extras:
-        y = y + extras["D"].to(cd) * xc
+        y = torch.addcmul(y, extras["D"].to(cd), xc)
     if "z" in extras:
         y = y * F.silu(extras["z"].to(cd))
     state.copy_(new)
