@@ -18,6 +18,9 @@ PS_API int64_t ps_selective_fwd_args_size(void) {
 PS_API int64_t ps_selective_bwd_args_size(void) {
     return (int64_t)sizeof(ps_selective_bwd_args);
 }
+PS_API int64_t ps_selective_step_args_size(void) {
+    return (int64_t)sizeof(ps_selective_step_args);
+}
 
 PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
     const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,

@@ -21,6 +21,7 @@
  *   ps_selective_bwd_{f32,f64,c64,c128}                       (ps_selective_bwd_args)
  *     (the suffix names the state: f32/f64 for a real A, c64/c128 for a complex one;
  *     every other real tensor is float32 for f32/c64, float64 for f64/c128)
+ *   ps_selective_step_{f32,f64}                               (ps_selective_step_args)
  *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
  *     vector exp, softplus, log1p, sigmoid one by one, for tests; ssm/selective_kernel.h)
  */
@@ -31,7 +32,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 8
+#define PS_ABI_VERSION 9
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -173,6 +174,28 @@ typedef struct {
     void *grad_delta_bias;   int64_t grad_delta_bias_stride;
     void *grad_initial;      int64_t grad_initial_stride[3];
 } ps_selective_bwd_args;
+
+/* One decoding step of the selective or SSD scan (ssm/selective_step.h), in place on
+ * a real state of the entry's type, every operand of that type, any strides:
+ *   dt'  = softplus(dt + dt_bias) if softplus else dt + dt_bias   (dt_bias NULL: 0)
+ *   h    = exp(dt' A) h + dt' x B,   y = sum_n C h
+ *   out  = (y + D x) silu(z)   (D, z: NULL when absent)
+ * per unit (batch, head, row), head h reading B and C of group h / (heads / groups).
+ * Mamba-1's layout is headdim 1 (a head per channel). */
+typedef struct {
+    int64_t batch, heads, headdim, nstate, groups;
+    void *state;         int64_t state_stride[4];   /* (batch, heads, headdim, nstate) */
+    const void *x;       int64_t x_stride[3];       /* (batch, heads, headdim) */
+    const void *dt;      int64_t dt_stride[3];      /* (batch, heads, headdim) */
+    const void *A;       int64_t A_stride[3];       /* (heads, headdim, nstate) */
+    const void *B;       int64_t B_stride[3];       /* (batch, groups, nstate) */
+    const void *C;       int64_t C_stride[3];       /* (batch, groups, nstate) */
+    const void *D;       int64_t D_stride[2];       /* (heads, headdim) or NULL */
+    const void *z;       int64_t z_stride[3];       /* (batch, heads, headdim) or NULL */
+    const void *dt_bias; int64_t dt_bias_stride[2]; /* (heads, headdim) or NULL */
+    void *out;           int64_t out_stride[3];     /* (batch, heads, headdim) */
+    int64_t softplus, nthreads;
+} ps_selective_step_args;
 
 /* What Python checks before anything else is called (abi.c). */
 PS_API int64_t ps_abi_version(void);

@@ -93,6 +93,12 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "grad_D", "grad_D_stride", *_tensor("grad_z", 3),
         "grad_delta_bias", "grad_delta_bias_stride", *_tensor("grad_initial", 3),
     ),
+    "selective_step": (
+        "batch", "heads", "headdim", "nstate", "groups", *_tensor("state", 4), *_tensor("x", 3),
+        *_tensor("dt", 3), *_tensor("A", 3), *_tensor("B", 3), *_tensor("C", 3),
+        *_tensor("D", 2), *_tensor("z", 3), *_tensor("dt_bias", 2), *_tensor("out", 3),
+        "softplus", "nthreads",
+    ),
 }  # fmt: skip
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()

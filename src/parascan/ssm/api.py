@@ -9,6 +9,8 @@ from torch import Tensor
 
 from parascan._backends import resolve
 from parascan._checks import check_layout, describe
+from parascan._native.bindings import ARG_STRUCTS, kernel
+from parascan._op_utils import plain_eager, resolved
 from parascan.ssm import ops
 
 __all__ = ["selective_scan", "selective_state_update"]
@@ -262,6 +264,14 @@ def selective_state_update(
             )
 
     cd = torch.float64 if state.dtype in (torch.float64, torch.complex128) else torch.float32
+    tensors = (state, x, dt, A, *mats, *extras.values())
+    if (
+        state.device.type == "cpu"
+        and state.dtype == cd
+        and _eager_no_grad(tensors)
+        and _no_overlap(state)  # else copy_ below raises torch's error
+    ):
+        return _step_kernel(state, x, dt, A, mats, extras, dt_softplus, heads_layout)
     step = dt.to(cd)
     if "dt_bias" in extras:
         step = step + extras["dt_bias"].to(cd)
@@ -290,3 +300,69 @@ def selective_state_update(
         y = y * F.silu(extras["z"].to(cd))
     state.copy_(new)
     return y.to(x.dtype)
+
+
+def _eager_no_grad(tensors: tuple[Tensor, ...]) -> bool:
+    """True when a decoding step may run the C kernel directly: plain eager tensors
+    (no subclass, transform, mode or compile; _op_utils.plain_eager) that autograd
+    does not track (a generation loop runs under no_grad; a differentiable step takes
+    the torch ops below)."""
+    if not all(type(t) is Tensor for t in tensors) or not plain_eager():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _no_overlap(t: Tensor) -> bool:
+    """True when no two elements of ``t`` share memory (sorted by stride, each
+    dimension steps past everything the smaller ones span)."""
+    span = 0
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+def _step_kernel(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, mats: list[Tensor],
+    extras: dict[str, Tensor], softplus: bool, heads_layout: bool,
+) -> Tensor:  # fmt: skip
+    """The decoding step on the C kernel (ssm/selective_step.h), in place on a real
+    float32 or float64 CPU state: every operand read through its own strides in the
+    state's dtype (converted when it has another), Mamba-1's layout as heads of one
+    row. The output in ``x``'s dtype."""
+    cd = state.dtype
+
+    def operand(t: Tensor, rows: bool) -> Tensor:
+        t = resolved(t.to(cd))
+        return t.unsqueeze(-1 if rows else -2) if not heads_layout else t
+
+    xs, dts, As = operand(x, True), operand(dt, True), operand(A, False)
+    Bs, Cs = (resolved(m.to(cd)) for m in mats)
+    D, z, bias = (
+        None if name not in extras else operand(extras[name], True)
+        for name in ("D", "z", "dt_bias")
+    )
+    st = state if heads_layout else state.unsqueeze(2)
+    batch, heads, headdim, n = st.shape
+    out = torch.empty((batch, heads, headdim), dtype=cd)
+    args = ARG_STRUCTS["selective_step"](
+        batch, heads, headdim, n, Bs.shape[1], *_ptr(st), *_ptr(xs), *_ptr(dts), *_ptr(As),
+        *_ptr(Bs), *_ptr(Cs), *_ptr(D, 2), *_ptr(z, 3), *_ptr(bias, 2), *_ptr(out),
+        int(softplus), torch.get_num_threads(),
+    )  # fmt: skip
+    if kernel("selective_step", cd)(args) != 0:
+        raise RuntimeError("parascan.selective_state_update: internal error: the step kernel "
+                           "refused its operands")  # fmt: skip
+    y = out if heads_layout else out.squeeze(-1)
+    return y.to(x.dtype)
+
+
+def _ptr(t: Tensor | None, ndim: int = 0) -> tuple[int, ...]:
+    """A tensor's data pointer and strides as the kernel's struct holds them; zeros
+    (a NULL pointer) for an absent operand of ``ndim`` dimensions."""
+    if t is None:
+        return (0,) * (1 + ndim)
+    return (t.data_ptr(), *t.stride())

@@ -129,6 +129,7 @@ typedef uint32_t ps_sel_vu32 __attribute__((vector_size(32)));
 #define PS_SEL_ATANH_POLY(s2)                                                             \
     ((s2) * ((T)(1.0 / 3) + (s2) * ((T)(1.0 / 5) + (s2) * ((T)(1.0 / 7) + (s2) * (T)(1.0 / 9)))))
 #include "selective_kernel.h"
+#include "selective_step.h"
 #undef SFX
 #undef CSFX
 #undef T
@@ -192,3 +193,4 @@ typedef uint64_t ps_sel_vu64 __attribute__((vector_size(32)));
         (1.0 / 11 + (s2) * (1.0 / 13 + (s2) * (1.0 / 15 + (s2) * (1.0 / 17 +                \
         (s2) * (1.0 / 19))))))))))
 #include "selective_kernel.h"
+#include "selective_step.h"
