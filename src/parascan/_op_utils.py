@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -12,7 +12,9 @@ from torch.autograd import forward_ad
 __all__ = [
     "batch_first",
     "conj",
+    "loop_vmap",
     "plain_eager",
+    "refuse_second_derivatives",
     "register_batch_first_vmap",
     "resolved",
     "resolved_optional",
@@ -79,4 +81,35 @@ def plain_eager() -> bool:
         and not torch._C._are_functorch_transforms_active()
         and torch._C._len_torch_dispatch_stack() == 0
         and forward_ad._current_level < 0
+    )
+
+
+def loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A vmap rule that runs ``op`` once per vmapped element and stacks its results
+    (every output batched at 0): for ops whose operands' shapes are fixed by a
+    contract, so that a vmapped dim has no batch dimension it could always fold into
+    (the state-space scans). Each argument with a vmapped dim is sliced; the others,
+    plain values included, are passed as they are."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        results = []
+        for i in range(info.batch_size):
+            sliced = [
+                a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)
+            ]
+            results.append(op(*sliced))
+        stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
+        if isinstance(results[0], tuple):
+            return tuple(stacked), (0,) * len(stacked)
+        return stacked, [0] * len(stacked)
+
+    return rule
+
+
+def refuse_second_derivatives(public: str) -> NoReturn:
+    """What the backward of a backward op's autograd.Function does: a clear error
+    rather than silently zero second derivatives."""
+    raise RuntimeError(
+        f"{public}: second derivatives (double backward, hessians) are not implemented; "
+        "the first derivatives of every input are"
     )

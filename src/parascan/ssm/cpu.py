@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
+from parascan._op_utils import resolved, resolved_optional
 from parascan.ssm.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks, state_dtype
 
 __all__ = ["DTYPES", "SUPPORTS_COMPLEX", "backward", "forward"]
@@ -21,16 +22,6 @@ DTYPES = (torch.float32, torch.float64)
 SUPPORTS_COMPLEX = True
 
 _K = CHECKPOINT_STEPS["cpu"]
-
-
-def _resolved(t: Tensor) -> Tensor:
-    """``t`` with any lazy conjugate or negative bit applied (the kernel reads raw
-    memory); the tensor itself when it has none."""
-    return t.resolve_conj().resolve_neg()
-
-
-def _resolved_or_none(t: Tensor | None) -> Tensor | None:
-    return None if t is None else _resolved(t)
 
 
 def _ptr(t: Tensor | None, ndim: int) -> tuple[int, ...]:
@@ -70,8 +61,8 @@ class _Operands:
         initial: Tensor | None,
         softplus: bool,
     ) -> None:
-        u, delta, A, B, C = (_resolved(t) for t in (u, delta, A, B, C))
-        D, z, delta_bias, initial = (_resolved_or_none(t) for t in (D, z, delta_bias, initial))
+        u, delta, A, B, C = (resolved(t) for t in (u, delta, A, B, C))
+        D, z, delta_bias, initial = (resolved_optional(t) for t in (D, z, delta_bias, initial))
         if u.dim() != 3 or A.dim() != 2:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel takes u (batch, dim, L) and "
@@ -158,7 +149,7 @@ def backward(
     ops = _Operands("selective_bwd", u, delta, A, B, C, D, z, delta_bias, initial, softplus)
     batch, dim, length, n = ops.batch, ops.dim, ops.length, ops.n
     checkpoints, grad_out, grad_final = (
-        _resolved(checkpoints), _resolved(grad_out), _resolved(grad_final)
+        resolved(checkpoints), resolved(grad_out), resolved(grad_final)
     )  # fmt: skip
     check_operands("selective_bwd", ops.sd, (checkpoints, (batch, dim, ops.nchunks(), n)),
                    (grad_final, (batch, dim, n)))  # fmt: skip

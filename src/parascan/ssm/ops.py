@@ -9,14 +9,13 @@ them gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
-from parascan._op_utils import resolved, resolved_optional
+from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
 from parascan.ssm import cpu, reference, triton
 from parascan.ssm.canonical import n_chunks, state_dtype
 
@@ -102,43 +101,8 @@ def _(
     ]
 
 
-def _loop_vmap(op: Callable[..., Any], tensors: int) -> Callable[..., Any]:
-    """A vmap rule that runs ``op`` once per vmapped element and stacks the results:
-    the operands' shapes are fixed by the contract, so a vmapped dim has no batch
-    dimension it could always fold into."""
-
-    def rule(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        results = []
-        for i in range(info.batch_size):
-            sliced = [
-                a.select(d, i) if d is not None and a is not None else a
-                for a, d in zip(args[:tensors], in_dims[:tensors], strict=True)
-            ]
-            results.append(op(*sliced, *args[tensors:]))
-        stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
-        out = tuple(stacked) if isinstance(results[0], tuple) else stacked
-        return out, [0] * len(stacked) if isinstance(out, list) else (0,) * len(stacked)
-
-    return rule
-
-
-def _backward_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    # Tensors before and after the (softplus, backend) pair.
-    head, tail = args[:9], args[11:]
-    dims = (*in_dims[:9], *in_dims[11:])
-    results = []
-    for i in range(info.batch_size):
-        s = [
-            a.select(d, i) if d is not None and a is not None else a
-            for a, d in zip((*head, *tail), dims, strict=True)
-        ]
-        results.append(_backward_op(*s[:9], args[9], args[10], *s[9:]))
-    stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
-    return stacked, [0] * len(stacked)
-
-
-torch.library.register_vmap("parascan::selective_scan", _loop_vmap(_forward_op, 9))
-torch.library.register_vmap("parascan::selective_scan_backward", _backward_vmap)
+torch.library.register_vmap("parascan::selective_scan", loop_vmap(_forward_op))
+torch.library.register_vmap("parascan::selective_scan_backward", loop_vmap(_backward_op))
 
 
 class _SelectiveScanBackward(torch.autograd.Function):
@@ -179,10 +143,7 @@ class _SelectiveScanBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(
-            "parascan.selective_scan: second derivatives (double backward, hessians) are not "
-            "implemented; the first derivatives of every input are"
-        )
+        refuse_second_derivatives("parascan.selective_scan")
 
 
 class _SelectiveScan(torch.autograd.Function):

@@ -10,14 +10,13 @@ Every op takes its tensors first and the backend's name last.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
-from parascan._op_utils import resolved, resolved_optional
+from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
 from parascan.ssm import ssd_reference as reference
 from parascan.ssm.ssd_canonical import n_chunks
 
@@ -41,7 +40,6 @@ ROW = register(
 )
 
 Opt = Tensor | None
-_TENSORS = 9  # x, dt, A, B, C, D, z, initial, cu_seqlens
 
 
 def _resolved_all(*ts: Opt) -> list[Opt]:
@@ -102,30 +100,8 @@ def _(
     ]
 
 
-def _loop_vmap(op: Callable[..., Any], tensors: int) -> Callable[..., Any]:
-    """A vmap rule that runs ``op`` once per vmapped element and stacks the results:
-    the operands' shapes are fixed by the contract (and a vmapped ``cu_seqlens`` is
-    one packing per element), so a vmapped dim has no batch dimension it could always
-    fold into. The first ``tensors`` arguments are tensors (or None), the rest plain."""
-
-    def rule(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        results = []
-        for i in range(info.batch_size):
-            sliced = [
-                a.select(d, i) if d is not None and a is not None else a
-                for a, d in zip(args[:tensors], in_dims[:tensors], strict=True)
-            ]
-            results.append(op(*sliced, *args[tensors:]))
-        stacked = [torch.stack(parts) for parts in zip(*results, strict=True)]
-        if isinstance(results[0], tuple):
-            return tuple(stacked), (0,) * len(stacked)
-        return stacked, [0] * len(stacked)
-
-    return rule
-
-
-torch.library.register_vmap("parascan::ssd_scan", _loop_vmap(_forward_op, _TENSORS))
-torch.library.register_vmap("parascan::ssd_scan_backward", _loop_vmap(_backward_op, 12))
+torch.library.register_vmap("parascan::ssd_scan", loop_vmap(_forward_op))
+torch.library.register_vmap("parascan::ssd_scan_backward", loop_vmap(_backward_op))
 
 
 class _SSDScanBackward(torch.autograd.Function):
@@ -164,10 +140,7 @@ class _SSDScanBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(
-            "parascan.ssd_scan: second derivatives (double backward, hessians) are not "
-            "implemented; the first derivatives of every input are"
-        )
+        refuse_second_derivatives("parascan.ssd_scan")
 
 
 class _SSDScan(torch.autograd.Function):
