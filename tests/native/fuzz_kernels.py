@@ -40,7 +40,7 @@ from parascan._native import kernel_library_path
 from parascan._native.bindings import kernel_constants
 
 from conftest import DTYPES, assert_matches
-from oracles import linear_loop, log_loop, matmul_fold, matrix_loop
+from oracles import linear_loop, log_loop, matmul_fold, matrix_loop, selective_loop
 
 FIRST_ORDER_DTYPES = DTYPES  # every dtype of the first-order scans
 MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
@@ -397,12 +397,127 @@ def _product_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     return what, lambda: _with_threads(threads, check)
 
 
+def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    """The selective scan's C kernel (forward, fused backward) and the decoding step's,
+    through ps.selective_scan(backend="cpu") and ps.selective_state_update: every B/C
+    form, real or complex A, optional D, z, delta_bias, initial, strided views, lengths
+    around the checkpoint interval, 1 to 4 threads."""
+    cplx = rng.random() < 0.2
+    dtype = rng.choice([torch.float32, torch.float64] if cplx else [*DTYPES[:4]])
+    if dtype.is_complex:
+        dtype = torch.float32
+    batch, n = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 7, 8, 9, 16, 17, 33])
+    groups = rng.choice([1, 2, 3])
+    dim = groups * rng.choice([1, 2, 3, 5, 8, 9, 22])
+    k = 64  # the cpu backend's checkpoint interval (CHECKPOINT_STEPS)
+    length = rng.choice([0, 1, 2, 3, 17, k - 1, k, k + 1, 2 * k + 1, 3 * k - 1])
+    forms = [rng.choice(["invariant", "shared", "grouped"]) for _ in range(2)]
+    opts = {name: rng.random() < 0.6 for name in ("D", "z", "delta_bias", "initial")}
+    softplus = rng.random() < 0.7
+    kinds = [rng.choice(["contiguous", "transposed", "sliced"]) for _ in range(3)]
+    threads = rng.choice([1, 2, 3, 4])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    what = (
+        f"selective scan {dtype} complex={cplx} batch {batch} dim {dim} N {n} L {length} "
+        f"B/C {forms} groups {groups} {opts} softplus={softplus} views {kinds} "
+        f"threads {threads}"
+    )
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
+    def bc(form: str) -> torch.Tensor:
+        shape = {"invariant": (dim, n), "shared": (batch, n, length),
+                 "grouped": (batch, groups, n, length)}[form]  # fmt: skip
+        m = r(*shape)
+        return torch.complex(m, r(*shape)) if cplx and rng.random() < 0.5 else m
+
+    A = -r(dim, n).abs() - 0.05
+    if cplx:
+        A = torch.complex(A, r(dim, n))
+    wide = {
+        "u": r(batch, dim, length), "delta": r(batch, dim, length, scale=0.5),
+        "A": A, "B": bc(forms[0]), "C": bc(forms[1]),
+        "D": r(dim) if opts["D"] else None, "z": r(batch, dim, length) if opts["z"] else None,
+        "delta_bias": r(dim, scale=0.1) if opts["delta_bias"] else None,
+        "initial": (torch.complex(r(batch, dim, n), r(batch, dim, n)) if cplx
+                    else r(batch, dim, n)) if opts["initial"] else None,
+    }  # fmt: skip
+    if not softplus:
+        wide["delta"] = wide["delta"].abs()
+
+    def low(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.to(dtype if not t.is_complex() else torch.complex64 if dtype == torch.float32
+                 else torch.complex128)  # fmt: skip
+        if name in ("A", "D", "delta_bias", "initial") and not t.is_complex():
+            t = t.float() if dtype in (torch.float16, torch.bfloat16) else t
+        viewed = {"u": 0, "delta": 1, "B": 2}
+        return _view(rng, t, kinds[viewed[name]]) if name in viewed else t
+
+    def check() -> None:
+        args = {name: low(name, t) for name, t in wide.items()}
+        leaves = {k2: v.detach().clone().requires_grad_() for k2, v in args.items()
+                  if v is not None and k2 in ("u", "delta", "A", "B", "C")}  # fmt: skip
+        call = {**args, **leaves}
+        got, final = ps.selective_scan(
+            call["u"], call["delta"], call["A"], call["B"], call["C"], call["D"], call["z"],
+            call["delta_bias"], delta_softplus=softplus, initial=call["initial"],
+            return_final=True, backend="cpu",
+        )  # fmt: skip
+        exact = {
+            k2: (
+                None
+                if v is None
+                else v.detach().to(torch.complex128 if v.is_complex() else torch.float64)
+            )
+            for k2, v in args.items()
+        }
+        grads_of = {k2: exact[k2].clone().requires_grad_() for k2 in leaves}  # type: ignore[union-attr]
+        want, want_final = selective_loop(**{**exact, **grads_of}, delta_softplus=softplus)
+        assert_matches(got, want, dtype)
+        assert_matches(final, want_final, dtype if not cplx else torch.complex64)
+        if length == 0:
+            return
+        weights = r(*want.shape)
+        got_grads = torch.autograd.grad((got.double() * weights).sum(), list(leaves.values()))
+        want_grads = torch.autograd.grad((want * weights).sum(), list(grads_of.values()))
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert_matches(g, w, dtype)
+        # the decoding step from the same initial state equals the scan's first step
+        wide_state = dtype == torch.float64
+        sd = {
+            (True, True): torch.complex128,
+            (True, False): torch.float64,
+            (False, True): torch.complex64,
+            (False, False): torch.float32,
+        }[(wide_state, cplx)]
+        state = (args["initial"].clone() if args["initial"] is not None else
+                 torch.zeros(batch, dim, n)).to(sd)  # fmt: skip
+        step = lambda m: m if m.dim() == 2 else (m.unsqueeze(1) if m.dim() == 3 else m)[..., 0]  # noqa: E731
+        Bs, Cs = (step(args[name]) for name in ("B", "C"))
+        if "invariant" in forms:  # the step takes B and C of (batch, N) or (batch, G, N)
+            return
+        with torch.no_grad():
+            y = ps.selective_state_update(
+                state, args["u"][..., 0], args["delta"][..., 0], args["A"], Bs, Cs,
+                args["D"], None if args["z"] is None else args["z"][..., 0],
+                args["delta_bias"], dt_softplus=softplus,
+            )  # fmt: skip
+        assert_matches(y, want[..., 0], dtype)
+
+    return what, lambda: _with_threads(threads, check)
+
+
 def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
     """Case ``case`` of ``seed``: its description, and the check that runs it."""
     rng = random.Random(f"{seed}-{case}")
-    kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product"])
+    kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product", "selective"])
     if kind in ("linear", "log"):
         return _first_order_case(rng, log=kind == "log")
+    if kind == "selective":
+        return _selective_case(rng)
     return _matrix_case(rng) if kind == "matrix" else _product_case(rng)
 
 

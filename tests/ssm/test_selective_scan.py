@@ -408,7 +408,8 @@ def test_state_update_kernel_matches_the_formula(layout, n, state_dtype, x_dtype
                                                  extras, gen, monkeypatch):  # fmt: skip
     """The C decoding step (taken without autograd on a float CPU state) against the
     float64 formula: both layouts, N around the vector width and past a tile (70),
-    blocks of units that cross head and batch boundaries (headdim 3, 5 heads), groups,
+    blocks of units that cross head and batch boundaries (headdim 3, 5 heads), groups
+    (B and C in different ones: a regression, the kernel once read C in B's groups),
     strided and broadcast (stride 0) operands, a lower-precision x, with and without
     D, z, dt_bias and softplus."""
     from parascan.ssm import api
@@ -429,7 +430,8 @@ def test_state_update_kernel_matches_the_formula(layout, n, state_dtype, x_dtype
         dt=r(batch, heads, 1, scale=0.5).expand(batch, heads, headdim).to(x_dtype),
         A=-r(heads, headdim, n).abs(),
         B=r(batch, groups, n).to(x_dtype),
-        C=r(batch, groups, n).to(x_dtype),
+        # C in other groups than B (here one, shared by every head)
+        C=r(batch, 1 if n % 2 else groups, n).to(x_dtype),
         D=r(heads, headdim) if extras else None,
         z=r(batch, heads, headdim).to(x_dtype) if extras else None,
         dt_bias=r(heads, headdim, scale=0.1) if extras else None,

@@ -180,16 +180,17 @@ typedef struct {
  *   dt'  = softplus(dt + dt_bias) if softplus else dt + dt_bias   (dt_bias NULL: 0)
  *   h    = exp(dt' A) h + dt' x B,   y = sum_n C h
  *   out  = (y + D x) silu(z)   (D, z: NULL when absent)
- * per unit (batch, head, row), head h reading B and C of group h / (heads / groups).
+ * per unit (batch, head, row), head h reading B of group h / (heads / B_groups), C of
+ * group h / (heads / C_groups).
  * Mamba-1's layout is headdim 1 (a head per channel). */
 typedef struct {
-    int64_t batch, heads, headdim, nstate, groups;
+    int64_t batch, heads, headdim, nstate, B_groups, C_groups;
     void *state;         int64_t state_stride[4];   /* (batch, heads, headdim, nstate) */
     const void *x;       int64_t x_stride[3];       /* (batch, heads, headdim) */
     const void *dt;      int64_t dt_stride[3];      /* (batch, heads, headdim) */
     const void *A;       int64_t A_stride[3];       /* (heads, headdim, nstate) */
-    const void *B;       int64_t B_stride[3];       /* (batch, groups, nstate) */
-    const void *C;       int64_t C_stride[3];       /* (batch, groups, nstate) */
+    const void *B;       int64_t B_stride[3];       /* (batch, B_groups, nstate) */
+    const void *C;       int64_t C_stride[3];       /* (batch, C_groups, nstate) */
     const void *D;       int64_t D_stride[2];       /* (heads, headdim) or NULL */
     const void *z;       int64_t z_stride[3];       /* (batch, heads, headdim) or NULL */
     const void *dt_bias; int64_t dt_bias_stride[2]; /* (heads, headdim) or NULL */

@@ -54,9 +54,10 @@ PS_MATH void FN(ps_step_store)(T *row, int64_t st, int64_t lanes, V v) {
     for (int64_t j = 0; j < lanes; j++) row[j * st] = tmp[j];
 }
 
-/* A block's units' coordinates (batch, head, row, group), lane j for its unit j. */
+/* A block's units' coordinates (batch, head, row, B's and C's groups), lane j for
+ * its unit j. */
 typedef struct {
-    int64_t b[W], h[W], p[W], g[W];
+    int64_t b[W], h[W], p[W], gb[W], gc[W];
 } FN(ps_step_block_t);
 
 /* The per-unit scalars of a block's count units (count <= W) into a vector, lane j
@@ -81,22 +82,23 @@ static inline V FN(ps_step_gather)(const void *ptr, const int64_t *st,
 PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t end) {
     const ps_selective_step_args *a = ((const FN(ps_step_ctx_t) *)vctx)->a;
     const int64_t heads = a->heads, P = a->headdim, N = a->nstate;
-    const int64_t per_group = heads / a->groups;
+    const int64_t per_b = heads / a->B_groups, per_c = heads / a->C_groups;
     const int64_t sn = a->state_stride[3], an = a->A_stride[2];
     const int64_t bn = a->B_stride[2], cn = a->C_stride[2];
     /* the units' coordinates are stepped, not divided out of the unit's index: an
      * integer division per unit would cost more than its arithmetic */
     int64_t b = begin / (heads * P), h = (begin / P) % heads, p = begin % P;
-    int64_t g = h / per_group, in_group = h % per_group;
+    int64_t gb = h / per_b, in_b = h % per_b, gc = h / per_c, in_c = h % per_c;
     FN(ps_step_block_t) k;
     for (int64_t u0 = begin; u0 < end; u0 += W) {
         const int64_t count = end - u0 < W ? end - u0 : W;
         for (int64_t j = 0; j < count; j++) {
-            k.b[j] = b, k.h[j] = h, k.p[j] = p, k.g[j] = g;
+            k.b[j] = b, k.h[j] = h, k.p[j] = p, k.gb[j] = gb, k.gc[j] = gc;
             if (++p == P) {
                 p = 0;
-                if (++in_group == per_group) in_group = 0, g++;
-                if (++h == heads) h = 0, g = 0, in_group = 0, b++;
+                if (++in_b == per_b) in_b = 0, gb++;
+                if (++in_c == per_c) in_c = 0, gc++;
+                if (++h == heads) h = 0, gb = gc = in_b = in_c = 0, b++;
             }
         }
         /* the block's step sizes and drives, W units at a time */
@@ -124,8 +126,8 @@ PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t en
             for (int64_t j = 0; j < count; j++) {
                 T *state = (T *)a->state + k.b[j] * a->state_stride[0] +
                            k.h[j] * a->state_stride[1] + k.p[j] * a->state_stride[2] + n0 * sn;
-                const T *B = PS_STEP_AT(a->B, a->B_stride, k.b[j], k.g[j], 0) + n0 * bn;
-                const T *C = PS_STEP_AT(a->C, a->C_stride, k.b[j], k.g[j], 0) + n0 * cn;
+                const T *B = PS_STEP_AT(a->B, a->B_stride, k.b[j], k.gb[j], 0) + n0 * bn;
+                const T *C = PS_STEP_AT(a->C, a->C_stride, k.b[j], k.gc[j], 0) + n0 * cn;
                 for (int64_t v = 0; v < nv; v++) {
                     const int64_t lanes = tile - v * W < W ? tile - v * W : W;
                     const V hv = decay[j][v] * FN(ps_step_load)(state + v * W * sn, sn, lanes) +
@@ -150,8 +152,8 @@ PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t en
 }
 
 PS_API int PS_CAT(ps_selective_step, SFX)(const ps_selective_step_args *a) {
-    if (a->batch < 0 || a->heads < 0 || a->headdim < 0 || a->nstate < 0 || a->groups < 1 ||
-        a->heads % a->groups != 0)
+    if (a->batch < 0 || a->heads < 0 || a->headdim < 0 || a->nstate < 0 || a->B_groups < 1 ||
+        a->C_groups < 1 || a->heads % a->B_groups != 0 || a->heads % a->C_groups != 0)
         return 1;
     const int64_t units = a->batch * a->heads * a->headdim;
     if (units == 0) return 0;
