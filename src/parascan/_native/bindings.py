@@ -94,8 +94,8 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "grad_delta_bias", "grad_delta_bias_stride", *_tensor("grad_initial", 3),
     ),
     "selective_step": (
-        "batch", "heads", "headdim", "nstate", "B_groups", "C_groups", *_tensor("state", 4), *_tensor("x", 3),
-        *_tensor("dt", 3), *_tensor("A", 3), *_tensor("B", 3), *_tensor("C", 3),
+        "batch", "heads", "headdim", "nstate", "B_groups", "C_groups", *_tensor("state", 4),
+        *_tensor("x", 3), *_tensor("dt", 3), *_tensor("A", 3), *_tensor("B", 3), *_tensor("C", 3),
         *_tensor("D", 2), *_tensor("z", 3), *_tensor("dt_bias", 2), *_tensor("out", 3),
         "softplus", "nthreads",
     ),

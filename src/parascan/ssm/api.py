@@ -349,8 +349,8 @@ def _step_kernel(
     batch, heads, headdim, n = st.shape
     out = torch.empty((batch, heads, headdim), dtype=cd)
     args = ARG_STRUCTS["selective_step"](
-        batch, heads, headdim, n, Bs.shape[1], Cs.shape[1], *_ptr(st), *_ptr(xs), *_ptr(dts), *_ptr(As),
-        *_ptr(Bs), *_ptr(Cs), *_ptr(D, 2), *_ptr(z, 3), *_ptr(bias, 2), *_ptr(out),
+        batch, heads, headdim, n, Bs.shape[1], Cs.shape[1], *_ptr(st), *_ptr(xs), *_ptr(dts),
+        *_ptr(As), *_ptr(Bs), *_ptr(Cs), *_ptr(D, 2), *_ptr(z, 3), *_ptr(bias, 2), *_ptr(out),
         int(softplus), torch.get_num_threads(),
     )  # fmt: skip
     if kernel("selective_step", cd)(args) != 0:
