@@ -93,6 +93,12 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "grad_D", "grad_D_stride", *_tensor("grad_z", 3),
         "grad_delta_bias", "grad_delta_bias_stride", *_tensor("grad_initial", 3),
     ),
+    "ssd": (
+        "batch", "length", "heads", "headdim", "groups", "nstate", "chunk", "cu_seqlens",
+        "nseq", "x", "dt", "A", "B", "C", "D", "z", "initial", "out", "final", "checkpoints",
+        "grad_out", "grad_final", "grad_x", "grad_dt", "grad_A", "grad_B", "grad_C", "grad_D",
+        "grad_z", "grad_initial", "nthreads", "simd", "failed",
+    ),
 }  # fmt: skip
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()
