@@ -27,10 +27,13 @@
  *   tensors that go through memory. On a CPU the recurrence is not latency bound
  *   here (the N headdim lanes of a step are independent, thousands of them), so it
  *   runs at the vector units' multiply-add rate like a matrix product does, with
- *   its state never leaving L1; measured at (1, 512, 24 heads, 64, N 64) on two
- *   Sapphire Rapids cores it is about 1.6x the time of torch.bmm doing its multiply-
- *   adds and several times faster than the chunked torch backend (BENCHMARKS.md,
- *   ssm/ssd_cpu.py). The chunked form wins where the matrix units are much faster
+ *   its state never leaving L1. Measured on two shared (loaded) Sapphire Rapids
+ *   cores at (1, L, 24 heads, 64, N 64), float32, against torch.bmm doing the
+ *   recurrence's 2 N headdim multiply-adds a step: forward 1.2x (L 512) and 1.8x
+ *   (L 4096) of that time, 5-10x faster than the chunked torch backend (forward
+ *   and backward 5-15x); with bmm on an idle moment (1.2 ms at L 512) the forward
+ *   is several times its limit, so the figures are bounds of a noisy machine. The
+ *   chunked form wins where the matrix units are much faster
  *   than the vector ones (GPUs' tensor cores: the triton backend) or where N and
  *   headdim are so small that a step's state does not fill the vectors.
  *

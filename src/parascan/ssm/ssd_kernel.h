@@ -174,6 +174,16 @@ ATTR static inline T F(ps_ssd_decay)(T dtv, T A, T *slope) {
     return a;
 }
 
+/* Ask for the cache lines of a row of P values `ahead` steps later (a unit's rows are
+ * heads * headdim apart: further than the hardware prefetchers follow). */
+ATTR static inline void F(ps_ssd_prefetch)(const T *row, int64_t P, int write) {
+    for (int64_t i = 0; i < P; i += 64 / (int64_t)sizeof(T)) {
+        if (write) __builtin_prefetch(row + i, 1, 3); else __builtin_prefetch(row + i, 0, 3);
+    }
+}
+
+#define PS_SSD_AHEAD 4
+
 /* ---- forward ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -215,6 +225,12 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                 const T decay = F(ps_ssd_decay)(dtv, A[h], &slope);
                 const T *xt = x + (bt * H + h) * P;
                 const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
+                if (t + PS_SSD_AHEAD < L) {
+                    const int64_t ahead = PS_SSD_AHEAD * H * P;
+                    F(ps_ssd_prefetch)(xt + ahead, P, 0);
+                    F(ps_ssd_prefetch)(out + (bt * H + h) * P + ahead, P, 1);
+                    if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
+                }
                 F(ps_ssd_row)(u, xt, dtv, P, j0, nj);
                 int64_t j = 0;
                 for (; j + PB <= nj; j += PB)
@@ -317,6 +333,12 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         const T dtv = dt[bt * H + h];
         decay[i] = F(ps_ssd_decay)(dtv, A[h], &slope[i]);
         const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
+        if (t + PS_SSD_AHEAD < L) {
+            const int64_t ahead = PS_SSD_AHEAD * H * P;
+            F(ps_ssd_prefetch)(xt + ahead, P, 0);
+            F(ps_ssd_prefetch)(gt + ahead, P, 0);
+            if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
+        }
         F(ps_ssd_row)(u + i * pv, xt, dtv, P, 0, pv);
         F(ps_ssd_row)(gy + i * pv, gt, (T)1, P, 0, pv);
         if (z) {
@@ -379,6 +401,11 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         const T dtv = dt[bt * H + h];
         const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
         T *gx = (T *)a->grad_x + (bt * H + h) * P;
+        if (i >= PS_SSD_AHEAD) {
+            const int64_t back = PS_SSD_AHEAD * H * P;
+            F(ps_ssd_prefetch)(gx - back, P, 1);
+            if (z) F(ps_ssd_prefetch)((T *)a->grad_z + (bt * H + h) * P - back, P, 1);
+        }
         T gdt = 0;
         for (int64_t p = 0; p < P; ++p) {
             const T gyp = gg[p / W][p % W], gup = gu[p / W][p % W];
@@ -513,3 +540,4 @@ done:
 #undef LANE_HI
 #undef LANES
 #undef LEVEL
+#undef PS_SSD_AHEAD
