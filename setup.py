@@ -15,6 +15,7 @@ KERNEL_SOURCES = [
     "src/parascan/matrix/recurrence.c",
     "src/parascan/generic/matmul.c",
     "src/parascan/ssm/selective.c",
+    "src/parascan/ssm/ssd.c",
 ]
 
 setup(

@@ -22,6 +22,8 @@ PS_API int64_t ps_selective_step_args_size(void) {
     return (int64_t)sizeof(ps_selective_step_args);
 }
 
+PS_API int64_t ps_ssd_args_size(void) { return (int64_t)sizeof(ps_ssd_args); }
+
 PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
     const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,
                               PS_LONG_ROWS, PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES};

@@ -22,6 +22,7 @@
  *     (the suffix names the state: f32/f64 for a real A, c64/c128 for a complex one;
  *     every other real tensor is float32 for f32/c64, float64 for f64/c128)
  *   ps_selective_step_{f32,f64}                               (ps_selective_step_args)
+ *   ps_ssd_fwd_{f32,f64}, ps_ssd_bwd_{f32,f64}                 (ps_ssd_args)
  *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
  *     vector exp, softplus, log1p, sigmoid one by one, for tests; ssm/selective_kernel.h)
  */
@@ -32,7 +33,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 9
+#define PS_ABI_VERSION 10
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -198,6 +199,29 @@ typedef struct {
     int64_t softplus, nthreads;
 } ps_selective_step_args;
 
+/* The SSD scan (Mamba-2's; ssm/ssd.c, the contract and the math in
+ * ssm/ssd_canonical.py), one struct for both entries. Every tensor is contiguous in
+ * the shape given and of the entry's type (float32 or float64): x, z, out, grad_out,
+ * grad_x, grad_z (batch, length, heads, headdim); dt, grad_dt (batch, length, heads);
+ * A, grad_A (heads,); B, C, grad_B, grad_C (batch, length, groups, nstate), groups
+ * dividing heads; D, grad_D (heads, headdim); initial, final, grad_final,
+ * grad_initial (S, heads, headdim, nstate) with S = nseq when packed, else batch;
+ * checkpoints (batch, ceil(length / chunk), heads, headdim, nstate). cu_seqlens
+ * (nseq + 1 offsets, batch 1) or NULL: packed sequences. D, z, initial (zeros) and
+ * grad_initial may be NULL; grad_D, grad_z must be given with D, z. The forward
+ * writes out, final and checkpoints and reads none of the backward's members; the
+ * backward reads checkpoints, grad_out and grad_final and writes every gradient.
+ * simd = 0 runs the portable build; failed is set by the kernel (out of memory). */
+typedef struct {
+    int64_t batch, length, heads, headdim, groups, nstate, chunk;
+    const int64_t *cu_seqlens; int64_t nseq;
+    const void *x, *dt, *A, *B, *C, *D, *z, *initial;
+    void *out, *final, *checkpoints;
+    const void *grad_out, *grad_final;
+    void *grad_x, *grad_dt, *grad_A, *grad_B, *grad_C, *grad_D, *grad_z, *grad_initial;
+    int64_t nthreads, simd, failed;
+} ps_ssd_args;
+
 /* What Python checks before anything else is called (abi.c). */
 PS_API int64_t ps_abi_version(void);
 PS_API int64_t ps_scan_fwd_args_size(void);
@@ -207,5 +231,6 @@ PS_API int64_t ps_matrix_linear_scan_args_size(void);
 PS_API int64_t ps_matmul_args_size(void);
 PS_API int64_t ps_selective_fwd_args_size(void);
 PS_API int64_t ps_selective_bwd_args_size(void);
+PS_API int64_t ps_ssd_args_size(void);
 
 #endif

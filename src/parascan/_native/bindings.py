@@ -99,6 +99,12 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         *_tensor("D", 2), *_tensor("z", 3), *_tensor("dt_bias", 2), *_tensor("out", 3),
         "softplus", "nthreads",
     ),
+    "ssd": (
+        "batch", "length", "heads", "headdim", "groups", "nstate", "chunk", "cu_seqlens",
+        "nseq", "x", "dt", "A", "B", "C", "D", "z", "initial", "out", "final", "checkpoints",
+        "grad_out", "grad_final", "grad_x", "grad_dt", "grad_A", "grad_B", "grad_C", "grad_D",
+        "grad_z", "grad_initial", "nthreads", "simd", "failed",
+    ),
 }  # fmt: skip
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
+from parascan.ssm import ssd_cpu
 from parascan.ssm import ssd_reference as reference
 from parascan.ssm.ssd_canonical import n_chunks
 
@@ -29,11 +30,12 @@ ROW = register(
     OpBackends(
         op="parascan.ssd_scan",
         backends={
+            # the first usable one is "auto"'s choice: the C kernel on CPU tensors
+            "cpu": Backend(ssd_cpu.forward, ssd_cpu.backward, _STATE_DTYPES),
             "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
         missing={
-            "cpu": "the SSD scan's C kernel is coming but not built yet; use 'torch' or 'auto'",
             "triton": "the SSD scan's Triton kernels are coming but not built yet; use 'torch'",
         },
     )

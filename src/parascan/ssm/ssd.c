@@ -1,0 +1,273 @@
+/* The SSD scan's CPU kernel (Mamba-2's scan), forward and fused backward, float32 and
+ * float64. The ABI is in abi.h (ps_ssd_args), the contract and the math in
+ * ssm/ssd_canonical.py.
+ *
+ * Summary of algorithm.
+ *   Each (batch row, head) is an independent scan of a (headdim, N) state with one
+ *   scalar decay a[t] = exp(dt[t] A) per step. The kernel runs the recurrence itself,
+ *   step by step, with the head's state held in L1 (64 x 64 floats: 16 KiB), stored
+ *   transposed (hT[n][p]) so that every operation of a step is a vector over headdim
+ *   times a broadcast scalar of B[t] or C[t]:
+ *       hT[n] = a hT[n] + (dt x) B[t, n],   y += hT[n] C[t, n]     for n < N
+ *   one pass over the state per step, one multiply and two fused multiply-adds per
+ *   state element, with up to PB vectors of dt x and y kept in registers and no lane
+ *   sums. Work units are (batch row, head) pairs (split further along headdim when
+ *   there are fewer pairs than threads: rows of the state never interact). The state
+ *   entering every K-th step is stored as its checkpoint. Packed sequences are walked
+ *   one after the other inside a unit: the state is reloaded from that sequence's
+ *   initial state (or zeros) at its first step and stored as its final state after
+ *   its last, so none crosses a boundary.
+ *
+ * Why the sequential recurrence and not the chunked (state-space duality) form.
+ *   The chunked form turns a chunk of Q steps into matrix products: C B^T (Q x Q x N),
+ *   its masked decays times x (Q x Q x headdim) and the chunk's state update and
+ *   output (2 Q N headdim), about (Q / 2) (N + headdim) + 2 N headdim multiply-adds a
+ *   step and head against the recurrence's 2 N headdim: at Q = 64 and N = headdim = 64
+ *   1.5 times the work, plus the decay matrices' exps and the intermediate (Q, Q)
+ *   tensors that go through memory. On a CPU the recurrence is not latency bound
+ *   here (the N headdim lanes of a step are independent, thousands of them), so it
+ *   runs at the vector units' multiply-add rate like a matrix product does, with
+ *   its state never leaving L1. Measured on two shared (loaded) Sapphire Rapids
+ *   cores at (1, L, 24 heads, 64, N 64), float32, against torch.bmm doing the
+ *   recurrence's 2 N headdim multiply-adds a step: forward 1.2x (L 512) and 1.8x
+ *   (L 4096) of that time, 5-10x faster than the chunked torch backend (forward
+ *   and backward 5-15x); with bmm on an idle moment (1.2 ms at L 512) the forward
+ *   is several times its limit, so the figures are bounds of a noisy machine. The
+ *   chunked form wins where the matrix units are much faster
+ *   than the vector ones (GPUs' tensor cores: the triton backend) or where N and
+ *   headdim are so small that a step's state does not fill the vectors.
+ *
+ *   The backward walks the chunks from last to first per unit. A chunk's states are
+ *   rebuilt from its checkpoint (K + 1 states, 1 MiB at float32 and 64 x 64: in L2)
+ *   together with y and grad_C (pass 1, forward), then the adjoint recurrence runs
+ *   backwards (pass 2):
+ *       G[t] = a[t+1] G[t+1] + gy[t] (outer) C[t]    (G at a sequence's last step:
+ *                                                     its grad_final)
+ *       grad_B[t] = sum_p G[t] u[t],  grad_u[t] = G[t] B[t],  grad_a[t] = <G[t], h[t-1]>
+ *   and a sequence's first step leaves a[t] G[t], its grad_initial. The sums over
+ *   headdim (grad_B, grad_C) take vector lanes: W rows are summed at once by a tree
+ *   of shuffles. grad_B and grad_C are kept per head for a span of chunks (at most
+ *   PS_SSD_PARTIAL_BYTES), then summed over each group's heads in head order; A's and
+ *   D's gradients are per unit, then summed over the batch in batch order: the same
+ *   bits for any number of threads. No buffer holds a (batch, L, heads, headdim, N)
+ *   tensor: one chunk of states per thread, the adjoint state per unit.
+ *
+ *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
+ *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the
+ *   CPU picks at run time (args.simd = 0 forces the baseline, for tests). The
+ *   instruction sets round differently (fused or not): results agree to rounding,
+ *   not bit for bit.
+ */
+#include "common.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The backward's per-head sums of grad_B and grad_C over a span of chunks, at most. */
+#define PS_SSD_PARTIAL_BYTES (INT64_C(1) << 24)
+
+/* 64-byte aligned memory, the size rounded up as aligned_alloc requires. */
+static void *ps_ssd_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+static int ps_ssd_check(const ps_ssd_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->heads < 0 || a->headdim < 0 || a->nstate < 0 ||
+        a->chunk < 1 || a->groups < 1 || a->heads % a->groups != 0)
+        return -1;
+    if (a->cu_seqlens) {
+        if (a->batch != 1 || a->nseq < 0 || a->cu_seqlens[0] != 0 ||
+            a->cu_seqlens[a->nseq] != a->length)
+            return -1;
+        for (int64_t s = 0; s < a->nseq; ++s)
+            if (a->cu_seqlens[s + 1] < a->cu_seqlens[s]) return -1;
+    }
+    const int64_t steps = a->batch * a->length * a->heads;
+    const int64_t elems = steps * a->headdim;
+    const int64_t states = (a->cu_seqlens ? a->nseq : a->batch) * a->heads * a->headdim * a->nstate;
+    const int64_t bc = a->batch * a->length * a->groups * a->nstate;
+    if ((elems && !a->x) || (steps && !a->dt) || (a->heads && !a->A) || (bc && (!a->B || !a->C)))
+        return -1;
+    if (!backward)
+        return (elems && !a->out) || (states && !a->final) ||
+                       (steps * a->nstate * a->headdim != 0 && !a->checkpoints)
+                   ? -1
+                   : 0;
+    return (elems && (!a->grad_out || !a->grad_x || (a->z && !a->grad_z))) ||
+                   (states && !a->grad_final) || (steps && !a->grad_dt) ||
+                   (a->heads && !a->grad_A) || (bc && (!a->grad_B || !a->grad_C)) ||
+                   (a->D && a->heads * a->headdim != 0 && !a->grad_D) ||
+                   (steps * a->nstate * a->headdim != 0 && !a->checkpoints)
+               ? -1
+               : 0;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PS_SSD_X86 1
+#define PS_SSD_V4 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+#define PS_SSD_V3 __attribute__((target("arch=x86-64-v3"), optimize("fp-contract=fast")))
+#else
+#define PS_SSD_X86 0
+#endif
+
+/* ---- float32 ---------------------------------------------------------------------- */
+#define T float
+#define EXP expf
+#define LO (-80.0f)
+#define SFX f32
+
+#if PS_SSD_X86
+typedef float ps_ssd_v16f __attribute__((vector_size(64)));
+typedef int32_t ps_ssd_v16i __attribute__((vector_size(64)));
+#define V ps_ssd_v16f
+#define VI ps_ssd_v16i
+#define W 16
+#define PB 4
+#define ATTR PS_SSD_V4
+#define F(name) name##_f32_v4
+#include "ssd_kernel.h"
+#undef V
+#undef VI
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+typedef float ps_ssd_v8f __attribute__((vector_size(32)));
+typedef int32_t ps_ssd_v8i __attribute__((vector_size(32)));
+#define V ps_ssd_v8f
+#define VI ps_ssd_v8i
+#define W 8
+#define PB 3
+#define ATTR PS_SSD_V3
+#define F(name) name##_f32_v3
+#include "ssd_kernel.h"
+#undef V
+#undef VI
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#endif
+typedef float ps_ssd_v4f __attribute__((vector_size(16)));
+typedef int32_t ps_ssd_v4i __attribute__((vector_size(16)));
+#define V ps_ssd_v4f
+#define VI ps_ssd_v4i
+#define W 4
+#define PB 4
+#define ATTR
+#define F(name) name##_f32_base
+#include "ssd_kernel.h"
+#undef V
+#undef VI
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#undef T
+#undef EXP
+#undef LO
+#undef SFX
+
+/* ---- float64 ---------------------------------------------------------------------- */
+#define T double
+#define EXP exp
+#define LO (-700.0)
+#define SFX f64
+
+#if PS_SSD_X86
+typedef double ps_ssd_v8d __attribute__((vector_size(64)));
+typedef int64_t ps_ssd_v8l __attribute__((vector_size(64)));
+#define V ps_ssd_v8d
+#define VI ps_ssd_v8l
+#define W 8
+#define PB 4
+#define ATTR PS_SSD_V4
+#define F(name) name##_f64_v4
+#include "ssd_kernel.h"
+#undef V
+#undef VI
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+typedef double ps_ssd_v4d __attribute__((vector_size(32)));
+typedef int64_t ps_ssd_v4l __attribute__((vector_size(32)));
+#define V ps_ssd_v4d
+#define VI ps_ssd_v4l
+#define W 4
+#define PB 3
+#define ATTR PS_SSD_V3
+#define F(name) name##_f64_v3
+#include "ssd_kernel.h"
+#undef V
+#undef VI
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#endif
+typedef double ps_ssd_v2d __attribute__((vector_size(16)));
+typedef int64_t ps_ssd_v2l __attribute__((vector_size(16)));
+#define V ps_ssd_v2d
+#define VI ps_ssd_v2l
+#define W 2
+#define PB 4
+#define ATTR
+#define F(name) name##_f64_base
+#include "ssd_kernel.h"
+#undef V
+#undef VI
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#undef T
+#undef EXP
+#undef LO
+#undef SFX
+
+/* ---- entry points ----------------------------------------------------------------- */
+
+/* 2: x86-64-v4, 1: x86-64-v3, 0: the baseline. */
+static int ps_ssd_isa(const ps_ssd_args *a) {
+#if PS_SSD_X86
+    if (!a->simd) return 0;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return 2;
+    if (__builtin_cpu_supports("x86-64-v3")) return 1;
+#else
+    (void)a;
+#endif
+    return 0;
+}
+
+#if PS_SSD_X86
+#define PS_SSD_DISPATCH(fn, sfx, a)                                     \
+    switch (ps_ssd_isa(a)) {                                            \
+    case 2: return fn##_##sfx##_v4(a);                                  \
+    case 1: return fn##_##sfx##_v3(a);                                  \
+    default: return fn##_##sfx##_base(a);                              \
+    }
+#else
+#define PS_SSD_DISPATCH(fn, sfx, a) return fn##_##sfx##_base(a);
+#endif
+
+PS_API int ps_ssd_fwd_f32(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 0)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_fwd, f32, a)
+}
+PS_API int ps_ssd_fwd_f64(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 0)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_fwd, f64, a)
+}
+PS_API int ps_ssd_bwd_f32(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 1)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_bwd, f32, a)
+}
+PS_API int ps_ssd_bwd_f64(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 1)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_bwd, f64, a)
+}

@@ -1,0 +1,543 @@
+/* One instantiation of the SSD scan's CPU kernel (ssd.c explains the algorithm).
+ * Included by ssd.c once per (state type, instruction set) with:
+ *   T        the scalar type (float, double)
+ *   V        a GCC vector of W T's; VI the integer vector of the same shape (masks)
+ *   W        lanes per vector; PB: vectors of headdim held in registers at once
+ *   F(name)  the instantiation's name for `name`
+ *   ATTR     the function attributes of the instruction set (target, fused
+ *            multiply-adds) or nothing for the portable build
+ *   LO       the lowest decay exponent (exp of it is a normal number)
+ * Every tensor is contiguous in its canonical shape (ssm/ssd_cpu.py copies). The
+ * state of a head lives transposed, hT[n][p] for p in headdim (padded with zero
+ * lanes to Pv vectors of W), so that every product of a step is a vector over p
+ * times a broadcast B[n] or C[n]: no lane sums in the forward at all. */
+
+#define LANE_LO(s, i) \
+    ((i) % (2 * (s)) < (s) ? (i) / (2 * (s)) * 2 * (s) + (i) % (2 * (s)) \
+                          : W + (i) / (2 * (s)) * 2 * (s) + (i) % (2 * (s)) - (s))
+#define LANE_HI(s, i) \
+    ((i) % (2 * (s)) < (s) ? (i) / (2 * (s)) * 2 * (s) + (s) + (i) % (2 * (s)) \
+                          : W + (i) / (2 * (s)) * 2 * (s) + (i) % (2 * (s)))
+#if W == 16
+#define LANES(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3), M(s, 4), M(s, 5), M(s, 6), M(s, 7), \
+    M(s, 8), M(s, 9), M(s, 10), M(s, 11), M(s, 12), M(s, 13), M(s, 14), M(s, 15)
+#elif W == 8
+#define LANES(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3), M(s, 4), M(s, 5), M(s, 6), M(s, 7)
+#elif W == 4
+#define LANES(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3)
+#elif W == 2
+#define LANES(M, s) M(s, 0), M(s, 1)
+#endif
+/* One level of the lane-sum tree: pairs of lanes s apart summed, a's sums in the
+ * low half of each block of 2s lanes and b's in the high half. */
+#define LEVEL(a, b, s) \
+    (__builtin_shuffle((a), (b), (VI){LANES(LANE_LO, s)}) + \
+     __builtin_shuffle((a), (b), (VI){LANES(LANE_HI, s)}))
+
+/* dst[i] = the sum of the lanes of v[i], i < count <= W: W vectors summed at once by
+ * a tree of shuffles (log2 W levels of W / 2 ... 1 pairs), vector i's bits becoming
+ * the lane's bits, so lane i of the root holds v[i]'s sum. */
+ATTR static void F(ps_ssd_lane_sums)(const V *v, int64_t count, T *dst) {
+    V r[W];
+    for (int i = 0; i < W; ++i) r[i] = i < count ? v[i] : (V){0};
+#if W >= 16
+    for (int j = 0; j < 8; ++j) r[j] = LEVEL(r[j], r[j + 8], 8);
+#endif
+#if W >= 8
+    for (int j = 0; j < 4; ++j) r[j] = LEVEL(r[j], r[j + 4], 4);
+#endif
+#if W >= 4
+    for (int j = 0; j < 2; ++j) r[j] = LEVEL(r[j], r[j + 2], 2);
+#endif
+    r[0] = LEVEL(r[0], r[1], 1);
+    for (int64_t i = 0; i < count; ++i) dst[i] = r[0][i];
+}
+
+ATTR static void F(ps_ssd_sums)(const V *v, int64_t n, T *dst) {
+    for (int64_t i = 0; i < n; i += W) F(ps_ssd_lane_sums)(v + i, n - i < W ? n - i : W, dst + i);
+}
+
+/* A (headdim, N) state at src (NULL: zeros) into hT lanes [j0 W, j1 W) (nj = j1 - j0
+ * vectors a row), and back. */
+ATTR static void F(ps_ssd_load_state)(V *st, const T *src, int64_t P, int64_t N, int64_t j0,
+                                     int64_t nj) {
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < nj; ++j) {
+            V v = {0};
+            for (int l = 0; l < W; ++l) {
+                const int64_t p = (j0 + j) * W + l;
+                if (src && p < P) v[l] = src[p * N + n];
+            }
+            st[n * nj + j] = v;
+        }
+}
+
+ATTR static void F(ps_ssd_store_state)(T *dst, const V *st, int64_t P, int64_t N, int64_t j0,
+                                      int64_t nj) {
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < nj; ++j)
+            for (int l = 0; l < W; ++l) {
+                const int64_t p = (j0 + j) * W + l;
+                if (p < P) dst[p * N + n] = st[n * nj + j][l];
+            }
+}
+
+/* row[j] = scale * src[p] over lanes [j0 W, (j0 + nj) W), zero past P. */
+ATTR static void F(ps_ssd_row)(V *row, const T *src, T scale, int64_t P, int64_t j0, int64_t nj) {
+    for (int64_t j = 0; j < nj; ++j) {
+        V v = {0};
+        for (int l = 0; l < W; ++l) {
+            const int64_t p = (j0 + j) * W + l;
+            if (p < P) v[l] = scale * src[p];
+        }
+        row[j] = v;
+    }
+}
+
+/* The forward step of nb (a constant after inlining) vectors of one head:
+ *   hT[n] = a hT[n] + u B[n],   y += hT[n] C[n]   over n. */
+ATTR static inline __attribute__((always_inline)) void F(ps_ssd_fwd_block)(
+    V *st, int64_t stride, const V *u, V *y, const T *Bt, const T *Ct, T a, int64_t N,
+    const int nb) {
+    V uu[PB], yy[PB];
+    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; yy[k] = (V){0}; }
+    for (int64_t n = 0; n < N; ++n) {
+        const T bn = Bt[n], cn = Ct[n];
+        V *row = st + n * stride;
+        for (int k = 0; k < nb; ++k) {
+            const V hv = a * row[k] + uu[k] * bn;
+            yy[k] += hv * cn;
+            row[k] = hv;
+        }
+    }
+    for (int k = 0; k < nb; ++k) y[k] = yy[k];
+}
+
+/* The backward's rebuild of a step (hs: the state before it, hn: after it), with
+ * y and the lane vectors of grad_C, sc[n] += sum over p of gy[p] h[t][n][p]. */
+ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
+    const V *hs, V *hn, int64_t stride, const V *u, const V *gy, V *y, V *sc, const T *Bt,
+    const T *Ct, T a, int64_t N, int first, const int nb) {
+    V uu[PB], gg[PB], yy[PB];
+    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; yy[k] = (V){0}; }
+    for (int64_t n = 0; n < N; ++n) {
+        const T bn = Bt[n], cn = Ct[n];
+        const V *src = hs + n * stride;
+        V *dst = hn + n * stride;
+        V gc = {0};
+        for (int k = 0; k < nb; ++k) {
+            const V hv = a * src[k] + uu[k] * bn;
+            yy[k] += hv * cn;
+            gc += gg[k] * hv;
+            dst[k] = hv;
+        }
+        sc[n] = first ? gc : sc[n] + gc;
+    }
+    for (int k = 0; k < nb; ++k) y[k] = yy[k];
+}
+
+/* The adjoint step of nb vectors: with G the adjoint of the state after step t
+ * (g: a[t+1] G[t+1] on entry, or grad_final),
+ *   G = g + gy C[n];  sb[n] += sum_p G u;  gu += G B[n];  ga += G h[t-1];  g = a G. */
+ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
+    V *g, int64_t stride, const V *hs, const V *u, const V *gy, V *gu, V *ga, V *sb,
+    const T *Bt, const T *Ct, T a, int64_t N, int first, const int nb) {
+    V uu[PB], gg[PB], gs[PB];
+    V acc = *ga;
+    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; }
+    for (int64_t n = 0; n < N; ++n) {
+        const T bn = Bt[n], cn = Ct[n];
+        V *row = g + n * stride;
+        const V *hp = hs + n * stride;
+        V gb = {0};
+        for (int k = 0; k < nb; ++k) {
+            const V G = row[k] + gg[k] * cn;
+            gb += G * uu[k];
+            gs[k] += G * bn;
+            acc += G * hp[k];
+            row[k] = a * G;
+        }
+        sb[n] = first ? gb : sb[n] + gb;
+    }
+    for (int k = 0; k < nb; ++k) gu[k] = gs[k];
+    *ga = acc;
+}
+
+ATTR static inline T F(ps_ssd_sigmoid)(T v) { return (T)1 / ((T)1 + EXP(-v)); }
+
+/* The decay of step (b, t) of head h: exp(max(dt A, LO)); *slope its derivative's
+ * factor (0 where the floor holds). */
+ATTR static inline T F(ps_ssd_decay)(T dtv, T A, T *slope) {
+    const T e = dtv * A;
+    const T a = EXP(e < LO ? LO : e);
+    *slope = e < LO ? (T)0 : a;
+    return a;
+}
+
+/* Ask for the cache lines of a row of P values `ahead` steps later (a unit's rows are
+ * heads * headdim apart: further than the hardware prefetchers follow). */
+ATTR static inline void F(ps_ssd_prefetch)(const T *row, int64_t P, int write) {
+    for (int64_t i = 0; i < P; i += 64 / (int64_t)sizeof(T)) {
+        if (write) __builtin_prefetch(row + i, 1, 3); else __builtin_prefetch(row + i, 0, 3);
+    }
+}
+
+#define PS_SSD_AHEAD 4
+
+/* ---- forward ---------------------------------------------------------------------- */
+
+typedef struct {
+    const ps_ssd_args *a;
+    int64_t pv, split; /* vectors of headdim; units per head */
+} F(ps_ssd_fwd_ctx);
+
+ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) {
+    const F(ps_ssd_fwd_ctx) *ctx = vp;
+    const ps_ssd_args *a = ctx->a;
+    const int64_t L = a->length, H = a->heads, P = a->headdim, N = a->nstate, K = a->chunk;
+    const int64_t G = a->groups, nc = (L + K - 1) / K;
+    const T *x = a->x, *dt = a->dt, *A = a->A, *B = a->B, *C = a->C, *D = a->D, *z = a->z;
+    const T *init = a->initial;
+    T *out = a->out, *final = a->final, *ckpt = a->checkpoints;
+    const int64_t most = (ctx->pv + ctx->split - 1) / ctx->split;
+    V *st = ps_ssd_alloc(sizeof(V) * (size_t)(N * most + 2 * most + 1));
+    if (!st) { __atomic_store_n(&((ps_ssd_args *)a)->failed, 1, __ATOMIC_RELAXED); return; }
+    V *u = st + N * most, *y = u + most;
+    for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t bh = unit / ctx->split, part = unit % ctx->split;
+        const int64_t b = bh / H, h = bh % H, g = h / (H / G);
+        const int64_t j0 = part * ctx->pv / ctx->split, j1 = (part + 1) * ctx->pv / ctx->split;
+        const int64_t nj = j1 - j0;
+        if (nj == 0) continue;
+        const int64_t local[2] = {0, L};
+        const int64_t *cu = a->cu_seqlens ? a->cu_seqlens : local;
+        const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
+        for (int64_t s = 0; s < nseq; ++s) {
+            const int64_t sidx = a->cu_seqlens ? s : b;
+            F(ps_ssd_load_state)(st, init ? init + (sidx * H + h) * P * N : NULL, P, N, j0, nj);
+            for (int64_t t = cu[s]; t < cu[s + 1]; ++t) {
+                if (t % K == 0)
+                    F(ps_ssd_store_state)(ckpt + ((b * nc + t / K) * H + h) * P * N, st, P, N,
+                                          j0, nj);
+                const int64_t bt = b * L + t;
+                const T dtv = dt[bt * H + h];
+                T slope;
+                const T decay = F(ps_ssd_decay)(dtv, A[h], &slope);
+                const T *xt = x + (bt * H + h) * P;
+                const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
+                if (t + PS_SSD_AHEAD < L) {
+                    const int64_t ahead = PS_SSD_AHEAD * H * P;
+                    F(ps_ssd_prefetch)(xt + ahead, P, 0);
+                    F(ps_ssd_prefetch)(out + (bt * H + h) * P + ahead, P, 1);
+                    if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
+                }
+                F(ps_ssd_row)(u, xt, dtv, P, j0, nj);
+                int64_t j = 0;
+                for (; j + PB <= nj; j += PB)
+                    F(ps_ssd_fwd_block)(st + j, nj, u + j, y + j, Bt, Ct, decay, N, PB);
+                switch (nj - j) {
+#if PB > 3
+                case 3: F(ps_ssd_fwd_block)(st + j, nj, u + j, y + j, Bt, Ct, decay, N, 3); break;
+#endif
+#if PB > 2
+                case 2: F(ps_ssd_fwd_block)(st + j, nj, u + j, y + j, Bt, Ct, decay, N, 2); break;
+#endif
+                case 1: F(ps_ssd_fwd_block)(st + j, nj, u + j, y + j, Bt, Ct, decay, N, 1); break;
+                default: break;
+                }
+                T *ot = out + (bt * H + h) * P;
+                const T *zt = z ? z + (bt * H + h) * P : NULL;
+                for (int64_t jj = 0; jj < nj; ++jj)
+                    for (int l = 0; l < W; ++l) {
+                        const int64_t p = (j0 + jj) * W + l;
+                        if (p >= P) break;
+                        T v = y[jj][l];
+                        if (D) v += D[h * P + p] * xt[p];
+                        if (zt) v *= zt[p] * F(ps_ssd_sigmoid)(zt[p]);
+                        ot[p] = v;
+                    }
+            }
+            F(ps_ssd_store_state)(final + (sidx * H + h) * P * N, st, P, N, j0, nj);
+        }
+    }
+    free(st);
+}
+
+ATTR static int F(ps_ssd_fwd)(ps_ssd_args *a) {
+    const int64_t units = a->batch * a->heads, pv = (a->headdim + W - 1) / W;
+    int64_t split = 1;
+    /* fewer heads than threads: each head's rows shared out (rows never interact) */
+    if (units > 0 && units < a->nthreads) {
+        split = (a->nthreads + units - 1) / units;
+        if (split > pv) split = pv;
+        if (split < 1) split = 1;
+    }
+    F(ps_ssd_fwd_ctx) ctx = {a, pv, split};
+    const int64_t work = a->batch * a->length * a->heads * a->headdim * (a->nstate + 1);
+    ps_parallel_for(units * split, ps_threads_for(work / 16, a->nthreads), F(ps_ssd_fwd_task),
+                    &ctx);
+    return a->failed ? -1 : 0;
+}
+
+/* ---- backward --------------------------------------------------------------------- */
+
+typedef struct {
+    ps_ssd_args *a;
+    int64_t pv, nc, span_lo, span_hi; /* the chunks of the current span */
+    V *gstate;                        /* (units, N, pv): the adjoint carried between chunks */
+    T *gA, *gD;                       /* (units,), (units, pv W): partial sums */
+    T *pB, *pC;                       /* (units, span steps, N): per-head grad_B, grad_C */
+    int64_t span_steps;
+} F(ps_ssd_bwd_ctx);
+
+/* The packed sequence holding step t: the last s with cu[s] <= t. */
+ATTR static inline int64_t F(ps_ssd_seq_of)(const int64_t *cu, int64_t nseq, int64_t t) {
+    int64_t lo = 0, hi = nseq; /* cu[lo] <= t < cu[hi] */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (cu[mid] <= t) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+/* Chunk c of unit (b, h): rebuild its states from the checkpoint (pass 1, forward:
+ * y, the grad_C sums), then the adjoint sweep (pass 2, backward) with every other
+ * gradient. Buffers: hs (K + 1 states), rows (4 K rows: u, gy, y, gu), sc (N). */
+ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, int64_t h,
+                                    int64_t c, V *hs, V *rows, V *sc, T *rowT, int64_t *sq) {
+    ps_ssd_args *a = ctx->a;
+    const int64_t L = a->length, H = a->heads, P = a->headdim, N = a->nstate, K = a->chunk;
+    const int64_t G = a->groups, pv = ctx->pv, unit = b * H + h, g = h / (H / G);
+    const T *x = a->x, *dt = a->dt, *A = a->A, *B = a->B, *C = a->C, *D = a->D, *z = a->z;
+    const T *init = a->initial, *go = a->grad_out, *gfin = a->grad_final;
+    const int64_t t0 = c * K, t1 = t0 + K < L ? t0 + K : L, len = t1 - t0;
+    const int64_t local[2] = {0, L};
+    const int64_t *cu = a->cu_seqlens ? a->cu_seqlens : local;
+    const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
+    const int64_t ss = N * pv; /* a state's vectors */
+    V *u = rows, *gy = rows + K * pv, *y = rows + 2 * K * pv, *gu = rows + 3 * K * pv;
+    T *decay = rowT, *slope = rowT + K;
+    T *pB = ctx->pB + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
+    T *pC = ctx->pC + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
+    F(ps_ssd_load_state)(hs, (const T *)a->checkpoints + ((b * ctx->nc + c) * H + h) * P * N, P,
+                         N, 0, pv);
+    int64_t s = F(ps_ssd_seq_of)(cu, nseq, t0);
+    for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = t0 + i, bt = b * L + t;
+        while (t >= cu[s + 1]) ++s;
+        sq[i] = s;
+        const int64_t sidx = a->cu_seqlens ? s : b;
+        if (i > 0 && t == cu[s])
+            F(ps_ssd_load_state)(hs + i * ss, init ? init + (sidx * H + h) * P * N : NULL, P, N,
+                                 0, pv);
+        const T dtv = dt[bt * H + h];
+        decay[i] = F(ps_ssd_decay)(dtv, A[h], &slope[i]);
+        const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
+        if (t + PS_SSD_AHEAD < L) {
+            const int64_t ahead = PS_SSD_AHEAD * H * P;
+            F(ps_ssd_prefetch)(xt + ahead, P, 0);
+            F(ps_ssd_prefetch)(gt + ahead, P, 0);
+            if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
+        }
+        F(ps_ssd_row)(u + i * pv, xt, dtv, P, 0, pv);
+        F(ps_ssd_row)(gy + i * pv, gt, (T)1, P, 0, pv);
+        if (z) {
+            const T *zt = z + (bt * H + h) * P;
+            for (int64_t p = 0; p < P; ++p) gy[i * pv + p / W][p % W] *= zt[p] * F(ps_ssd_sigmoid)(zt[p]);
+        }
+        const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
+        const V *src = hs + i * ss;
+        V *dst = hs + (i + 1) * ss, *uu = u + i * pv, *gg = gy + i * pv, *yy = y + i * pv;
+        int64_t j = 0;
+        for (; j + PB <= pv; j += PB)
+            F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
+                                decay[i], N, j == 0, PB);
+        switch (pv - j) {
+#if PB > 3
+        case 3: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
+                                    decay[i], N, j == 0, 3); break;
+#endif
+#if PB > 2
+        case 2: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
+                                    decay[i], N, j == 0, 2); break;
+#endif
+        case 1: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
+                                    decay[i], N, j == 0, 1); break;
+        default: break;
+        }
+        F(ps_ssd_sums)(sc, N, pC + i * N);
+    }
+    V *gst = ctx->gstate + unit * ss;
+    T *gD = ctx->gD + unit * pv * W;
+    for (int64_t i = len - 1; i >= 0; --i) {
+        const int64_t t = t0 + i, bt = b * L + t;
+        s = sq[i];
+        const int64_t sidx = a->cu_seqlens ? s : b;
+        if (t == cu[s + 1] - 1) F(ps_ssd_load_state)(gst, gfin + (sidx * H + h) * P * N, P, N, 0, pv);
+        const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
+        const V *hp = hs + i * ss;
+        V *uu = u + i * pv, *gg = gy + i * pv;
+        V ga = {0};
+        int64_t j = 0;
+        for (; j + PB <= pv; j += PB)
+            F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
+                                decay[i], N, j == 0, PB);
+        switch (pv - j) {
+#if PB > 3
+        case 3: F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
+                                    decay[i], N, j == 0, 3); break;
+#endif
+#if PB > 2
+        case 2: F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
+                                    decay[i], N, j == 0, 2); break;
+#endif
+        case 1: F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
+                                    decay[i], N, j == 0, 1); break;
+        default: break;
+        }
+        F(ps_ssd_sums)(sc, N, pB + i * N);
+        T gas = 0;
+        for (int l = 0; l < W; ++l) gas += ga[l];
+        const T dtv = dt[bt * H + h];
+        const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
+        T *gx = (T *)a->grad_x + (bt * H + h) * P;
+        if (i >= PS_SSD_AHEAD) {
+            const int64_t back = PS_SSD_AHEAD * H * P;
+            F(ps_ssd_prefetch)(gx - back, P, 1);
+            if (z) F(ps_ssd_prefetch)((T *)a->grad_z + (bt * H + h) * P - back, P, 1);
+        }
+        T gdt = 0;
+        for (int64_t p = 0; p < P; ++p) {
+            const T gyp = gg[p / W][p % W], gup = gu[p / W][p % W];
+            gx[p] = dtv * gup + (D ? gyp * D[h * P + p] : (T)0);
+            gdt += gup * xt[p];
+            gD[p] += gyp * xt[p];
+        }
+        if (z) {
+            const T *zt = z + (bt * H + h) * P;
+            T *gz = (T *)a->grad_z + (bt * H + h) * P;
+            for (int64_t p = 0; p < P; ++p) {
+                const T sg = F(ps_ssd_sigmoid)(zt[p]);
+                const T pre = y[i * pv + p / W][p % W] + (D ? D[h * P + p] * xt[p] : (T)0);
+                gz[p] = gt[p] * pre * sg * ((T)1 + zt[p] * ((T)1 - sg));
+            }
+        }
+        ((T *)a->grad_dt)[bt * H + h] = gdt + gas * slope[i] * A[h];
+        ctx->gA[unit] += gas * slope[i] * dtv;
+        if (t == cu[s] && a->grad_initial)
+            F(ps_ssd_store_state)((T *)a->grad_initial + (sidx * H + h) * P * N, gst, P, N, 0, pv);
+    }
+}
+
+ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) {
+    const F(ps_ssd_bwd_ctx) *ctx = vp;
+    ps_ssd_args *a = ctx->a;
+    const int64_t K = a->chunk, N = a->nstate, pv = ctx->pv;
+    const int64_t npad = (N + W - 1) / W * W;
+    const size_t vecs = (size_t)((K + 1) * N * pv + 4 * K * pv + npad + 1);
+    V *hs = ps_ssd_alloc(sizeof(V) * vecs);
+    T *rowT = malloc(sizeof(T) * (size_t)(2 * K) + sizeof(int64_t) * (size_t)K + 64);
+    if (!hs || !rowT) {
+        free(hs); free(rowT);
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    V *rows = hs + (K + 1) * N * pv, *sc = rows + 4 * K * pv;
+    int64_t *sq = (int64_t *)(rowT + 2 * K);
+    for (int64_t unit = begin; unit < end; ++unit)
+        for (int64_t c = ctx->span_hi - 1; c >= ctx->span_lo; --c)
+            F(ps_ssd_bwd_chunk)(ctx, unit / a->heads, unit % a->heads, c, hs, rows, sc, rowT, sq);
+    free(hs);
+    free(rowT);
+}
+
+/* grad_B and grad_C of steps (b, t) of the span: the heads of each group summed in
+ * head order. */
+ATTR static void F(ps_ssd_bc_task)(const void *vp, int64_t begin, int64_t end) {
+    const F(ps_ssd_bwd_ctx) *ctx = vp;
+    const ps_ssd_args *a = ctx->a;
+    const int64_t L = a->length, H = a->heads, N = a->nstate, G = a->groups, hg = H / G;
+    const int64_t lo = ctx->span_lo * a->chunk, steps = ctx->span_steps;
+    const int64_t span = (ctx->span_hi * a->chunk < L ? ctx->span_hi * a->chunk : L) - lo;
+    for (int64_t k = begin; k < end; ++k) {
+        const int64_t b = k / span, i = k % span, t = lo + i;
+        for (int64_t g = 0; g < G; ++g) {
+            T *gb = (T *)a->grad_B + ((b * L + t) * G + g) * N;
+            T *gc = (T *)a->grad_C + ((b * L + t) * G + g) * N;
+            for (int64_t n = 0; n < N; ++n) { gb[n] = 0; gc[n] = 0; }
+            for (int64_t h = g * hg; h < (g + 1) * hg; ++h) {
+                const T *pb = ctx->pB + ((b * H + h) * steps + i) * N;
+                const T *pc = ctx->pC + ((b * H + h) * steps + i) * N;
+                for (int64_t n = 0; n < N; ++n) { gb[n] += pb[n]; gc[n] += pc[n]; }
+            }
+        }
+    }
+}
+
+ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
+    const int64_t L = a->length, H = a->heads, P = a->headdim, N = a->nstate, K = a->chunk;
+    const int64_t units = a->batch * H, pv = (P + W - 1) / W, nc = (L + K - 1) / K;
+    /* the span's per-head sums of grad_B and grad_C fit PS_SSD_PARTIAL_BYTES */
+    const int64_t per_chunk = units * K * N * 2 * (int64_t)sizeof(T);
+    int64_t span_chunks = per_chunk > 0 ? PS_SSD_PARTIAL_BYTES / per_chunk : nc;
+    if (span_chunks < 1) span_chunks = 1;
+    if (span_chunks > nc) span_chunks = nc;
+    const int64_t span_steps = span_chunks * K;
+    V *gstate = ps_ssd_alloc(sizeof(V) * (size_t)(units * N * pv + 1));
+    T *gA = calloc((size_t)(units + 1), sizeof(T));
+    T *gD = calloc((size_t)(units * pv * W + 1), sizeof(T));
+    T *pB = malloc(sizeof(T) * (size_t)(2 * units * span_steps * N + 1));
+    int rc = 0;
+    if (!gstate || !gA || !gD || !pB) { rc = -1; goto done; }
+    F(ps_ssd_bwd_ctx) ctx = {a, pv, nc, 0, 0, gstate, gA, gD, pB,
+                             pB + units * span_steps * N, span_steps};
+    const int64_t threads =
+        ps_threads_for(a->batch * L * H * P * (N + 1) / 16, a->nthreads);
+    for (int64_t hi = nc; hi > 0; hi -= span_chunks) {
+        ctx.span_hi = hi;
+        ctx.span_lo = hi - span_chunks > 0 ? hi - span_chunks : 0;
+        ps_parallel_for(units, threads, F(ps_ssd_bwd_task), &ctx);
+        const int64_t span = (hi * K < L ? hi * K : L) - ctx.span_lo * K;
+        ps_parallel_for(a->batch * span, threads, F(ps_ssd_bc_task), &ctx);
+    }
+    if (a->failed) { rc = -1; goto done; }
+    T *gAo = a->grad_A;
+    for (int64_t h = 0; h < H; ++h) {
+        T v = 0;
+        for (int64_t b = 0; b < a->batch; ++b) v += gA[b * H + h];
+        gAo[h] = v;
+    }
+    if (a->grad_D)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t p = 0; p < P; ++p) {
+                T v = 0;
+                for (int64_t b = 0; b < a->batch; ++b) v += gD[(b * H + h) * pv * W + p];
+                ((T *)a->grad_D)[h * P + p] = v;
+            }
+    /* the sequences with no steps: their final state is their initial one */
+    if (a->grad_initial) {
+        const int64_t local[2] = {0, L};
+        const int64_t *cu = a->cu_seqlens ? a->cu_seqlens : local;
+        const int64_t nseq = a->cu_seqlens ? a->nseq : 1, rows = a->cu_seqlens ? 1 : a->batch;
+        const int64_t state = H * P * N;
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t s = 0; s < nseq; ++s)
+                if (cu[s] == cu[s + 1]) {
+                    const int64_t idx = a->cu_seqlens ? s : r;
+                    memcpy((T *)a->grad_initial + idx * state,
+                           (const T *)a->grad_final + idx * state, sizeof(T) * (size_t)state);
+                }
+    }
+done:
+    free(gstate);
+    free(gA);
+    free(gD);
+    free(pB);
+    return rc;
+}
+
+#undef LANE_LO
+#undef LANE_HI
+#undef LANES
+#undef LEVEL
+#undef PS_SSD_AHEAD
