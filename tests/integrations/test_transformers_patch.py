@@ -1,8 +1,9 @@
 """parascan.integrations.transformers: small randomly initialized Mamba-family models
-(Mamba-1 and Mamba-2 mixers, and the hybrids that carry them) of the installed transformers compute the same logits, caches, parameter gradients and greedy
-generations patched as unpatched (float32, to rounding); patch() is idempotent and
-names what it replaced, unpatch() restores the very same functions, and an unsupported
-transformers is refused before anything is patched."""
+(Mamba-1 and Mamba-2 mixers, and the hybrids that carry them) of the installed
+transformers compute the same logits, caches, parameter gradients and greedy generations
+patched as unpatched (float32, to rounding); patch() is idempotent and names what it
+replaced, unpatch() restores the very same functions, and an unsupported transformers is
+refused before anything is patched."""
 
 from __future__ import annotations
 
