@@ -12,9 +12,15 @@ import itertools
 import pytest
 import torch
 
-from parascan.compat.mamba_ssm import selective_scan_fn, selective_scan_ref, selective_state_update
+from parascan.compat.mamba_ssm import (
+    mamba_chunk_scan_combined,
+    selective_scan_fn,
+    selective_scan_ref,
+    selective_state_update,
+)
 
 from conftest import assert_matches
+from oracles import ssd_loop
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SCANS = [selective_scan_fn, selective_scan_ref]
@@ -389,3 +395,163 @@ def test_state_batch_indices_are_checked() -> None:
     for bad in (torch.tensor([0, 3]), torch.tensor([1, 1]), torch.tensor([0.0, 1.0])):
         with pytest.raises(ValueError, match=fn):
             selective_state_update(pool, **args, state_batch_indices=bad)
+
+
+# --- mamba_chunk_scan_combined (Mamba-2) --------------------------------------------------
+# mamba's conventions: x, z (batch, seqlen, nheads, headdim), dt (batch, seqlen, nheads),
+# A, dt_bias (nheads,), B, C (batch, seqlen, ngroups, dstate), D (nheads,) or (nheads,
+# headdim), initial_states (batch, nheads, headdim, dstate); seq_idx (batch, seqlen)
+# restarts the state (from zeros) where the id changes; the returned states have C's dtype.
+
+
+def ssd_case(gen, *, batch=2, length=17, heads=4, headdim=3, groups=2, n=5,
+             dtype=torch.float32):  # type: ignore[no-untyped-def]  # fmt: skip
+    def r(*shape, scale=1.0):  # type: ignore[no-untyped-def]
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    return dict(
+        x=r(batch, length, heads, headdim), dt=r(batch, length, heads, scale=0.5),
+        A=-torch.rand(heads, generator=gen, dtype=torch.float64).float() - 0.1,
+        B=r(batch, length, groups, n), C=r(batch, length, groups, n),
+    )  # fmt: skip
+
+
+def f64(args: dict) -> dict:  # type: ignore[type-arg]
+    return {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 63, 65, 129])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("d_shape", [None, "heads", "heads-headdim"])
+def test_chunk_scan_matches_the_loop(length, groups, d_shape) -> None:
+    gen = torch.Generator().manual_seed(length * 7 + groups)
+    args = ssd_case(gen, length=length, groups=groups)
+    if d_shape is not None:
+        args["D"] = torch.randn((4,) if d_shape == "heads" else (4, 3), generator=gen)
+    args["z"] = torch.randn(2, length, 4, 3, generator=gen)
+    args["dt_bias"] = torch.randn(4, generator=gen) * 0.3
+    init = torch.randn(2, 4, 3, 5, generator=gen)
+    out, final = mamba_chunk_scan_combined(
+        **args, chunk_size=64, initial_states=init, dt_softplus=True, dt_limit=(0.01, 2.0),
+        return_final_states=True,
+    )  # fmt: skip
+    want, want_final = ssd_loop(**f64(args), dt_softplus=True, dt_limit=(0.01, 2.0),
+                                initial=init.double())  # fmt: skip
+    assert out.dtype == torch.float32 and final.dtype == torch.float32
+    assert_matches(out, want, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+def test_chunk_size_changes_nothing_and_the_returns_are_in_mamba_order() -> None:
+    gen = torch.Generator().manual_seed(3)
+    args = ssd_case(gen, batch=1, length=40)
+    seq = torch.tensor([[0] * 10 + [1] * 30])
+    cu = torch.tensor([0, 10, 40], dtype=torch.int32)
+    plain = mamba_chunk_scan_combined(**args, chunk_size=8)
+    assert isinstance(plain, torch.Tensor)
+    assert torch.equal(plain, mamba_chunk_scan_combined(**args, chunk_size=256))
+    kw = dict(chunk_size=16, seq_idx=seq, cu_seqlens=cu)
+    out, final = mamba_chunk_scan_combined(**args, **kw, return_final_states=True)
+    out2, varlen = mamba_chunk_scan_combined(**args, **kw, return_varlen_states=True)
+    out3, final3, varlen3 = mamba_chunk_scan_combined(
+        **args, **kw, return_final_states=True, return_varlen_states=True
+    )
+    assert final.shape == (1, 4, 3, 5) and varlen.shape == (2, 4, 3, 5)
+    assert torch.equal(out, out2) and torch.equal(out, out3)
+    assert torch.equal(final, final3) and torch.equal(varlen, varlen3)
+    assert torch.equal(varlen[1], final[0])  # the last sequence ends the row
+
+
+def test_seq_idx_restarts_each_sequence_in_every_row() -> None:
+    gen = torch.Generator().manual_seed(5)
+    args = ssd_case(gen, batch=3, length=21)
+    args["D"] = torch.randn(4, generator=gen)
+    init = torch.randn(3, 4, 3, 5, generator=gen)
+    cuts = [[0, 5, 12, 21], [0, 21], [0, 1, 2, 20, 21]]  # one sequence of the whole row too
+    seq = torch.zeros(3, 21, dtype=torch.int64)
+    for r, row in enumerate(cuts):
+        for s in range(len(row) - 1):
+            seq[r, row[s] : row[s + 1]] = s + 10 * r
+    out, final = mamba_chunk_scan_combined(
+        **args, chunk_size=4, initial_states=init, seq_idx=seq, return_final_states=True
+    )
+    for r, row in enumerate(cuts):
+        sub = {k: v[r : r + 1] if v.dim() >= 3 else v for k, v in f64(args).items()}
+        starts = torch.zeros(len(row) - 1, 4, 3, 5, dtype=torch.float64)
+        starts[0] = init[r].double()  # only the row's first sequence starts from it
+        want, finals = ssd_loop(**sub, initial=starts, cu_seqlens=row)
+        assert_matches(out[r : r + 1], want, torch.float32)
+        assert_matches(final[r], finals[-1], torch.float32)
+
+
+def test_varlen_states_with_empty_sequences() -> None:
+    gen = torch.Generator().manual_seed(9)
+    args = ssd_case(gen, batch=1, length=30)
+    init = torch.randn(1, 4, 3, 5, generator=gen)
+    row = [0, 0, 7, 7, 29, 30]
+    seq = torch.tensor([[0] * 7 + [1] * 22 + [2]])
+    out, varlen = mamba_chunk_scan_combined(
+        **args, chunk_size=8, initial_states=init, seq_idx=seq,
+        cu_seqlens=torch.tensor(row), return_varlen_states=True,
+    )  # fmt: skip
+    starts = torch.zeros(5, 4, 3, 5, dtype=torch.float64)
+    starts[0] = init[0].double()  # the empty first sequence's state is the initial one
+    _, finals = ssd_loop(**f64(args), initial=starts, cu_seqlens=row)
+    starts[1] = init[0].double()  # the first non-empty one starts from it too
+    want, finals2 = ssd_loop(**f64(args), initial=starts, cu_seqlens=row)
+    assert_matches(out, want, torch.float32)
+    expected = torch.stack([finals[0], finals2[1], finals[2] * 0, finals[3], finals[4]])
+    assert_matches(varlen, expected, torch.float32)
+
+
+def test_gradients_of_every_input_with_seq_idx() -> None:
+    gen = torch.Generator().manual_seed(11)
+    args = f64(ssd_case(gen, batch=2, length=6, heads=2, headdim=2, groups=1, n=2))
+    args |= dict(D=torch.randn(2, 2, dtype=torch.float64), z=torch.randn(2, 6, 2, 2,
+                 dtype=torch.float64), dt_bias=torch.randn(2, dtype=torch.float64))  # fmt: skip
+    init = torch.randn(2, 2, 2, 2, dtype=torch.float64)
+    names = [*args, "initial_states"]
+    leaves = [t.clone().requires_grad_() for t in (*args.values(), init)]
+    seq = torch.tensor([[0, 0, 1, 1, 1, 2], [4, 4, 4, 4, 4, 4]])
+
+    def f(*ts):  # type: ignore[no-untyped-def]
+        kw = dict(zip(names, ts, strict=True))
+        return mamba_chunk_scan_combined(**kw, chunk_size=2, seq_idx=seq, dt_softplus=True,
+                                         return_final_states=True)  # fmt: skip
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+def test_chunk_scan_dtypes_of_the_results() -> None:
+    gen = torch.Generator().manual_seed(13)
+    args = ssd_case(gen, dtype=torch.bfloat16)
+    out, final = mamba_chunk_scan_combined(**args, chunk_size=64, return_final_states=True)
+    assert out.dtype == torch.bfloat16 and final.dtype == torch.bfloat16  # C's
+    out, final = mamba_chunk_scan_combined(
+        **args, chunk_size=64, return_final_states=True, state_dtype=torch.float32
+    )
+    want, want_final = ssd_loop(**f64(args))
+    assert final.dtype == torch.float32
+    assert_matches(out, want, torch.bfloat16)
+    assert_matches(final, want_final, torch.bfloat16)
+
+
+def test_chunk_scan_checks_its_conventions() -> None:
+    gen = torch.Generator().manual_seed(17)
+    args = ssd_case(gen, batch=1, length=10)
+    fn = "parascan.compat.mamba_ssm.mamba_chunk_scan_combined"
+    with pytest.raises(ValueError, match=f"{fn}: expected chunk_size"):
+        mamba_chunk_scan_combined(**args, chunk_size=0)
+    with pytest.raises(ValueError, match=f"{fn}: expected seq_idx"):
+        mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=torch.zeros(1, 9, dtype=int))
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        mamba_chunk_scan_combined(**args, chunk_size=4, return_varlen_states=True)
+    with pytest.raises(ValueError, match="inside a sequence"):
+        mamba_chunk_scan_combined(**args, chunk_size=4, cu_seqlens=torch.tensor([0, 4, 10]),
+                                  return_varlen_states=True)  # fmt: skip
+    two = ssd_case(gen, batch=2, length=10)
+    with pytest.raises(ValueError, match="expected batch 1"):
+        mamba_chunk_scan_combined(**two, chunk_size=4, cu_seqlens=torch.tensor([0, 10]),
+                                  return_varlen_states=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"parascan\.ssd_scan: expected dt"):
+        mamba_chunk_scan_combined(**(args | {"dt": args["dt"][:, :5]}), chunk_size=4)

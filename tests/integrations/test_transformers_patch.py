@@ -1,8 +1,9 @@
-"""parascan.integrations.transformers: small randomly initialized Mamba-family models of
-the installed transformers compute the same logits, caches, parameter gradients and greedy
-generations patched as unpatched (float32, to rounding); patch() is idempotent and
-names what it replaced, unpatch() restores the very same functions, and an unsupported
-transformers is refused before anything is patched."""
+"""parascan.integrations.transformers: small randomly initialized Mamba-family models
+(Mamba-1 and Mamba-2 mixers, and the hybrids that carry them) of the installed
+transformers compute the same logits, caches, parameter gradients and greedy generations
+patched as unpatched (float32, to rounding); patch() is idempotent and names what it
+replaced, unpatch() restores the very same functions, and an unsupported transformers is
+refused before anything is patched."""
 
 from __future__ import annotations
 
@@ -54,12 +55,81 @@ def jamba() -> torch.nn.Module:
     return transformers.JambaForCausalLM(config)
 
 
+# Mamba-2 mixers: 8 heads of 16 in 2 groups, state 16, chunk 16 (so that 19 tokens pad a
+# chunk unpatched); weights drawn wide enough (initializer_range 0.3) that the mixers
+# move the logits and the gradients well above the tolerance's floor.
+MAMBA2 = dict(chunk_size=16, initializer_range=0.3)
+HYBRID = dict(
+    num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=8,
+    mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16, mamba_expand=2,
+    initializer_range=0.3,
+)  # fmt: skip
+
+
+def mamba2() -> torch.nn.Module:
+    config = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8,
+        head_dim=16, n_groups=2, expand=2, **MAMBA2,
+    )  # fmt: skip
+    return transformers.Mamba2ForCausalLM(config)
+
+
+def bamba() -> torch.nn.Module:
+    config = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, attn_layer_indices=[1], **HYBRID
+    )
+    return transformers.BambaForCausalLM(config)
+
+
+def falcon_h1() -> torch.nn.Module:
+    """Its mixer may gate the scan's output with z in the decoding step."""
+    config = transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, mamba_d_ssm=128, **HYBRID
+    )
+    return transformers.FalconH1ForCausalLM(config)
+
+
+def granitemoehybrid() -> torch.nn.Module:
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, shared_intermediate_size=64,
+        num_local_experts=2, num_experts_per_tok=1, layer_types=["mamba", "attention"],
+        **HYBRID,
+    )  # fmt: skip
+    return transformers.GraniteMoeHybridForCausalLM(config)
+
+
+def nemotron_h() -> torch.nn.Module:
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, mamba_num_heads=8, mamba_head_dim=16,
+        n_groups=2, ssm_state_size=16, expand=2, hybrid_override_pattern="M*-", **MAMBA2,
+    )  # fmt: skip
+    return transformers.NemotronHForCausalLM(config)
+
+
+def zamba2() -> torch.nn.Module:
+    config = transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=64, mamba_headdim=16, n_mamba_heads=8,
+        mamba_ngroups=2, mamba_d_state=16, mamba_expand=2, attention_head_dim=32,
+        layers_block_type=["mamba", "hybrid"], **MAMBA2,
+    )  # fmt: skip
+    return transformers.Zamba2ForCausalLM(config)
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mamba": mamba,
     "falcon_mamba": falcon_mamba,
     "zamba": zamba,
     "jamba": jamba,
+    "mamba2": mamba2,
+    "bamba": bamba,
+    "falcon_h1": falcon_h1,
+    "granitemoehybrid": granitemoehybrid,
+    "nemotron_h": nemotron_h,
+    "zamba2": zamba2,
 }
+CACHE_PARAMS = ("mamba", "falcon_mamba", "mamba2")  # the others return past_key_values
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +198,7 @@ def test_logits_and_cache_contents(name) -> None:
     def run():  # type: ignore[no-untyped-def]
         with torch.no_grad():
             out = model(ids, attention_mask=mask, use_cache=True)
-        cache = out.past_key_values if name in ("zamba", "jamba") else out.cache_params
+        cache = out.cache_params if name in CACHE_PARAMS else out.past_key_values
         return out.logits, cache_tensors(cache)
 
     (got, got_cache), (want, want_cache) = both(run)
@@ -243,7 +313,13 @@ def test_patch_is_idempotent_and_names_what_it_replaced() -> None:
         for fn in ("mamba_selective_scan", "mamba_selective_state_update", "mamba_inner_fn"):
             assert f"{prefix}.{model}.modeling_{model}.{fn}" in names
     assert "transformers.models.zamba.modeling_zamba.mamba_selective_scan" in names
-    assert not any("mamba2" in n for n in names)  # Mamba-2 is not patched
+    for model in ("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"):
+        for fn in (
+            "mamba2_chunk_scan",
+            "mamba2_selective_state_update",
+            "mamba2_split_conv1d_scan_combined",
+        ):
+            assert f"{prefix}.{model}.modeling_{model}.{fn}" in names
     assert modeling_mamba.mamba_selective_scan is integration.selective_scan
     assert integration.patch() == names == integration.patched()
     assert modeling_mamba.mamba_selective_scan is integration.selective_scan
@@ -309,3 +385,72 @@ def test_extra_arguments_are_refused() -> None:
     B = torch.ones(1, 2, 3)
     with pytest.raises(ValueError, match="mamba_selective_scan: parascan's replacement takes no"):
         integration.selective_scan(ids, ids, A, B, B, seq_idx=torch.zeros(1, 3))
+
+
+def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
+    """A Mamba-2 model calls parascan.ssd_scan (backend "auto") for every full-sequence
+    scan, in evaluation and in training (the fused kernel declined), and the multi-head
+    decoding step for each generated token."""
+    import parascan
+
+    calls: dict[str, int] = {"scan": 0, "step": 0}
+    scan, step = parascan.ssd_scan, integration.mamba_ssm.selective_state_update
+
+    def counted_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert kwargs.get("backend", "auto") == "auto"
+        calls["scan"] += 1
+        return scan(*args, **kwargs)
+
+    def counted_step(state, *args, **kwargs):  # type: ignore[no-untyped-def]
+        assert state.dim() == 4  # (batch, heads, headdim, N)
+        calls["step"] += 1
+        return step(state, *args, **kwargs)
+
+    monkeypatch.setattr(parascan, "ssd_scan", counted_scan)
+    monkeypatch.setattr(integration.mamba_ssm, "selective_state_update", counted_step)
+    model = build("mamba2").eval()
+    ids, _ = inputs(batch=1, length=5)
+    integration.patch()
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert calls == {"scan": 2, "step": 2 * 2}  # 2 layers: one prefill, two decoding steps
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert calls["scan"] == 4
+
+
+def test_mamba2_packed_sequences_stay_apart() -> None:
+    """seq_idx or cu_seqlens handed down to the patched chunk scan restart the state at
+    each boundary (transformers refuses them unpatched without mamba_ssm); the model's
+    other keywords are dropped."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 12, 4, 3, generator=gen)
+    dt = torch.randn(1, 12, 4, generator=gen)
+    A = -torch.rand(4, generator=gen)
+    B, C = torch.randn(2, 1, 12, 2, 5, generator=gen)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out, final = integration.chunk_scan(
+        x, dt, A, B, C, 16, return_final_states=True, cu_seqlens=cu, position_ids=None
+    )
+    seq = torch.tensor([[0] * 5 + [1] * 7])
+    same = integration.chunk_scan(x, dt, A, B, C, 16, return_final_states=True, seq_idx=seq)
+    assert torch.equal(out, same[0]) and torch.equal(final, same[1])
+    first = integration.chunk_scan(x[:, :5], dt[:, :5], A, B[:, :5], C[:, :5], 16)
+    second, last = integration.chunk_scan(
+        x[:, 5:], dt[:, 5:], A, B[:, 5:], C[:, 5:], 16, return_final_states=True
+    )
+    torch.testing.assert_close(out, torch.cat([first, second], 1))
+    torch.testing.assert_close(final, last)
+    assert final.dtype == torch.float32
+
+
+def test_a_changed_mamba2_module_is_refused(monkeypatch) -> None:
+    from transformers.models.mamba import modeling_mamba
+    from transformers.models.mamba2 import modeling_mamba2
+
+    original = modeling_mamba.mamba_selective_scan
+    monkeypatch.setattr(modeling_mamba2, "mamba2_chunk_scan", lambda x, dt: x)
+    version = installed().__version__
+    match = r"mamba2_chunk_scan takes \(x, dt\)"
+    with pytest.raises(UnsupportedVersionError, match=rf"transformers {version} .*{match}"):
+        integration.patch()
+    assert modeling_mamba.mamba_selective_scan is original and integration.patched() == []

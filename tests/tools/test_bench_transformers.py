@@ -30,6 +30,16 @@ def test_quick_run_gives_a_checked_row_per_workload() -> None:
     assert integration.patched() == []
 
 
+def test_quick_mamba2_run() -> None:
+    rows = bench_transformers.run(quick=True, tokens=20, new_tokens=2, repeat=1,
+                                  model_name="mamba2")  # fmt: skip
+    assert len(rows) == 3 and all(r.correct for r in rows), rows
+    assert bench_transformers.format_rows(rows, "mamba2").startswith("Mamba2ForCausalLM on")
+    assert integration.patched() == []
+    with pytest.raises(ValueError, match="expected model 'mamba' or 'mamba2'"):
+        bench_transformers.run(quick=True, model_name="mamba3")
+
+
 def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:
     real = integration.selective_scan
 

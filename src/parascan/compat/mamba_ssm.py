@@ -1,6 +1,9 @@
-"""Drop-ins for mamba_ssm 2.x's Mamba-1 scan and decoding step::
+"""Drop-ins for mamba_ssm 2.x's scans (Mamba-1's selective scan, Mamba-2's chunked
+SSD scan) and decoding step::
 
-    from parascan.compat.mamba_ssm import selective_scan_fn, selective_state_update
+    from parascan.compat.mamba_ssm import (
+        mamba_chunk_scan_combined, selective_scan_fn, selective_state_update,
+    )
 
 The same signatures, argument conventions and results as
 ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn`` (and its reference loop
@@ -41,17 +44,30 @@ How they differ from mamba_ssm's:
 
 Bad shapes are reported by :func:`parascan.selective_scan`, whose arguments bear the
 same names; only the conventions above are checked here.
+
+``mamba_chunk_scan_combined`` (``mamba_ssm.ops.triton.ssd_combined``) is Mamba-2's scan
+by :func:`parascan.ssd_scan`; its conventions are in its own docstring.
 """
 
 from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from itertools import pairwise
 
 import torch
 from torch import Tensor
 
 import parascan as ps
 from parascan._checks import describe
+from parascan.first_order.varlen import check_cu_seqlens
 
-__all__ = ["selective_scan_fn", "selective_scan_ref", "selective_state_update"]
+__all__ = [
+    "mamba_chunk_scan_combined",
+    "selective_scan_fn",
+    "selective_scan_ref",
+    "selective_state_update",
+]
 
 
 def _compute_dtype(u: Tensor) -> torch.dtype:
@@ -253,3 +269,203 @@ def selective_state_update(
     mask = valid.to(out.device).reshape((-1,) + (1,) * (out.dim() - 1))
     result: Tensor = torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return result
+
+
+# --- Mamba-2: the chunked SSD scan --------------------------------------------------------
+
+_CHUNK = "parascan.compat.mamba_ssm.mamba_chunk_scan_combined"
+
+
+def _sequence_starts(fn: str, seq_idx: Tensor | None, batch: int, length: int) -> list[int]:
+    """Where the scan's sequences start in the (batch * L) flattened steps: each row's
+    first step, and with ``seq_idx`` every step whose id differs from the step before
+    it in the same row. A row of length 0 is one empty sequence."""
+    starts = [b * length for b in range(batch)]
+    if seq_idx is None:
+        return starts
+    if (
+        not isinstance(seq_idx, Tensor)
+        or seq_idx.dtype.is_floating_point
+        or seq_idx.is_complex()
+        or seq_idx.dtype == torch.bool
+        or tuple(seq_idx.shape) != (batch, length)
+    ):
+        raise ValueError(
+            f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
+            f"{(batch, length)}, but got {describe(seq_idx)}"
+        )
+    changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).nonzero()  # (row, t - 1), row-major
+    inner = (changes[:, 0] * length + changes[:, 1] + 1).tolist()
+    return sorted(starts + inner)
+
+
+def mamba_chunk_scan_combined(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
+    state_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, ...]:
+    """Mamba-2's scan with mamba_ssm 2.x's signature, conventions and results, by
+    :func:`parascan.ssd_scan` (on any device)::
+
+        dt'  = clamp(softplus(dt + dt_bias) if dt_softplus else dt + dt_bias, *dt_limit)
+        h[t] = exp(dt'[t] * A) * h[t-1] + dt'[t] * x[t] (outer) B[t]    per head
+        out  = (h[t] @ C[t] + D * x[t]) * silu(z[t])                    (each when given)
+
+    Args:
+        x, z: ``(batch, seqlen, nheads, headdim)``.
+        dt: ``(batch, seqlen, nheads)``. A, dt_bias: ``(nheads,)``.
+        B, C: ``(batch, seqlen, ngroups, dstate)``, head h reading group
+            ``h // (nheads // ngroups)``.
+        chunk_size: mamba_ssm's block length; accepted and not used (the result does
+            not depend on it; parascan picks its own blocking).
+        D: ``(nheads, headdim)`` or ``(nheads,)``.
+        initial_states: ``(batch, nheads, headdim, dstate)``: the state entering each
+            row's first sequence.
+        seq_idx: ``(batch, seqlen)`` integers: a new sequence starts wherever the id
+            changes along a row (mamba_ssm's kernels expect the non-decreasing ids that
+            packing gives), and no state crosses from one sequence into the next; a
+            sequence after the first in its row starts from zeros.
+        cu_seqlens: ``(num_seqs + 1,)`` offsets, read only for ``return_varlen_states``
+            (batch 1).
+        return_final_states: also return the state after each row's last step
+            ``(batch, nheads, headdim, dstate)``.
+        return_varlen_states: also return the state at the end of each sequence of
+            ``cu_seqlens``, ``(num_seqs, nheads, headdim, dstate)``; every offset of
+            ``cu_seqlens`` inside the row must start a sequence of the scan (pass the
+            ``seq_idx`` of the same packing: mamba_ssm keeps sequences apart only
+            through ``seq_idx``). An empty sequence's state is zeros (the initial
+            state at offset 0).
+        state_dtype: the dtype of the returned states (default: ``C``'s).
+
+    Returns:
+        ``out`` (``x``'s shape and dtype), then ``final_states`` if asked, then
+        ``varlen_states`` if asked: ``out``, ``(out, final_states)``,
+        ``(out, varlen_states)`` or ``(out, final_states, varlen_states)``.
+
+    How it differs from mamba_ssm's: any device and float dtype; every returned state
+    is differentiable (mamba_ssm raises on a backward through ``varlen_states``); the
+    float32 sums do not depend on ``chunk_size``.
+
+    Example:
+        >>> import torch
+        >>> from parascan.compat.mamba_ssm import mamba_chunk_scan_combined
+        >>> x, dt = torch.ones(1, 3, 1, 1), torch.ones(1, 3, 1)
+        >>> A = torch.full((1,), -0.6931471805599453)  # exp(A) = 1/2
+        >>> B = C = torch.ones(1, 3, 1, 1)
+        >>> mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=256).flatten()
+        tensor([1.0000, 1.5000, 1.7500])
+    """
+    fn = _CHUNK
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"{fn}: expected chunk_size to be a positive int, but got {describe(chunk_size)}"
+        )
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        raise ValueError(
+            f"{fn}: expected x of shape (batch, seqlen, nheads, headdim), but got {describe(x)}"
+        )
+    for name, flag in (
+        ("dt_softplus", dt_softplus),
+        ("return_final_states", return_final_states),
+        ("return_varlen_states", return_varlen_states),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{fn}: expected {name} to be a bool, but got {describe(flag)}")
+    batch, length, heads, headdim = x.shape
+
+    def scan(
+        x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Tensor | None, initial: Tensor | None,
+        cu_seqlens: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        result = ps.ssd_scan(
+            x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+            dt_limit=dt_limit, initial=initial, return_final=True, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        assert isinstance(result, tuple)
+        return result
+
+    if seq_idx is None and not return_varlen_states:
+        out, final = scan(x, dt, B, C, z, initial_states, None)
+        return (out, _state(final, C, state_dtype)) if return_final_states else out
+    if return_varlen_states:
+        if cu_seqlens is None:
+            raise ValueError(f"{fn}: return_varlen_states=True needs cu_seqlens, but got None")
+        if batch != 1:
+            raise ValueError(
+                f"{fn}: return_varlen_states reads cu_seqlens along the seqlen of a batch of "
+                f"one: expected batch 1, but got x {describe(x)}"
+            )
+    starts = _sequence_starts(fn, seq_idx, batch, length)
+    if isinstance(initial_states, Tensor) and tuple(initial_states.shape[:1]) != (batch,):
+        raise ValueError(
+            f"{fn}: expected initial_states of shape (batch, nheads, headdim, dstate) with "
+            f"batch = {batch}, but got {describe(initial_states)}"
+        )
+    # The rows laid end to end as one packed row: sequence i covers steps
+    # starts[i] .. starts[i + 1] - 1, and row b's first sequence is firsts[b].
+    total = batch * length
+    bounds = [*starts, total]
+    firsts = [starts.index(b * length) for b in range(batch)] if length else list(range(batch))
+    lasts = [*(f - 1 for f in firsts[1:]), len(starts) - 1]
+    cu = torch.tensor(bounds, dtype=torch.int64)
+
+    def flat(t: Tensor) -> Tensor:
+        if isinstance(t, Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (batch, length):
+            return t.reshape(1, total, *t.shape[2:])
+        return t  # a wrong shape: parascan.ssd_scan names it
+
+    initial = None
+    if isinstance(initial_states, Tensor):
+        initial = initial_states.new_zeros(len(starts), *initial_states.shape[1:])
+        initial = initial.index_copy(0, torch.tensor(firsts, device=initial.device), initial_states)
+    out, finals = scan(flat(x), flat(dt), flat(B), flat(C), None if z is None else flat(z),
+                       initial, cu)  # fmt: skip
+    out = out.reshape(batch, length, heads, headdim)
+    results: list[Tensor] = [out]
+    if return_final_states:
+        rows = torch.tensor(lasts, device=finals.device)
+        results.append(_state(finals.index_select(0, rows), C, state_dtype))
+    if return_varlen_states:
+        assert cu_seqlens is not None
+        offsets = check_cu_seqlens(fn, cu_seqlens, length, x.device).tolist()
+        inside = [o for o in offsets if 0 < o < length and o not in starts]
+        if inside:
+            raise ValueError(
+                f"{fn}: every offset of cu_seqlens must start a sequence of the scan (where "
+                f"seq_idx changes): pass the seq_idx of the same packing, but cu_seqlens "
+                f"offsets {inside} are inside a sequence (seq_idx "
+                f"{'None' if seq_idx is None else 'differs'})"
+            )
+        # the bank: every sequence's final state, then zeros, then the initial state
+        bank = [finals, finals.new_zeros(1, *finals.shape[1:])]
+        if initial is not None:
+            bank.append(initial[:1].to(finals.dtype))
+        picks = []
+        for lo, hi in pairwise(offsets):
+            if hi > lo:
+                picks.append(bisect_right(starts, hi - 1) - 1)
+            else:
+                at_start = lo == 0 and initial is not None
+                picks.append(len(starts) + (1 if at_start else 0))
+        chosen = torch.cat(bank).index_select(0, torch.tensor(picks, device=finals.device))
+        results.append(_state(chosen, C, state_dtype))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _state(state: Tensor, C: Tensor, state_dtype: torch.dtype | None) -> Tensor:
+    """A returned state in mamba_ssm's dtype: ``state_dtype``, else ``C``'s."""
+    return state.to(state_dtype if state_dtype is not None else C.dtype)

@@ -11,11 +11,14 @@
 
 Without mamba_ssm (on CPU, or on a GPU where it is not installed), transformers runs a
 Mamba layer's scan as a Python loop over the tokens, materializing a (batch, dim, L, N)
-tensor and keeping every step for the backward. ``patch()`` replaces, in each modeling
-module of a Mamba-1 mixer (``mamba``, ``falcon_mamba`` and the hybrids whose modules carry
-the same functions, ``jamba`` and ``zamba`` in transformers 5.23), the module-level
-functions the mixers call, as Liger Kernel's ``apply_liger_kernel_to_*`` do for other
-models:
+tensor and keeping every step for the backward, and a Mamba-2 layer's scan as a chunked
+torch computation that pads L to the chunk size and keeps every chunk's (chunk, chunk)
+decay matrices and per-chunk states for the backward. ``patch()`` replaces, in each
+modeling module of a Mamba mixer, the module-level functions the mixers call, as Liger
+Kernel's ``apply_liger_kernel_to_*`` do for other models.
+
+Mamba-1 (``mamba``, ``falcon_mamba`` and the hybrids whose modules carry the same
+functions, ``jamba`` and ``zamba`` in transformers 5.23):
 
 ``mamba_selective_scan``
     the full-sequence scan (prefill, training, evaluation) becomes
@@ -30,24 +33,40 @@ models:
     replacement declines (returns None, as the original does without mamba_ssm), so that
     training runs the mixer's unfused path, whose scan is parascan's.
 
+Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``bamba``,
+``falcon_h1``, ``granitemoehybrid``, ``nemotron_h`` and ``zamba2`` in transformers 5.23):
+
+``mamba2_chunk_scan``
+    the full-sequence scan becomes
+    :func:`parascan.compat.mamba_ssm.mamba_chunk_scan_combined` (so
+    :func:`parascan.ssd_scan` with ``backend="auto"``); its final state, the cache's
+    recurrent state, is float32 as unpatched. ``seq_idx`` (or ``cu_seqlens``) passed
+    down by a padding-free training loop keeps the packed sequences apart (unpatched,
+    transformers refuses them without mamba_ssm).
+``mamba2_selective_state_update``
+    the decoding step becomes :func:`parascan.compat.mamba_ssm.selective_state_update`
+    in its multi-head layout, the cached state advanced in place.
+``mamba2_split_conv1d_scan_combined``
+    the fused training kernel (convolution, scan, gated norm, output projection): the
+    replacement declines, as the original does without mamba_ssm, so that training runs
+    the mixer's unfused path (transformers' own convolution and norm around the patched
+    scan).
+
 Everything else (projections, the causal convolution and its ``conv_states`` cache, the
-cache's bookkeeping) is the model's own code, unchanged; so are its quirks (a prompt
-continued with several tokens at once restarts the scan from a zero state, as unpatched).
-In float32 the logits, gradients, caches and greedy generations equal the unpatched ones
-to rounding; in half precision parascan takes the step ``softplus(dt + dt_bias)`` in
-float32 where transformers' loop rounds it to the model's dtype first.
+cache's bookkeeping) is the model's own code, unchanged; so are its quirks (a Mamba-1
+prompt continued with several tokens at once restarts the scan from a zero state, as
+unpatched). In float32 the logits, gradients, caches and greedy generations equal the
+unpatched ones to rounding; in half precision parascan takes the step in float32 where
+transformers' Mamba-1 loop rounds it to the model's dtype first.
 
-Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0 and 5.23.0): from
-5.15 on, these mixers call the scan through those module functions. ``patch()`` checks the installed
-version, that each module defines the functions with the expected parameters, and that
-a mixer's ``forward`` calls them; otherwise it raises :class:`UnsupportedVersionError`,
-naming the version and what is missing, and patches nothing.
-
-Mamba-2 (``mamba2``, ``zamba2``, ``bamba``, ``nemotron_h``, ``granitemoehybrid``,
-``falcon_h1``) is not patched yet: its mixers call ``mamba2_chunk_scan``,
-``mamba2_split_conv1d_scan_combined`` and ``mamba2_selective_state_update``, which
-need mamba_chunk_scan_combined's drop-in. Supporting it is one more :class:`_Family`
-in ``_FAMILIES``.
+Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0 and 5.23.0 for
+Mamba-1, 5.23.0 for Mamba-2): from 5.15 on, these mixers call the scan through those
+module functions. ``patch()`` checks the installed version, that each module defines
+the functions with the expected parameters, and that a mixer's ``forward`` calls them;
+otherwise it raises :class:`UnsupportedVersionError`, naming the version and what is
+missing, and patches nothing. The Mamba-2 modules are patched where they define
+``mamba2_chunk_scan`` (a transformers whose Mamba-2 modules compute the scan elsewhere
+keeps them unpatched, and its Mamba-1 models are still patched).
 """
 
 from __future__ import annotations
@@ -55,6 +74,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -63,6 +83,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from parascan.compat import mamba_ssm
@@ -137,10 +158,87 @@ def selective_state_update(
     )
 
 
+def chunk_scan(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, ...]:
+    """Replaces transformers' ``mamba2_chunk_scan`` (same parameters): the scan by
+    :func:`parascan.compat.mamba_ssm.mamba_chunk_scan_combined`, the final state in
+    float32 (float64 for a float64 model) as the original returns it.
+
+    Of the other keyword arguments the mixers pass down, ``z`` gates the output and
+    ``seq_idx`` (batch, L) or ``cu_seqlens`` (batch 1) mark packed sequences, whose
+    states restart at each boundary; the rest (the model's attention keywords) are
+    not the scan's and are dropped, as transformers' kernel dispatch drops them."""
+    z = kwargs.get("z")
+    seq_idx = kwargs.get("seq_idx")
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if seq_idx is None and cu_seqlens is not None:
+        seq_idx = _seq_idx_from_cu_seqlens(cu_seqlens, hidden_states)
+    wide = hidden_states.dtype == torch.float64
+    result = mamba_ssm.mamba_chunk_scan_combined(
+        hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=bool(dt_softplus),
+        dt_limit=dt_limit, return_final_states=return_final_states,
+        state_dtype=torch.float64 if wide else torch.float32,
+    )  # fmt: skip
+    return result
+
+
+def _seq_idx_from_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> Tensor:
+    """The sequence id of every step of a packed batch of one."""
+    fn = "mamba2_chunk_scan"
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or x.shape[0] != 1:
+        raise ValueError(
+            f"{fn}: parascan's replacement reads cu_seqlens as (num_seqs + 1,) offsets along L "
+            f"of a batch of one, but got cu_seqlens {cu_seqlens!r} with x of shape "
+            f"{tuple(x.shape)}"
+        )
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=x.device, dtype=torch.int64)
+    ids = torch.arange(lengths.numel(), device=x.device)
+    return torch.repeat_interleave(ids, lengths)[None]
+
+
+def multihead_state_update(
+    state: Tensor,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    z: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Replaces transformers' ``mamba2_selective_state_update`` (same parameters): one
+    decoding step in the multi-head layout by
+    :func:`parascan.compat.mamba_ssm.selective_state_update`, ``state`` (batch, heads,
+    headdim, N) updated in place. ``state_batch_indices`` is honoured; the mixers' other
+    keywords are dropped, as transformers' kernel dispatch drops them."""
+    return mamba_ssm.selective_state_update(
+        state, hidden_states, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+        state_batch_indices=kwargs.get("state_batch_indices"),
+    )  # fmt: skip
+
+
 def no_fused_inner(*args: Any, **kwargs: Any) -> None:
-    """Replaces transformers' ``mamba_inner_fn``: returning None sends training through
-    the mixer's unfused path (projections, convolution, then the patched scan), as it
-    goes whenever mamba_ssm is not installed."""
+    """Replaces transformers' ``mamba_inner_fn`` and ``mamba2_split_conv1d_scan_combined``:
+    returning None sends training through the mixer's unfused path (projections,
+    convolution, then the patched scan), as it goes whenever mamba_ssm is not
+    installed."""
     return None
 
 
@@ -165,6 +263,8 @@ class _Family:
 
     marker: str
     functions: tuple[_Function, ...]
+    # The modules the patch promises: a transformers without them is not supported.
+    expected: tuple[str, ...] = ()
 
 
 _MAMBA1 = _Family(
@@ -194,11 +294,43 @@ _MAMBA1 = _Family(
         # Only where the mixer has a fused training path (not zamba's).
         _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
     ),
+    expected=("mamba", "falcon_mamba"),
 )
-# Mamba-2's entry goes here once its scan has a drop-in (see the module docstring).
-_FAMILIES = (_MAMBA1,)
-# The modules the patch promises: a transformers without them is not supported.
-_EXPECTED_MODULES = ("mamba", "falcon_mamba")
+_MAMBA2 = _Family(
+    marker="mamba2_chunk_scan",
+    functions=(
+        _Function(
+            "mamba2_chunk_scan",
+            chunk_scan,
+            (
+                "hidden_states",
+                "dt",
+                "A",
+                "B",
+                "C",
+                "chunk_size",
+                "D",
+                "dt_bias",
+                "initial_states",
+                "dt_softplus",
+                "dt_limit",
+                "return_final_states",
+            ),
+        ),
+        _Function(
+            "mamba2_selective_state_update",
+            multihead_state_update,
+            ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z"),
+        ),
+        _Function(
+            "mamba2_split_conv1d_scan_combined",
+            no_fused_inner,
+            ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
+            required=False,
+        ),
+    ),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
@@ -227,7 +359,8 @@ def _unsupported(version: str, what: str) -> UnsupportedVersionError:
         f"{_FN}: transformers {version} is installed, {what}. The patch supports "
         f"transformers>={MIN_VERSION} (tested with {TESTED_VERSIONS}), whose Mamba-family "
         "modeling modules compute their scans in module-level functions "
-        "(mamba_selective_scan, mamba_selective_state_update) called by the mixers; "
+        "(mamba_selective_scan, mamba_selective_state_update; for Mamba-2 mamba2_chunk_scan, "
+        "mamba2_selective_state_update) called by the mixers; "
         "nothing was patched"
     )
 
@@ -312,7 +445,7 @@ def _targets() -> list[tuple[ModuleType, _Function]]:
     targets = []
     for family in _FAMILIES:
         names = _candidate_modules(family)
-        for expected in _EXPECTED_MODULES:
+        for expected in family.expected:
             wanted = f"transformers.models.{expected}.modeling_{expected}"
             if wanted not in names:
                 raise _unsupported(

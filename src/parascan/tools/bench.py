@@ -56,10 +56,12 @@ from parascan.tools.bench_packed import (
     run_packed,
 )
 from parascan.tools.bench_packed import implementation_names as packed_names
+from parascan.tools.bench_ssd import SsdCase
 from parascan.tools.bench_ssm import (
     DEFAULT_SSM_CASES,
     FULL_SSM_CASES,
     QUICK_SSM_CASES,
+    AnySsmCase,
     SsmCase,
     format_ssm,
     run_ssm,
@@ -85,6 +87,8 @@ __all__ = [
     "QUICK_SSM_CASES",
     "Case",
     "Row",
+    "SsdCase",
+    "SsmCase",
     "run_bench",
 ]
 
@@ -463,7 +467,7 @@ def run_bench(
     cases: list[Case] | None = None,
     generic_cases: list[GenericCase] | None = None,
     packed_cases: list[PackedCase] | None = None,
-    ssm_cases: list[SsmCase] | None = None,
+    ssm_cases: list[AnySsmCase] | None = None,
     backend_names: list[str] | None = None,
     repeat: int = 5,
     as_json: bool = False,

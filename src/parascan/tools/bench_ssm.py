@@ -1,6 +1,8 @@
-"""The selective-scan part of ``parascan bench``: ``ps.selective_scan`` (Mamba-1's
-scan with variable B/C, D, z, delta_bias and softplus, float32) against the way the
-scan is computed without parascan, forward and forward + backward.
+"""The state-space part of ``parascan bench``: the SSD scan's rows (Mamba-2) come from
+bench_ssd.py and are listed, run and printed here with these. The selective scan:
+``ps.selective_scan`` (Mamba-1's scan with variable B/C, D, z, delta_bias and softplus,
+float32) against the way the scan is computed without parascan, forward and forward +
+backward.
 
 - ``reference loop``: the scan as its published reference computes it, written
   here from the math: the decays ``exp(dt A)`` and inputs ``dt B u`` materialized as
@@ -34,12 +36,23 @@ import torch
 import torch.nn.functional as F
 
 from parascan.ssm import selective_scan
+from parascan.tools.bench_ssd import (
+    DEFAULT_SSD_CASES,
+    FULL_SSD_CASES,
+    QUICK_SSD_CASES,
+    SsdCase,
+    SsdRow,
+    format_ssd,
+    run_ssd,
+    ssd_step_names,
+)
 from parascan.tools.timing import elapsed
 
 __all__ = [
     "DEFAULT_SSM_CASES",
     "FULL_SSM_CASES",
     "QUICK_SSM_CASES",
+    "AnySsmCase",
     "SsmCase",
     "SsmRow",
     "format_ssm",
@@ -76,12 +89,18 @@ class SsmRow:
     note: str = ""
 
 
-DEFAULT_SSM_CASES = [SsmCase("mamba-1 scan", 1, 1536, 1024, 16, loop_steps=128)]
-FULL_SSM_CASES = [
+AnySsmCase = SsmCase | SsdCase
+
+DEFAULT_SSM_CASES: list[AnySsmCase] = [
+    SsmCase("mamba-1 scan", 1, 1536, 1024, 16, loop_steps=128),
+    *DEFAULT_SSD_CASES,
+]
+FULL_SSM_CASES: list[AnySsmCase] = [
     SsmCase("mamba-1 scan", 1, 1536, 1024, 16),
     SsmCase("mamba-1 scan long", 2, 2048, 4096, 16, loop_steps=512),
+    *FULL_SSD_CASES,
 ]
-QUICK_SSM_CASES = [SsmCase("mamba-1 scan", 1, 64, 128, 16)]
+QUICK_SSM_CASES: list[AnySsmCase] = [SsmCase("mamba-1 scan", 1, 64, 128, 16), *QUICK_SSD_CASES]
 
 _CHECKED = 8  # channels checked against the float64 loop
 _DIRECTIONS = ("forward", "forward+backward")
@@ -91,7 +110,9 @@ def _impls() -> tuple[str, ...]:
     return ("parascan", "reference loop")
 
 
-def ssm_step_names(case: SsmCase) -> list[str]:
+def ssm_step_names(case: AnySsmCase) -> list[str]:
+    if isinstance(case, SsdCase):
+        return ssd_step_names(case)
     return [f"{case.name} {i} {d}" for i in _impls() for d in _DIRECTIONS]
 
 
@@ -264,13 +285,29 @@ def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[S
 
 
 def run_ssm(
-    cases: list[SsmCase], repeat: int, step: Callable[[str], None] = lambda _: None
-) -> list[SsmRow]:
-    """Every case's rows (see the module docstring)."""
-    return [row for case in cases for row in _run_case(case, repeat, step)]
+    cases: list[AnySsmCase], repeat: int, step: Callable[[str], None] = lambda _: None
+) -> list[SsmRow | SsdRow]:
+    """Every case's rows (see the module docstring; an SsdCase's from bench_ssd.py)."""
+    rows: list[SsmRow | SsdRow] = []
+    for case in cases:
+        if isinstance(case, SsdCase):
+            rows += run_ssd([case], repeat, step)
+        else:
+            rows += _run_case(case, repeat, step)
+    return rows
 
 
-def format_ssm(rows: list[SsmRow]) -> str:
+def format_ssm(rows: list[SsmRow | SsdRow]) -> str:
+    """The selective scan's table, then the SSD scan's (each when it has rows)."""
+    ssd = [r for r in rows if isinstance(r, SsdRow)]
+    selective = [r for r in rows if isinstance(r, SsmRow)]
+    tables = ([_format_selective(selective)] if selective else []) + (
+        [format_ssd(ssd)] if ssd else []
+    )
+    return "\n\n".join(tables)
+
+
+def _format_selective(rows: list[SsmRow]) -> str:
     lines = [
         "Selective scan (Mamba-1: variable B/C, D, z, delta_bias, softplus; float32; x exp: "
         "time / torch.exp over batch*dim*L*N elements; x loop: speed-up over the reference loop)",

@@ -1,12 +1,14 @@
-"""End to end: Hugging Face transformers' ``MambaForCausalLM`` unpatched against patched
-by :func:`parascan.integrations.transformers.patch`, on CPU::
+"""End to end: Hugging Face transformers' ``MambaForCausalLM`` (or ``Mamba2ForCausalLM``)
+unpatched against patched by :func:`parascan.integrations.transformers.patch`, on CPU::
 
     python -m parascan.tools.bench_transformers            # the issue's sizes (minutes)
+    python -m parascan.tools.bench_transformers --model mamba2
     python -m parascan.tools.bench_transformers --quick    # a small model, seconds
 
-A randomly initialized model (hidden 768, 4 layers, state 16, vocabulary 1024 by
-default: the vocabulary only sizes the embedding and the head, which patching does not
-touch), one sequence, three workloads:
+A randomly initialized model (hidden 768, 4 layers, vocabulary 1024 by default: the
+vocabulary only sizes the embedding and the head, which patching does not touch; Mamba
+with state 16; Mamba-2 with 24 heads of 64, state 64, one group, chunk 128), one
+sequence, three workloads:
 
 forward     the logits of ``tokens`` tokens (eval mode, no cache)
 train step  forward, loss and backward on ``tokens`` tokens (training mode)
@@ -82,8 +84,9 @@ def run(
     new_tokens: int | None = None,
     hidden: int | None = None,
     layers: int | None = None,
-    state: int = 16,
+    state: int | None = None,
     vocab: int = 1024,
+    model_name: str = "mamba",
     repeat: int = 3,
     train_repeat: int = 1,
     seed: int = 0,
@@ -96,15 +99,16 @@ def run(
             8 new tokens) unless given explicitly: seconds, for tests.
         tokens: the sequence length of the forward and the training step (512).
         new_tokens: tokens generated (64).
-        hidden, layers, state, vocab: the model (768, 4, 16, 1024).
+        hidden, layers, state, vocab: the model (768, 4, 16 for Mamba and 64 for
+            Mamba-2, 1024).
+        model_name: ``"mamba"`` (MambaForCausalLM) or ``"mamba2"`` (Mamba2ForCausalLM,
+            heads of 64 channels, chunk 128; quick: heads of 16, chunk 16).
         repeat: timed runs of each variant of the forward and of generate; the fastest
             counts.
         train_repeat: the same for the training step.
         seed: the model's initialization and the inputs.
         progress: called with a line before each measurement.
     """
-    from transformers import MambaConfig, MambaForCausalLM
-
     tokens = tokens or (64 if quick else 512)
     new_tokens = new_tokens or (8 if quick else 64)
     hidden = hidden or (64 if quick else 768)
@@ -112,10 +116,7 @@ def run(
     say = progress or (lambda line: None)
 
     torch.manual_seed(seed)
-    config = MambaConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, state_size=state
-    )
-    model: Any = MambaForCausalLM(config)  # transformers' own annotations are partial
+    model: Any = _model(model_name, hidden, layers, state, vocab, quick)
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen)
     prompt = torch.randint(0, vocab, (1, _PROMPT), generator=gen)
@@ -183,12 +184,38 @@ def run(
     return rows
 
 
-def format_rows(rows: list[Row]) -> str:
-    """The table, under a line naming the machine and the versions."""
+def _model(name: str, hidden: int, layers: int, state: int | None, vocab: int,
+           quick: bool) -> Any:  # fmt: skip
+    """A randomly initialized model (transformers' own annotations are partial)."""
     import transformers
 
+    if name == "mamba":
+        config = transformers.MambaConfig(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+            state_size=state or 16,
+        )  # fmt: skip
+        return transformers.MambaForCausalLM(config)
+    if name == "mamba2":
+        headdim = 16 if quick else 64
+        config2 = transformers.Mamba2Config(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+            state_size=state or (16 if quick else 64), expand=2, head_dim=headdim,
+            num_heads=2 * hidden // headdim, n_groups=1, chunk_size=16 if quick else 128,
+        )  # fmt: skip
+        return transformers.Mamba2ForCausalLM(config2)
+    raise ValueError(f"bench_transformers: expected model 'mamba' or 'mamba2', but got {name!r}")
+
+
+MODEL_CLASSES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+
+
+def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
+    """The table, under a line naming the model, the machine and the versions."""
+    import transformers
+
+    machine = platform.processor() or platform.machine()
     head = (
-        f"MambaForCausalLM on {platform.processor() or platform.machine()}, "
+        f"{MODEL_CLASSES.get(model_name, model_name)} on {machine}, "
         f"{torch.get_num_threads()} threads; torch {torch.__version__}, "
         f"transformers {transformers.__version__}"
     )
@@ -209,8 +236,10 @@ def format_rows(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m parascan.tools.bench_transformers",
-        description="transformers' MambaForCausalLM unpatched against patched by parascan",
+        description="transformers' MambaForCausalLM (or Mamba2ForCausalLM) unpatched against "
+        "patched by parascan",
     )
+    parser.add_argument("--model", choices=sorted(MODEL_CLASSES), default="mamba")
     parser.add_argument("--quick", action="store_true", help="a small model (seconds)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (min)")
     parser.add_argument(
@@ -226,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows = run(
         quick=args.quick, repeat=args.repeat, train_repeat=args.train_repeat,
-        tokens=args.tokens, new_tokens=args.new_tokens,
+        tokens=args.tokens, new_tokens=args.new_tokens, model_name=args.model,
         progress=lambda line: print(line, flush=True),
     )  # fmt: skip
-    print(format_rows(rows))
+    print(format_rows(rows, args.model))
     return 0 if all(r.correct for r in rows) else 1
 
 
