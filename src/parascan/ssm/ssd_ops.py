@@ -19,6 +19,7 @@ from torch import Tensor
 from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import resolved, resolved_optional
 from parascan.ssm import ssd_reference as reference
+from parascan.ssm import ssd_triton
 from parascan.ssm.ssd_canonical import n_chunks
 
 __all__ = ["ROW", "apply"]
@@ -30,12 +31,13 @@ ROW = register(
     OpBackends(
         op="parascan.ssd_scan",
         backends={
+            # "auto" picks it for CUDA tensors only (the interpreter is a testing aid)
+            "triton": Backend(ssd_triton.forward, ssd_triton.backward, _STATE_DTYPES),
             "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
         missing={
             "cpu": "the SSD scan's C kernel is coming but not built yet; use 'torch' or 'auto'",
-            "triton": "the SSD scan's Triton kernels are coming but not built yet; use 'torch'",
         },
     )
 )
