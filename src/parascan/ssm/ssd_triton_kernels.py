@@ -59,13 +59,6 @@ __all__ = ["backward_kernel", "forward_kernel"]
 
 
 @triton.jit
-def _sigmoid(x):
-    """1 / (1 + exp(-x)) without overflow."""
-    e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-@triton.jit
 def _program(
     HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):  # fmt: skip
@@ -87,18 +80,6 @@ def _program(
 
 
 @triton.jit
-def _step_operands(
-    x_ptr, dt_ptr, B_ptr, row, head, group, p, n, p_ok, n_ok, HEADS, HEADDIM, GROUPS, N,
-    ACC: tl.constexpr,
-):  # fmt: skip
-    """dt (a scalar), x [BLOCK_P] and B [BLOCK_N] of the (batch, step) ``row``."""
-    dt = tl.load(dt_ptr + row * HEADS + head).to(ACC)
-    x = tl.load(x_ptr + (row * HEADS + head) * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
-    Bt = tl.load(B_ptr + (row * GROUPS + group) * N + n, mask=n_ok, other=0.0).to(ACC)
-    return dt, x, Bt
-
-
-@triton.jit
 def _forward_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, init_ptr, cu_ptr, seq_ptr,
     out_ptr, final_ptr, ck_ptr,
@@ -106,7 +87,7 @@ def _forward_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b, head, pb, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
+    b, head, _, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
         HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
     )  # fmt: skip
     A = tl.load(A_ptr + head).to(ACC)
@@ -115,10 +96,9 @@ def _forward_kernel(
         Dv = tl.load(D_ptr + head * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
     state = (head * HEADDIM) * N + tile  # a state's tile, less the sequence's offset
     h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
-    if not PACKED:
-        if HAS_INIT:
-            h = tl.load(init_ptr + b * HEADS * HEADDIM * N + state, mask=tile_ok, other=0.0)
-            h = h.to(ACC)
+    if not PACKED and HAS_INIT:
+        h = tl.load(init_ptr + b * HEADS * HEADDIM * N + state, mask=tile_ok, other=0.0)
+        h = h.to(ACC)
     for t in range(0, L):
         if PACKED:
             s = tl.load(seq_ptr + t).to(tl.int64)
@@ -132,10 +112,9 @@ def _forward_kernel(
             ck = ((b * N_CHUNKS + t // K) * HEADS * HEADDIM) * N + state
             tl.store(ck_ptr + ck, h, mask=tile_ok)
         row = b * L + t
-        dt, x, Bt = _step_operands(
-            x_ptr, dt_ptr, B_ptr, row, head, group, p, n, p_ok, n_ok, HEADS, HEADDIM,
-            GROUPS, N, ACC,
-        )  # fmt: skip
+        dt = tl.load(dt_ptr + row * HEADS + head).to(ACC)
+        x = tl.load(x_ptr + (row * HEADS + head) * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
+        Bt = tl.load(B_ptr + (row * GROUPS + group) * N + n, mask=n_ok, other=0.0).to(ACC)
         Ct = tl.load(C_ptr + (row * GROUPS + group) * N + n, mask=n_ok, other=0.0).to(ACC)
         h = tl.exp(dt * A) * h + (dt * x)[:, None] * Bt[None, :]
         y = tl.sum(h * Ct[None, :], axis=1)
@@ -144,9 +123,9 @@ def _forward_kernel(
         at = (row * HEADS + head) * HEADDIM + p
         if HAS_Z:
             zz = tl.load(z_ptr + at, mask=p_ok, other=0.0).to(ACC)
-            y = y * zz * _sigmoid(zz)
+            y = y * zz / (1.0 + tl.exp(-zz))  # z silu(z)
         tl.store(out_ptr + at, y, mask=p_ok)
-        if PACKED:
+        if PACKED:  # noqa: SIM102 (a compile-time branch: s exists only when packed)
             if t == tl.load(cu_ptr + s + 1) - 1:  # the sequence's last step
                 tl.store(final_ptr + s * HEADS * HEADDIM * N + state, h, mask=tile_ok)
     if not PACKED:
@@ -207,10 +186,10 @@ def _backward_kernel(
                     else:
                         h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
             tl.store(scratch + (t - start) * (BLOCK_P * BLOCK_N), h)
-            dt, x, Bt = _step_operands(
-                x_ptr, dt_ptr, B_ptr, b * L + t, head, group, p, n, p_ok, n_ok, HEADS,
-                HEADDIM, GROUPS, N, ACC,
-            )  # fmt: skip
+            row = b * L + t
+            dt = tl.load(dt_ptr + row * HEADS + head).to(ACC)
+            x = tl.load(x_ptr + (row * HEADS + head) * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
+            Bt = tl.load(B_ptr + (row * GROUPS + group) * N + n, mask=n_ok, other=0.0).to(ACC)
             h = tl.exp(dt * A) * h + (dt * x)[:, None] * Bt[None, :]
         tl.debug_barrier()  # the entering states are stored
         # 2. the steps from last to first
@@ -222,25 +201,23 @@ def _backward_kernel(
                     gh = tl.load(gf_ptr + s * HEADS * HEADDIM * N + state, mask=tile_ok)
                     gh = gh.to(ACC)
             row = b * L + t
-            dt, x, Bt = _step_operands(
-                x_ptr, dt_ptr, B_ptr, row, head, group, p, n, p_ok, n_ok, HEADS, HEADDIM,
-                GROUPS, N, ACC,
-            )  # fmt: skip
-            bc = (row * GROUPS + group) * N + n
+            at = (row * HEADS + head) * HEADDIM + p  # x's, z's, out's rows
+            bc = (row * GROUPS + group) * N + n  # B's and C's
+            dt = tl.load(dt_ptr + row * HEADS + head).to(ACC)
+            x = tl.load(x_ptr + at, mask=p_ok, other=0.0).to(ACC)
+            Bt = tl.load(B_ptr + bc, mask=n_ok, other=0.0).to(ACC)
             Ct = tl.load(C_ptr + bc, mask=n_ok, other=0.0).to(ACC)
-            at = (row * HEADS + head) * HEADDIM + p
             go = tl.load(go_ptr + at, mask=p_ok, other=0.0).to(ACC)
             gy = go
             if HAS_Z:
                 zz = tl.load(z_ptr + at, mask=p_ok, other=0.0).to(ACC)
-                sz = _sigmoid(zz)
+                sz = 1.0 / (1.0 + tl.exp(-zz))  # sigmoid(z); exp overflow gives 0
                 gy = go * zz * sz
             h_prev = tl.load(scratch + (t - start) * (BLOCK_P * BLOCK_N))
             a = tl.exp(dt * A)
             h = a * h_prev + (dt * x)[:, None] * Bt[None, :]
             gh += gy[:, None] * Ct[None, :]
             # the partial sums over this program's rows (summed over programs later)
-            out = (row * HEADS + head) * N_PB + pb
             gC = tl.sum(gy[:, None] * h, axis=0)
             tl.store(gC_ptr + (row * HEADS * N_PB + part) * N + n, gC, mask=n_ok)
             ghB = tl.sum(gh * Bt[None, :], axis=1)  # [BLOCK_P]
@@ -258,16 +235,16 @@ def _backward_kernel(
                 # d silu(z) / dz = s (1 + z (1 - s)), s = sigmoid(z)
                 tl.store(gz_ptr + at, go * y * sz * (1.0 + zz * (1.0 - sz)), mask=p_ok)
             sh = tl.sum(gh * h_prev, axis=1)  # <g_h, h[t-1]> per row
-            tl.store(gdt_ptr + out, tl.sum(A * a * sh + x * ghB, axis=0))
+            tl.store(
+                gdt_ptr + (row * HEADS + head) * N_PB + pb, tl.sum(A * a * sh + x * ghB, axis=0)
+            )
             gA += dt * a * sh
             gh = a * gh  # into the step before
-            if PACKED:
-                if HAS_INIT:
-                    if t == tl.load(cu_ptr + s):  # a sequence's first step: dL/dinitial
-                        tl.store(gi_ptr + s * HEADS * HEADDIM * N + state, gh, mask=tile_ok)
-    if not PACKED:
-        if HAS_INIT:
-            tl.store(gi_ptr + b * HEADS * HEADDIM * N + state, gh, mask=tile_ok)
+            if PACKED and HAS_INIT:  # noqa: SIM102 (compile-time, then a run-time branch)
+                if t == tl.load(cu_ptr + s):  # a sequence's first step: dL/dinitial
+                    tl.store(gi_ptr + s * HEADS * HEADDIM * N + state, gh, mask=tile_ok)
+    if not PACKED and HAS_INIT:
+        tl.store(gi_ptr + b * HEADS * HEADDIM * N + state, gh, mask=tile_ok)
     program_row = (b * HEADS + head) * N_PB + pb
     tl.store(gA_ptr + program_row, tl.sum(gA, axis=0))
     if HAS_D:
