@@ -51,12 +51,14 @@ _FN = "parascan.ssd_scan"
 
 @dataclass(frozen=True)
 class Tiles:
-    """A program's rows of the state (BLOCK_P), the warps that run it and the
-    registers a thread may use (ptxas's ``.maxnreg``)."""
+    """A program's rows of the state (BLOCK_P), the warps that run it, the
+    registers a thread may use (ptxas's ``.maxnreg``) and the stages of the walk's
+    software pipeline (steps whose loads are in flight together)."""
 
     rows: int
     warps: int
     registers: int
+    stages: int = 3
 
 
 # (forward, backward) per compute dtype on a GPU, for N = 64 (Mamba-2's usual state).
@@ -88,6 +90,7 @@ class Plan:
     states: int
     warps: int
     registers: int
+    stages: int
     chunk: int
 
 
@@ -109,6 +112,7 @@ def plan(
         states=_next_power_of_2(n),
         warps=tiles.warps,
         registers=tiles.registers,
+        stages=tiles.stages,
         chunk=CHECKPOINT_STEPS["triton"],
     )
 
@@ -166,7 +170,7 @@ def _constexprs(
         HAS_D=D is not None, HAS_Z=z is not None, HAS_INIT=initial is not None,
         PACKED=cu_seqlens is not None,
         ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
-        BLOCK_P=p.rows, BLOCK_N=p.states,
+        BLOCK_P=p.rows, BLOCK_N=p.states, STAGES=p.stages,
     )  # fmt: skip
 
 

@@ -14,7 +14,11 @@ padded to a power of 2), lives in registers and walks time one step at a time:
 Each step reads one row of x (BLOCK_P contiguous elements), of B and C (N each,
 shared by the group's heads through the caches) and one dt. The rows of a head are
 independent, so the blocks of rows are programs of their own: (batch x heads x
-ceil(headdim / BLOCK_P)) programs walk L side by side.
+ceil(headdim / BLOCK_P)) programs walk L side by side. A step's loads do not depend
+on the state, so the walks are software-pipelined (``tl.range(num_stages=STAGES)``:
+on sm_80 and later the loads of the next STAGES - 1 steps are in flight, as cp.async
+copies into shared memory, while a step computes): the walk's chain per step is
+then the arithmetic, not a load's latency.
 
 Packed sequences (``PACKED``, batch 1): ``seq[t]`` is the sequence holding step t
 and ``cu`` the offsets; the state is reset to the sequence's initial state (or
@@ -85,7 +89,7 @@ def _forward_kernel(
     out_ptr, final_ptr, ck_ptr,
     L, HEADS, HEADDIM, N, GROUPS, RATIO, N_PB, K, N_CHUNKS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     b, head, _, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
         HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
@@ -99,7 +103,7 @@ def _forward_kernel(
     if not PACKED and HAS_INIT:
         h = tl.load(init_ptr + b * HEADS * HEADDIM * N + state, mask=tile_ok, other=0.0)
         h = h.to(ACC)
-    for t in range(0, L):
+    for t in tl.range(0, L, num_stages=STAGES):
         if PACKED:
             s = tl.load(seq_ptr + t).to(tl.int64)
             if t == tl.load(cu_ptr + s):  # the sequence's first step: its initial state
@@ -139,7 +143,7 @@ def _backward_kernel(
     gx_ptr, gz_ptr, gi_ptr, gdt_ptr, gB_ptr, gC_ptr, gA_ptr, gD_ptr, scratch_ptr,
     L, HEADS, HEADDIM, N, GROUPS, RATIO, N_PB, K, N_CHUNKS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     b, head, pb, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
         HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
@@ -176,7 +180,7 @@ def _backward_kernel(
         ck = ((b * N_CHUNKS + c) * HEADS * HEADDIM) * N + state
         h = tl.load(ck_ptr + ck, mask=tile_ok, other=0.0).to(ACC)
         tl.debug_barrier()  # the previous chunk's reads of the scratch are done
-        for t in range(start, end):
+        for t in tl.range(start, end, num_stages=STAGES):
             if PACKED:
                 s = tl.load(seq_ptr + t).to(tl.int64)
                 if t == tl.load(cu_ptr + s):
@@ -193,7 +197,7 @@ def _backward_kernel(
             h = tl.exp(dt * A) * h + (dt * x)[:, None] * Bt[None, :]
         tl.debug_barrier()  # the entering states are stored
         # 2. the steps from last to first
-        for tt in range(start, end):
+        for tt in tl.range(start, end, num_stages=STAGES):
             t = end - 1 - (tt - start)
             if PACKED:
                 s = tl.load(seq_ptr + t).to(tl.int64)
