@@ -10,8 +10,9 @@ Triton's own specialization of each argument), compiled to PTX and a cubin for s
 and sm_90, and its registers and spills read from the bundled ``ptxas -v``, as
 selective_gpu_compile.py does for the selective scan (whose helpers this reuses).
 
-Default: both kernels in float32 with every option (D, z, an initial state), not
-packed, on both targets. ``--full``: also float64, packed, and no option.
+Default: the three kernels (the sequential forward, the dual form's forward, the
+backward) in float32 with every option (D, z, an initial state), not packed, on both
+targets. ``--full``: also float64, packed (not the dual form's), and no option.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ Spec = tuple[str, str, bool, bool]
 
 def _specs(full: bool) -> list[Spec]:
     if not full:
-        return [(k, "float32", False, True) for k in ("forward", "backward")]
+        return [(k, "float32", False, True) for k in ("forward", "chunked", "backward")]
     return [
         (k, d, packed, options)
         for k in ("forward", "backward")
         for d in ("float32", "float64")
         for packed in (False, True)
         for options in (True, False)
+    ] + [
+        ("chunked", d, False, options) for d in ("float32", "float64") for options in (True, False)
     ]
 
 
@@ -73,8 +76,9 @@ def launch(spec: Spec) -> Launch:
     states = 4 if packed else BATCH
     state = torch.empty(states, HEADS, HEADDIM, STATES, **meta)  # type: ignore[arg-type]
     initial = state if options else None
-    if kernel == "forward":
-        found, *_ = backend.forward_launch(x, dt, A, BC, BC, D, z, initial, cu)
+    if kernel in ("forward", "chunked"):
+        algorithm = "chunked" if kernel == "chunked" else "sequential"
+        found, *_ = backend.forward_launch(x, dt, A, BC, BC, D, z, initial, cu, algorithm)
         return found
     n_chunks = -(-LENGTH // backend.plan(HEADDIM, STATES, x.dtype, True).chunk)
     checkpoints = torch.empty(batch, n_chunks, HEADS, HEADDIM, STATES, **meta)  # type: ignore[arg-type]
@@ -84,7 +88,11 @@ def launch(spec: Spec) -> Launch:
 
 def _compile(spec: Spec, arch: str):  # type: ignore[no-untyped-def]
     found = launch(spec)
-    fn = kernels.forward_kernel if spec[0] == "forward" else kernels.backward_kernel
+    fn = {
+        "forward": kernels.forward_kernel,
+        "chunked": kernels.chunked_forward_kernel,
+        "backward": kernels.backward_kernel,
+    }[spec[0]]
     names = list(fn.arg_names)
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = dict(found.constexprs)
@@ -107,7 +115,8 @@ def describe(spec: Spec, arch: str) -> str:
     c = launch(spec).constexprs
     return (
         f"ssd {kernel} {dtype} {'packed' if packed else 'batched'} "
-        f"{'all options' if options else 'no options'} tile {c['BLOCK_P']}x{c['BLOCK_N']} {arch}"
+        f"{'all options' if options else 'no options'} tile {c['BLOCK_P']}x{c['BLOCK_N']}"
+        f"{'x' + str(c['BLOCK_T']) if 'BLOCK_T' in c else ''} {arch}"
     )
 
 

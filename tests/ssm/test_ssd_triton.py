@@ -150,12 +150,15 @@ CASES = [
     ),
     Case(length=130, batch=1, heads=1, headdim=1, n=2, initial=False),
     # packed: empty sequences first, in the middle and last; one spanning everything
-    Case(batch=1, length=9, cu=(0, 0, 4, 4, 9, 9)),
+    Case(batch=1, length=9, groups=2, cu=(0, 0, 4, 4, 9, 9)),
     Case(batch=1, length=9, cu=(0, 9), initial=False),
     Case(batch=1, length=0, cu=(0, 0, 0)),
     # boundaries at and next to the checkpoint (64)
     Case(batch=1, length=130, heads=1, headdim=1, n=2, cu=(0, 63, 64, 65, 128, 128, 130)),
-    Case(batch=1, length=66, heads=2, groups=2, headdim=1, n=1, cu=(0, 64, 66), D=False),
+    pytest.param(
+        Case(batch=1, length=66, heads=2, groups=2, headdim=1, n=1, cu=(0, 64, 66), D=False),
+        marks=pytest.mark.slow,
+    ),
     # nothing to scan: no batch rows, no heads' rows, no states
     Case(batch=0),
     Case(headdim=0),
@@ -166,6 +169,31 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: str(c))
 def test_forward_and_backward_match_the_loop(case: Case) -> None:
     check(case, operands(case))
+
+
+CHUNKED = [
+    Case(batch=1, length=7, headdim=5, dtype=torch.float32),
+    Case(batch=1, length=70, heads=1, headdim=1, n=2, D=False),  # blocks across a checkpoint
+    pytest.param(Case(heads=4, groups=2, headdim=20, n=17, length=33), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case", CHUNKED, ids=lambda c: str(c))
+def test_chunked_forward_matches_the_loop(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward by the dual form (blocks of 16 steps in the interpreter; headdim and
+    N padded to 16): out, final, checkpoints, and the backward from its checkpoints."""
+    monkeypatch.setattr(backend, "FORWARD", "chunked")
+    launch, *_ = backend.forward_launch(*operands(case))
+    assert launch.constexprs["BLOCK_T"] == 16
+    check(case, operands(case))
+
+
+def test_chunked_forward_walks_packed_sequences_step_by_step() -> None:
+    case = Case(batch=1, length=5, cu=(0, 2, 5))
+    launch, *_ = backend.forward_launch(*operands(case), algorithm="chunked")
+    assert "BLOCK_T" not in launch.constexprs
+    with pytest.raises(ValueError, match=r"parascan\.ssd_scan: expected algorithm"):
+        backend.forward(*operands(case), algorithm="dual")
 
 
 def test_strided_and_broadcast_operands() -> None:
@@ -280,10 +308,10 @@ def _compiled(full: bool) -> list[dict]:
 
 def test_kernels_compile_for_sm80_and_sm90_without_spills() -> None:
     rows = _compiled(full=False)
-    assert len(rows) == 2 * 2  # (forward, backward) in float32 x 2 targets
+    assert len(rows) == 3 * 2  # (forward, chunked forward, backward) in float32 x 2 targets
 
 
 @pytest.mark.slow
 def test_every_variant_compiles_without_spills() -> None:
     rows = _compiled(full=True)
-    assert len(rows) == 2 * 2 * 2 * 2 * 2
+    assert len(rows) == (2 * 2 * 2 * 2 + 2 * 2) * 2

@@ -35,6 +35,9 @@ from parascan.ssm.ssd_canonical import CHECKPOINT_STEPS, EMPTY
 from parascan.ssm.triton import Launch
 
 __all__ = [
+    "CHUNKED_TILES",
+    "FORWARD",
+    "INTERPRETED_CHUNKED",
     "INTERPRETED_TILES",
     "TILES",
     "Plan",
@@ -47,6 +50,12 @@ __all__ = [
 ]
 
 _FN = "parascan.ssd_scan"
+# The forward's algorithm when not packed: "sequential" (the walk step by step) or
+# "chunked" (the state-space dual form in blocks of steps, matrix products). Both are
+# proven in the interpreter and compile without spills; neither has run on a GPU yet,
+# so the default is the simpler walk until tests/ssm/ssd_gpu_check.py, which times
+# both, has been run on one.
+FORWARD = "sequential"
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,21 @@ TILES = {
 # In Triton's interpreter every step of the walk costs Python calls: tiles of 2 rows
 # so that the tests' tiny heads still have several row blocks.
 INTERPRETED_TILES = Tiles(rows=2, warps=1, registers=255)
+# The dual form's forward (``algorithm="chunked"``): (rows x steps per block, warps,
+# software-pipeline stages) per compute dtype; tl.dot takes no side below 16 (N and
+# headdim are padded to 16). Chosen by compiling (ssd_gpu_compile.py), not by timing
+# (no GPU yet): float32 32 rows x 16 steps on 4 warps is the largest tile found
+# without a spill on sm_80 and sm_90 (64 rows or 32 steps spilled 0.1-6 KB even on
+# 8 warps, in both dot precisions); float64 16 x 16.
+CHUNKED_TILES = {
+    torch.float32: (Tiles(32, warps=4, registers=255, stages=2), 16),
+    torch.float64: (Tiles(16, warps=4, registers=255, stages=2), 16),
+}
+# tl.dot's precision: float32 products as three tf32 products (big x big + big x small
+# + small x big: about float32's accuracy on the tensor cores; one tf32 product would
+# round the inputs to 10 bits); float64 exact.
+PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
+INTERPRETED_CHUNKED = (Tiles(rows=16, warps=1, registers=255), 16)
 
 
 @dataclass(frozen=True)
@@ -92,6 +116,7 @@ class Plan:
     registers: int
     stages: int
     chunk: int
+    steps: int = 1  # the dual form's block of steps (BLOCK_T); 1: the sequential walk
 
 
 def _next_power_of_2(x: int) -> int:
@@ -99,21 +124,33 @@ def _next_power_of_2(x: int) -> int:
 
 
 def plan(
-    headdim: int, n: int, dtype: torch.dtype, backward: bool, interpreted: bool | None = None
+    headdim: int,
+    n: int,
+    dtype: torch.dtype,
+    backward: bool,
+    interpreted: bool | None = None,
+    chunked: bool = False,
 ) -> Plan:
-    """The launch of a pass over heads of ``headdim`` rows and ``n`` states."""
+    """The launch of a pass over heads of ``headdim`` rows and ``n`` states
+    (``chunked``: the forward by the dual form)."""
     if interpreted is None:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    tiles = INTERPRETED_TILES if interpreted else TILES[dtype][backward]
-    rows = min(tiles.rows, _next_power_of_2(headdim))
+    steps, least = 1, 1
+    if chunked:
+        tiles, steps = INTERPRETED_CHUNKED if interpreted else CHUNKED_TILES[dtype]
+        least = 16
+    else:
+        tiles = INTERPRETED_TILES if interpreted else TILES[dtype][backward]
+    rows = max(min(tiles.rows, _next_power_of_2(headdim)), least)
     return Plan(
         rows=rows,
         blocks=-(-headdim // rows),
-        states=_next_power_of_2(n),
+        states=max(_next_power_of_2(n), least),
         warps=tiles.warps,
         registers=tiles.registers,
         stages=tiles.stages,
         chunk=CHECKPOINT_STEPS["triton"],
+        steps=steps,
     )
 
 
@@ -171,6 +208,7 @@ def _constexprs(
         PACKED=cu_seqlens is not None,
         ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
         BLOCK_P=p.rows, BLOCK_N=p.states, STAGES=p.stages,
+        **({"BLOCK_T": p.steps, "PRECISION": PRECISION[x.dtype]} if p.steps > 1 else {}),
     )  # fmt: skip
 
 
@@ -178,15 +216,27 @@ def _states(x: Tensor, cu_seqlens: Tensor | None) -> int:
     return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
+def _chunked(algorithm: str | None, cu_seqlens: Tensor | None) -> bool:
+    """Whether the forward runs the dual form: ``algorithm`` ("sequential",
+    "chunked", or None for ``FORWARD``); packed sequences always walk step by step."""
+    algorithm = FORWARD if algorithm is None else algorithm
+    if algorithm not in ("sequential", "chunked"):
+        raise ValueError(
+            f"{_FN}: expected algorithm 'sequential' or 'chunked', but got {algorithm!r}"
+        )
+    return algorithm == "chunked" and cu_seqlens is None
+
+
 def forward_launch(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
+    algorithm: str | None = None,
 ) -> tuple[Launch, Tensor, Tensor, Tensor]:  # fmt: skip
     """The forward kernel's launch and its outputs (out, final, checkpoints), still
     to be written. Works on meta tensors too (the compile-for-GPU test uses it)."""
     batch, length, heads, headdim = x.shape
     n = B.shape[3]
-    p = plan(headdim, n, x.dtype, False)
+    p = plan(headdim, n, x.dtype, False, chunked=_chunked(algorithm, cu_seqlens))
     new: dict[str, Any] = dict(dtype=x.dtype, device=x.device)
     out = torch.empty((batch, length, heads, headdim), **new)
     final = torch.empty((_states(x, cu_seqlens), heads, headdim, n), **new)
@@ -215,19 +265,26 @@ def _empty_sequences(cu_seqlens: Tensor, device: torch.device) -> Tensor:
 
 def forward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
-    z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
+    z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None, *,
+    algorithm: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """ssd_canonical.py's forward: (out, final, checkpoints)."""
+    """ssd_canonical.py's forward: (out, final, checkpoints). ``algorithm``:
+    "sequential" or "chunked" (the dual form; not for packed sequences), ``FORWARD``
+    when None."""
     _check(x)
     from parascan.ssm import ssd_triton_kernels as kernels
 
-    launch, out, final, checkpoints = forward_launch(x, dt, A, B, C, D, z, initial, cu_seqlens)
+    launch, out, final, checkpoints = forward_launch(
+        x, dt, A, B, C, D, z, initial, cu_seqlens, algorithm
+    )
     start = initial if initial is not None else torch.zeros_like(final)
     if out.numel() == 0:  # no steps, no heads or no rows: every final state is the initial
         if final.numel():
             final.copy_(start)
         return out, final, checkpoints
-    kernels.forward_kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options())
+    kernel = kernels.chunked_forward_kernel if "BLOCK_T" in launch.constexprs else None
+    kernel = kernel or kernels.forward_kernel
+    kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options())
     if cu_seqlens is not None:  # an empty sequence's final state is its initial state
         final = torch.where(_empty_sequences(cu_seqlens, x.device), start, final)
     return out, final, checkpoints

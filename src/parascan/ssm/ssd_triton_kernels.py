@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["backward_kernel", "forward_kernel"]
+__all__ = ["backward_kernel", "chunked_forward_kernel", "forward_kernel"]
 
 
 @triton.jit
@@ -255,5 +255,78 @@ def _backward_kernel(
         tl.store(gD_ptr + (b * HEADS + head) * HEADDIM + p, gD, mask=p_ok)
 
 
+@triton.jit
+def _chunked_forward_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, init_ptr, cu_ptr, seq_ptr,
+    out_ptr, final_ptr, ck_ptr,
+    L, HEADS, HEADDIM, N, GROUPS, RATIO, N_PB, K, N_CHUNKS,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The forward by the state-space dual form, blocks of BLOCK_T steps (not packed:
+    PACKED must be False; cu_ptr and seq_ptr are not read). Within a block, with
+    la[t] = dt[t] A, seg[i, j] = la[j+1] + ... + la[i] (i >= j) and cum[i] = la[0] +
+    ... + la[i]:
+
+        y[i]  = sum_{j <= i} exp(seg[i, j]) dt[j] (C[i] . B[j]) x[j] + exp(cum[i]) h C[i]
+        h_end = exp(cum[T-1]) h + sum_j exp(seg[T-1, j]) dt[j] x[j] (outer) B[j]
+
+    four matrix products per block (C B^T, its weighted product with x, C h^T and
+    x^T B) instead of T rank-one updates. seg is summed directly (a cumulative sum
+    of a masked matrix, not a difference of running sums, which would cancel), and
+    steps past L have dt = 0: a decay of 1 and no input. K is a multiple of BLOCK_T."""
+    b, head, _, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
+        HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
+    )  # fmt: skip
+    A = tl.load(A_ptr + head).to(ACC)
+    Dv = tl.zeros((BLOCK_P,), ACC)
+    if HAS_D:
+        Dv = tl.load(D_ptr + head * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
+    state = (head * HEADDIM) * N + tile
+    h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
+    if HAS_INIT:
+        h = tl.load(init_ptr + b * HEADS * HEADDIM * N + state, mask=tile_ok, other=0.0)
+        h = h.to(ACC)
+    i = tl.arange(0, BLOCK_T)
+    causal = i[:, None] >= i[None, :]  # [i, j]: j <= i
+    for t0 in tl.range(0, L, BLOCK_T, num_stages=STAGES):
+        if t0 % K == 0:
+            ck = ((b * N_CHUNKS + t0 // K) * HEADS * HEADDIM) * N + state
+            tl.store(ck_ptr + ck, h, mask=tile_ok)
+        t = t0 + i
+        t_ok = t < L
+        row = b * L + t  # [BLOCK_T]
+        dt = tl.load(dt_ptr + row * HEADS + head, mask=t_ok, other=0.0).to(ACC)
+        at = (row[:, None] * HEADS + head) * HEADDIM + p[None, :]  # [BLOCK_T, BLOCK_P]
+        tp_ok = t_ok[:, None] & p_ok[None, :]
+        x = tl.load(x_ptr + at, mask=tp_ok, other=0.0).to(ACC)
+        bc = (row[:, None] * GROUPS + group) * N + n[None, :]  # [BLOCK_T, BLOCK_N]
+        tn_ok = t_ok[:, None] & n_ok[None, :]
+        Bt = tl.load(B_ptr + bc, mask=tn_ok, other=0.0).to(ACC)
+        Ct = tl.load(C_ptr + bc, mask=tn_ok, other=0.0).to(ACC)
+        la = dt * A
+        cum = tl.cumsum(la, 0)
+        # seg[i, j]: the cumulative sum over k of la[k] for j < k (row k, column j)
+        seg = tl.cumsum(tl.where(i[:, None] > i[None, :], la[:, None], 0.0), 0)
+        decay = tl.where(causal, tl.exp(seg), 0.0)
+        cb = tl.dot(Ct, tl.trans(Bt), input_precision=PRECISION)  # [i, j] = C[i] . B[j]
+        xdt = x * dt[:, None]
+        y = tl.dot(cb * decay, xdt, input_precision=PRECISION)
+        y += tl.exp(cum)[:, None] * tl.dot(Ct, tl.trans(h), input_precision=PRECISION)
+        if HAS_D:
+            y += Dv[None, :] * x
+        if HAS_Z:
+            zz = tl.load(z_ptr + at, mask=tp_ok, other=0.0).to(ACC)
+            y = y * zz / (1.0 + tl.exp(-zz))
+        tl.store(out_ptr + at, y, mask=tp_ok)
+        # the block's decay to its end, per step (seg's last row) and whole (cum's last)
+        to_end = tl.sum(tl.where(i[:, None] == BLOCK_T - 1, decay, 0.0), axis=0)  # [j]
+        whole = tl.sum(tl.where(i == BLOCK_T - 1, tl.exp(cum), 0.0), axis=0)
+        h = whole * h + tl.dot(tl.trans(xdt * to_end[:, None]), Bt, input_precision=PRECISION)
+    tl.store(final_ptr + b * HEADS * HEADDIM * N + state, h, mask=tile_ok)
+
+
 forward_kernel = _forward_kernel
+chunked_forward_kernel = _chunked_forward_kernel
 backward_kernel = _backward_kernel
