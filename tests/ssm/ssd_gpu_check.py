@@ -2,14 +2,16 @@
 on a machine with CUDA (not collected by pytest: it needs a GPU, and the CPU suite
 proves the kernels in Triton's interpreter and compiles them for sm_80/sm_90).
 
-1. Validation: ``ps.ssd_scan(backend="triton")`` against the float64 loop
+1. Validation: ``ps.ssd_scan(backend="triton")``, with each forward algorithm
+   (``ssd_triton.FORWARD``: "sequential", "chunked"), against the float64 loop
    (oracles.ssd_loop, on the CPU) on small shapes, and against the ``torch`` backend
    on the model shapes below: out, final and the gradients of every input, plain and
    packed (cu_seqlens with an empty sequence and boundaries next to the checkpoints).
 2. Timing (CUDA events, the median of repetitions after a warm-up) of the forward
-   and the forward + backward of both backends, next to the HBM limit measured in the
-   same run: the time a device-to-device copy takes to move the bytes the forward
-   must move at least (read x, dt, B, C, z; write out), and 3.5x that for the
+   and the forward + backward of both backends (triton with each forward algorithm:
+   the faster is the one to make ``ssd_triton.FORWARD``'s default), next to the HBM
+   limit measured in the same run: the time a device-to-device copy takes to move
+   the bytes the forward must move at least (read x, dt, B, C, z; write out), and 3.5x that for the
    forward + backward (the backward reads them again with grad_out and writes the
    gradients: about 2.5x the forward's bytes).
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 import parascan as ps
+from parascan.ssm import ssd_triton
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
@@ -111,6 +114,16 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], what: str, rtol: 
 
 def validate() -> bool:
     ok = True
+    for algorithm in ("sequential", "chunked"):  # the triton forward's two algorithms
+        ssd_triton.FORWARD = algorithm
+        print(f"triton, forward {algorithm}:")
+        ok &= _validate()
+    ssd_triton.FORWARD = "sequential"
+    return ok
+
+
+def _validate() -> bool:
+    ok = True
     # against the float64 loop on the CPU, small shapes
     for shape, cu in LOOP_CASES:
         p = problem(*shape)
@@ -173,7 +186,8 @@ def benchmark() -> None:
         leaves = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
         io = 4 * batch * length * (3 * heads * headdim + heads + 2 * groups * n)
         limit = hbm_seconds(io)
-        for backend in ("triton", "torch"):
+        for backend, algorithm in (("triton", "sequential"), ("triton", "chunked"), ("torch", "")):
+            ssd_triton.FORWARD = algorithm or "sequential"
             forward = cuda_time(lambda b=backend, q=p: run(q, b))
 
             def step(b: str = backend, q: dict[str, torch.Tensor] = leaves) -> None:
@@ -182,8 +196,9 @@ def benchmark() -> None:
 
             both = cuda_time(step, reps=10)
             print(
-                f"{shape} {backend:6s} forward {forward * 1e3:8.3f} ms ({forward / limit:6.1f}x "
-                f"the HBM limit {limit * 1e6:.1f} us)  forward+backward {both * 1e3:8.3f} ms "
+                f"{shape} {backend:6s} {algorithm:10s} forward {forward * 1e3:8.3f} ms "
+                f"({forward / limit:6.1f}x the HBM limit {limit * 1e6:.1f} us)  "
+                f"forward+backward {both * 1e3:8.3f} ms "
                 f"({both / (3.5 * limit):6.1f}x its limit)"
             )
 
