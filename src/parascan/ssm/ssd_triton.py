@@ -7,14 +7,27 @@ interpreter (``TRITON_INTERPRET=1`` set before triton is imported), in float32 o
 float64 (the canonical operands' compute dtype).
 
 How the work is cut (ssd_triton_kernels.py): one program per (batch row, head, block
-of ``Plan.rows`` rows of the head's (headdim, N) state), walking L one step at a
-time with its tile of the state in registers; checkpoints every
-``CHECKPOINT_STEPS["triton"]`` steps. The sequential walk is the simplest correct
-form; its cost per step is a dependent chain of a few loads, a multiply-add over the
-tile and a reduction over N, so it is latency-bound on a GPU (the state-space dual
-form, whose steps inside a block are matrix products, is the faster algorithm there
-and is not written yet). Packed sequences: the kernels read ``cu_seqlens`` and, per
-step, the sequence holding it (``_sequence_of_steps``, computed here on the device).
+of ``Plan.rows`` rows of the head's (headdim, N) state), walking L with its tile of
+the state in registers; checkpoints every ``CHECKPOINT_STEPS["triton"]`` steps. Two
+forwards, both with the same checkpoints (so one backward serves both):
+
+- "sequential": one step at a time. Per step a multiply-add over the tile and a
+  reduction over N, a short dependent chain (the loads of the next steps are
+  software-pipelined), so the walk is latency-bound: its time is about L times one
+  step's chain, whatever the width of the head, and the GPU is filled by programs
+  (batch x heads x row blocks of them).
+- "chunked" (not packed): the state-space dual form in blocks of 16 steps, whose
+  work inside a block is four matrix products (tl.dot), so the serial chain is one
+  block's, 16 times fewer links, for about the same multiply-adds at headdim = N =
+  64 (per step 16 (N + headdim) + 2 headdim N against 3 headdim N).
+
+Which wins where is to be measured (tests/ssm/ssd_gpu_check.py times both; no GPU
+has run them yet): the expectation from the counts above is the dual form, by up to
+the 16 of the shorter chain while the programs do not fill the GPU. ``FORWARD``
+picks; the sequential walk until measured, and always for packed sequences (whose
+boundaries would cut the blocks). The backward walks step by step. Packed
+sequences: the kernels read ``cu_seqlens`` and, per step, the sequence holding it
+(``_sequence_of_steps``, computed here on the device).
 
 Gradients of the operands shared across programs (B and C by the heads of a group
 and the row blocks, dt by the row blocks, A and D by the batch and time) are

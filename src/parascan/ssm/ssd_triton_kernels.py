@@ -20,6 +20,10 @@ on sm_80 and later the loads of the next STAGES - 1 steps are in flight, as cp.a
 copies into shared memory, while a step computes): the walk's chain per step is
 then the arithmetic, not a load's latency.
 
+``chunked_forward_kernel`` computes the same forward (same checkpoints) by the
+state-space dual form, a block of BLOCK_T steps per iteration in matrix products
+(its docstring has the equations); not for packed sequences.
+
 Packed sequences (``PACKED``, batch 1): ``seq[t]`` is the sequence holding step t
 and ``cu`` the offsets; the state is reset to the sequence's initial state (or
 zeros) at its first step and stored as its final state after its last, so no state
