@@ -19,6 +19,7 @@ from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
 from parascan.ssm import ssd_cpu
 from parascan.ssm import ssd_reference as reference
+from parascan.ssm import ssd_triton
 from parascan.ssm.ssd_canonical import n_chunks
 
 __all__ = ["ROW", "apply"]
@@ -32,11 +33,10 @@ ROW = register(
         backends={
             # the first usable one is "auto"'s choice: the C kernel on CPU tensors
             "cpu": Backend(ssd_cpu.forward, ssd_cpu.backward, _STATE_DTYPES),
+            # "auto" picks it for CUDA tensors only (the interpreter is a testing aid)
+            "triton": Backend(ssd_triton.forward, ssd_triton.backward, _STATE_DTYPES),
             "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
-        },
-        missing={
-            "triton": "the SSD scan's Triton kernels are coming but not built yet; use 'torch'",
         },
     )
 )
