@@ -4,10 +4,9 @@ torch.func, compile, the decoding step, memory and errors."""
 
 from __future__ import annotations
 
-import os
-
 import doctest
 import math
+import os
 
 import pytest
 import torch

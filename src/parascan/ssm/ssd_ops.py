@@ -17,9 +17,8 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
-from parascan.ssm import ssd_cpu
+from parascan.ssm import ssd_cpu, ssd_triton
 from parascan.ssm import ssd_reference as reference
-from parascan.ssm import ssd_triton
 from parascan.ssm.ssd_canonical import n_chunks
 
 __all__ = ["ROW", "apply"]
