@@ -104,6 +104,7 @@ BAD_LINES = {
     "bench --device cpu:1": "the CPU is one device",
     "bench --plot /nonexistent-folder/sweep.png": "its folder does not exist",
     "bench --quick --full": "not allowed with argument --quick",
+    "bench --json --models": "--json covers the kernel tables only",
     "info --bogus": "unrecognized arguments",
     "frobnicate": "invalid choice",
 }
@@ -239,11 +240,33 @@ def test_default_bench_times_every_backend_and_peer_and_the_headline_shapes() ->
     ],
 )  # fmt: skip
 def test_bench_runs_the_default_full_or_quick_workload(flags, workload, monkeypatch) -> None:
-    seen = []
+    from parascan.tools import cli
+
+    seen, models = [], []
     monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.append(kw) or 0)
-    assert main(["bench", "--json", *flags]) == 0
+    monkeypatch.setattr(cli, "_bench_models", lambda quick: models.append(quick) or 0)
+    assert main(["bench", *flags]) == 0
     kw = seen[0]
     assert (kw["cases"], kw["generic_cases"], kw["packed_cases"], kw["ssm_cases"]) == workload
+    # the end-to-end models come with --full (and --models), not by default
+    assert models == ([False] if flags == ["--full"] else [])
+    assert main(["bench", "--models", *flags]) == 0
+    assert models[-1] == (flags == ["--quick"])
+
+
+def test_bench_models_prints_both_tables_and_fails_on_a_wrong_result(monkeypatch, capsys) -> None:
+    from parascan.tools import bench_transformers, cli
+
+    def fake_run(*, quick, model_name, progress):  # type: ignore[no-untyped-def]
+        progress("timing")
+        correct = model_name == "mamba"
+        return [bench_transformers.Row("forward", 2.0, 1.0, 2.0 if correct else None,
+                                       0.0 if correct else 1.0, correct)]  # fmt: skip
+
+    monkeypatch.setattr(bench_transformers, "run", fake_run)
+    assert cli._bench_models(quick=True) == 1  # mamba2's result differs
+    out = capsys.readouterr().out
+    assert "End to end: mamba," in out and "End to end: mamba2," in out and "WRONG" in out
 
 
 def test_bench_packed_rows_compare_with_one_sequence_and_a_loop() -> None:

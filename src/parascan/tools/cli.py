@@ -60,11 +60,37 @@ def _bench(args: argparse.Namespace) -> int:
         as_json=args.json,
         plot_path=args.plot,
     )
-    if workload == "default" and not args.json:
+    if args.models or workload == "full":
+        status = max(status, _bench_models(quick=workload == "quick"))
+    elif workload == "default" and not args.json:
         print(
             "\nThe default workload: the slow implementations on smaller shapes, timed once. "
-            "`parascan bench --full` runs the whole workload (about 10 minutes on 2 cores)."
+            "`parascan bench --full` runs the whole workload (about 10 minutes on 2 cores, "
+            "plus the end-to-end models of `--models`)."
         )
+    return status
+
+
+def _bench_models(quick: bool) -> int:
+    """The end-to-end tables: transformers' Mamba and Mamba2 models unpatched against
+    patched (parascan.tools.bench_transformers); 1 when any result differs."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        print("\nEnd-to-end models: transformers is not installed "
+              "(pip install 'parascan[transformers]')")  # fmt: skip
+        return 0
+    from parascan.tools import bench_transformers
+
+    status = 0
+    for model in ("mamba", "mamba2"):
+        print(f"\nEnd to end: {model}, unpatched against parascan.integrations.transformers",
+              flush=True)  # fmt: skip
+        rows = bench_transformers.run(
+            quick=quick, model_name=model, progress=lambda line: print("  " + line, flush=True)
+        )
+        print(bench_transformers.format_rows(rows, model))
+        status = max(status, 0 if all(r.correct for r in rows) else 1)
     return status
 
 
@@ -122,6 +148,8 @@ def _validate(parsers: dict[str, argparse.ArgumentParser], args: argparse.Namesp
                     f"backend {name!r} cannot run on {args.device} here (available: "
                     f"{', '.join(available)})"
                 )
+    if args.json and (args.models or args.full):
+        parser.error("--json covers the kernel tables only; run --models or --full without it")
     if args.plot is not None:
         import importlib.util
         from pathlib import Path
@@ -161,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the whole workload: every dtype, thread count and peer at full size (minutes)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="also transformers' Mamba and Mamba2 models end to end, unpatched against "
+        "patched (needs transformers; minutes; on with --full)",
+    )
     p.add_argument(
         "--plot", metavar="FILE.png", help="also sweep T and plot time against T (matplotlib)"
     )
