@@ -155,6 +155,8 @@ bench.DEFAULT_CASES[:] = [
     bench.Case("linear", shape, -1, peers=True), bench.Case("log", shape, 1, peers=True, op="log")
 ]
 bench.DEFAULT_GENERIC_CASES[:] = bench.QUICK_GENERIC_CASES
+bench.DEFAULT_PACKED_CASES[:] = bench.QUICK_PACKED_CASES
+bench.DEFAULT_SSM_CASES[:] = bench.QUICK_SSM_CASES
 sys.exit(cli.main(["bench", "--repeat", "1"]))
 """
 

@@ -360,10 +360,13 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
 
         timed: dict[str, list[float]] = {d: [] for d in directions}
         limits, streams = [], []
-        calls = 200 if tokens.numel() < 100_000 else 1  # tiny calls: time many per sample
         if fast:  # warm up the allocator, the thread pool and the caches
             _elapsed(lambda: torch.add(gates, tokens), 1, case.device)
             _elapsed(forward, 1, case.device)
+        calls = 1
+        if tokens.numel() < 100_000:  # tiny calls: as many per sample as fill ~10 ms
+            once = _elapsed(forward, 1, case.device)
+            calls = max(1, min(200, int(0.01 / max(once, 1e-6))))
         for _ in range(runs):
             limits.append(_elapsed(lambda: torch.add(gates, tokens), calls, case.device))
             streams.append(_elapsed(lambda: torch.add(gates, tokens, out=warm), calls, case.device))
