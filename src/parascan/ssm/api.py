@@ -10,7 +10,7 @@ from torch import Tensor
 from parascan._backends import resolve
 from parascan._checks import check_layout, describe
 from parascan._native.bindings import ARG_STRUCTS, kernel
-from parascan._op_utils import plain_eager, resolved
+from parascan._op_utils import plain_eager
 from parascan.ssm import ops
 
 __all__ = ["selective_scan", "selective_state_update"]
@@ -270,6 +270,7 @@ def selective_state_update(
         and state.dtype == cd
         and _eager_no_grad(tensors)
         and _no_overlap(state)  # else copy_ below raises torch's error
+        and not state.is_neg()  # written in place: never through a copy
     ):
         return _step_kernel(state, x, dt, A, mats, extras, dt_softplus, heads_layout)
     step = dt.to(cd)
@@ -332,37 +333,36 @@ def _step_kernel(
     """The decoding step on the C kernel (ssm/selective_step.h), in place on a real
     float32 or float64 CPU state: every operand read through its own strides in the
     state's dtype (converted when it has another), Mamba-1's layout as heads of one
-    row. The output in ``x``'s dtype."""
+    row (a stride of 0 for the row: no views are made, this runs once per token and
+    layer). The output in ``x``'s dtype."""
     cd = state.dtype
+    keep = []  # converted operands, alive until the kernel has run
 
-    def operand(t: Tensor, rows: bool) -> Tensor:
-        t = resolved(t.to(cd))
-        return t.unsqueeze(-1 if rows else -2) if not heads_layout else t
+    def ptr(t: Tensor | None, row: int, ndim: int) -> tuple[int, ...]:
+        """(pointer, strides) of ``t`` in ``cd``; Mamba-1's layout gets a row axis of
+        stride 0 at ``row``; zeros for an absent operand of ``ndim`` dimensions."""
+        if t is None:
+            return (0,) * (1 + ndim)
+        if t.dtype != cd or t.is_neg():
+            t = t.to(cd).resolve_neg()
+            keep.append(t)
+        st = t.stride()
+        if not heads_layout and row >= 0:
+            st = (*st[:row], 0, *st[row:])
+        return (t.data_ptr(), *st)
 
-    xs, dts, As = operand(x, True), operand(dt, True), operand(A, False)
-    Bs, Cs = (resolved(m.to(cd)) for m in mats)
-    D, z, bias = (
-        None if name not in extras else operand(extras[name], True)
-        for name in ("D", "z", "dt_bias")
-    )
-    st = state if heads_layout else state.unsqueeze(2)
-    batch, heads, headdim, n = st.shape
+    batch, n = state.shape[0], state.shape[-1]
+    heads, headdim = (state.shape[1], state.shape[2]) if heads_layout else (state.shape[1], 1)
     out = torch.empty((batch, heads, headdim), dtype=cd)
     args = ARG_STRUCTS["selective_step"](
-        batch, heads, headdim, n, Bs.shape[1], Cs.shape[1], *_ptr(st), *_ptr(xs), *_ptr(dts),
-        *_ptr(As), *_ptr(Bs), *_ptr(Cs), *_ptr(D, 2), *_ptr(z, 3), *_ptr(bias, 2), *_ptr(out),
-        int(softplus), torch.get_num_threads(),
+        batch, heads, headdim, n, mats[0].shape[1], mats[1].shape[1],
+        *ptr(state, 2, 4), *ptr(x, 2, 3), *ptr(dt, 2, 3), *ptr(A, 1, 3), *ptr(mats[0], -1, 3),
+        *ptr(mats[1], -1, 3), *ptr(extras.get("D"), 1, 2), *ptr(extras.get("z"), 2, 3),
+        *ptr(extras.get("dt_bias"), 1, 2), *ptr(out, -1, 3), int(softplus),
+        torch.get_num_threads(),
     )  # fmt: skip
     if kernel("selective_step", cd)(args) != 0:
         raise RuntimeError("parascan.selective_state_update: internal error: the step kernel "
                            "refused its operands")  # fmt: skip
-    y = out if heads_layout else out.squeeze(-1)
-    return y.to(x.dtype)
-
-
-def _ptr(t: Tensor | None, ndim: int = 0) -> tuple[int, ...]:
-    """A tensor's data pointer and strides as the kernel's struct holds them; zeros
-    (a NULL pointer) for an absent operand of ``ndim`` dimensions."""
-    if t is None:
-        return (0,) * (1 + ndim)
-    return (t.data_ptr(), *t.stride())
+    y = out if heads_layout else out.view(batch, heads)
+    return y if x.dtype == cd else y.to(x.dtype)

@@ -108,21 +108,37 @@ PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t en
             dt += FN(ps_step_gather)(a->dt_bias, a->dt_bias_stride, &k, count, 0);
         if (a->softplus) dt = FN(ps_sel_softplus)(dt);
         const V du = dt * x;
+        /* A constant along N (Mamba-2's one decay per head, broadcast): one exp per
+         * unit, the block's W of them in one vector */
+        V scalar_decay = SPLAT(0);
+        if (an == 0) {
+            T a0[W] = {0};
+            for (int64_t j = 0; j < count; j++)
+                a0[j] = *PS_STEP_AT(a->A, a->A_stride, k.h[j], k.p[j], 0);
+            V av;
+            memcpy(&av, a0, sizeof av);
+            scalar_decay = FN(ps_sel_exp)(av * dt);
+        }
         V sums[W];
         for (int64_t j = 0; j < W; j++) sums[j] = SPLAT(0);
         for (int64_t n0 = 0; n0 < N; n0 += W * PS_STEP_TILE) {
             const int64_t tile = N - n0 < W * PS_STEP_TILE ? N - n0 : W * PS_STEP_TILE;
             const int64_t nv = (tile + W - 1) / W;
             V decay[W][PS_STEP_TILE];
-            for (int64_t j = 0; j < count; j++) {
-                const T *A = PS_STEP_AT(a->A, a->A_stride, k.h[j], k.p[j], 0) + n0 * an;
-                for (int64_t v = 0; v < nv; v++) {
-                    const int64_t lanes = tile - v * W < W ? tile - v * W : W;
-                    decay[j][v] = FN(ps_step_load)(A + v * W * an, an, lanes) * dt[j];
+            if (an == 0) {
+                for (int64_t j = 0; j < count; j++)
+                    for (int64_t v = 0; v < nv; v++) decay[j][v] = SPLAT(scalar_decay[j]);
+            } else {
+                for (int64_t j = 0; j < count; j++) {
+                    const T *A = PS_STEP_AT(a->A, a->A_stride, k.h[j], k.p[j], 0) + n0 * an;
+                    for (int64_t v = 0; v < nv; v++) {
+                        const int64_t lanes = tile - v * W < W ? tile - v * W : W;
+                        decay[j][v] = FN(ps_step_load)(A + v * W * an, an, lanes) * dt[j];
+                    }
                 }
+                for (int64_t j = 0; j < count; j++)
+                    for (int64_t v = 0; v < nv; v++) decay[j][v] = FN(ps_sel_exp)(decay[j][v]);
             }
-            for (int64_t j = 0; j < count; j++)
-                for (int64_t v = 0; v < nv; v++) decay[j][v] = FN(ps_sel_exp)(decay[j][v]);
             for (int64_t j = 0; j < count; j++) {
                 T *state = (T *)a->state + k.b[j] * a->state_stride[0] +
                            k.h[j] * a->state_stride[1] + k.p[j] * a->state_stride[2] + n0 * sn;
