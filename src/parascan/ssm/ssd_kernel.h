@@ -94,6 +94,45 @@ ATTR static void F(ps_ssd_row)(V *row, const T *src, T scale, int64_t P, int64_t
     }
 }
 
+/* row[j] = src[p] over lanes [j0 W, (j0 + nj) W), zero past P (one copy: the rows
+ * then go through vector code only); and back, the lanes past P left out. */
+ATTR static void F(ps_ssd_load)(V *row, const T *src, int64_t P, int64_t j0, int64_t nj) {
+    const int64_t lo = j0 * W, hi = (j0 + nj) * W < P ? (j0 + nj) * W : P;
+    if (hi < (j0 + nj) * W) row[nj - 1] = (V){0};
+    if (hi > lo) memcpy(row, src + lo, sizeof(T) * (size_t)(hi - lo));
+}
+
+ATTR static void F(ps_ssd_store)(T *dst, const V *row, int64_t P, int64_t j0, int64_t nj) {
+    const int64_t lo = j0 * W, hi = (j0 + nj) * W < P ? (j0 + nj) * W : P;
+    if (hi > lo) memcpy(dst + lo, row, sizeof(T) * (size_t)(hi - lo));
+}
+
+/* exp(x) per lane within a few ulp for results of at least the smallest normal
+ * number (0 below, inf above PS_SSD_EXP_HI, NaN for NaN): x = k ln2 + r with k
+ * rounded by adding and removing 1.5 2^m (m: the mantissa bits, k left in the low
+ * bits of the sum), r from a two-part ln2, exp(r) by a polynomial and 2^k added to
+ * the exponent field. Lanes out of range compute garbage and are replaced. */
+ATTR static inline V F(ps_ssd_vexp)(V x) {
+    const V round = (T)PS_SSD_ROUND - (V){0};
+    const V t = x * (T)PS_SSD_LOG2E + round;
+    const V kf = t - round;
+    const V r = (x - kf * (T)PS_SSD_LN2_HI) - kf * (T)PS_SSD_LN2_LO;
+    const V r2 = r * r;
+    const V p = PS_SSD_EXP_POLY(r, r2);
+    const V scaled = (V)((VU)p + ((VU)t << PS_SSD_MANT));
+    const VI small = (VI)(x < (T)PS_SSD_EXP_LO);
+    const VI big = ~(VI)(x <= (T)PS_SSD_EXP_HI); /* or NaN: x + inf is inf or NaN */
+    const V inf = x + (T)INFINITY;
+    const V lo = (V)(~small & (VI)scaled);
+    return (V)((big & (VI)inf) | (~big & (VI)lo));
+}
+
+/* 1 / (1 + exp(-x)) per lane. */
+ATTR static inline V F(ps_ssd_vsigmoid)(V x) {
+    const V one = (T)1 - (V){0};
+    return one / (one + F(ps_ssd_vexp)(-x));
+}
+
 /* The forward step of nb (a constant after inlining) vectors of one head:
  *   hT[n] = a hT[n] + u B[n],   y += hT[n] C[n]   over n. */
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_fwd_block)(
@@ -200,15 +239,16 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
     const T *init = a->initial;
     T *out = a->out, *final = a->final, *ckpt = a->checkpoints;
     const int64_t most = (ctx->pv + ctx->split - 1) / ctx->split;
-    V *st = ps_ssd_alloc(sizeof(V) * (size_t)(N * most + 2 * most + 1));
+    V *st = ps_ssd_alloc(sizeof(V) * (size_t)(N * most + 5 * most + 1));
     if (!st) { __atomic_store_n(&((ps_ssd_args *)a)->failed, 1, __ATOMIC_RELAXED); return; }
-    V *u = st + N * most, *y = u + most;
+    V *u = st + N * most, *y = u + most, *xv = y + most, *dv = xv + most, *zv = dv + most;
     for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t bh = unit / ctx->split, part = unit % ctx->split;
         const int64_t b = bh / H, h = bh % H, g = h / (H / G);
         const int64_t j0 = part * ctx->pv / ctx->split, j1 = (part + 1) * ctx->pv / ctx->split;
         const int64_t nj = j1 - j0;
         if (nj == 0) continue;
+        if (D) F(ps_ssd_load)(dv, D + h * P, P, j0, nj);
         const int64_t local[2] = {0, L};
         const int64_t *cu = a->cu_seqlens ? a->cu_seqlens : local;
         const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
@@ -231,7 +271,8 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                     F(ps_ssd_prefetch)(out + (bt * H + h) * P + ahead, P, 1);
                     if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
                 }
-                F(ps_ssd_row)(u, xt, dtv, P, j0, nj);
+                F(ps_ssd_load)(xv, xt, P, j0, nj);
+                for (int64_t jj = 0; jj < nj; ++jj) u[jj] = dtv * xv[jj];
                 int64_t j = 0;
                 for (; j + PB <= nj; j += PB)
                     F(ps_ssd_fwd_block)(st + j, nj, u + j, y + j, Bt, Ct, decay, N, PB);
@@ -247,15 +288,14 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                 }
                 T *ot = out + (bt * H + h) * P;
                 const T *zt = z ? z + (bt * H + h) * P : NULL;
-                for (int64_t jj = 0; jj < nj; ++jj)
-                    for (int l = 0; l < W; ++l) {
-                        const int64_t p = (j0 + jj) * W + l;
-                        if (p >= P) break;
-                        T v = y[jj][l];
-                        if (D) v += D[h * P + p] * xt[p];
-                        if (zt) v *= zt[p] * F(ps_ssd_sigmoid)(zt[p]);
-                        ot[p] = v;
-                    }
+                if (D)
+                    for (int64_t jj = 0; jj < nj; ++jj) y[jj] += dv[jj] * xv[jj];
+                if (zt) {
+                    F(ps_ssd_load)(zv, zt, P, j0, nj);
+                    for (int64_t jj = 0; jj < nj; ++jj)
+                        y[jj] *= zv[jj] * F(ps_ssd_vsigmoid)(zv[jj]);
+                }
+                F(ps_ssd_store)(ot, y, P, j0, nj);
             }
             F(ps_ssd_store_state)(final + (sidx * H + h) * P * N, st, P, N, j0, nj);
         }
