@@ -82,18 +82,6 @@ ATTR static void F(ps_ssd_store_state)(T *dst, const V *st, int64_t P, int64_t N
             }
 }
 
-/* row[j] = scale * src[p] over lanes [j0 W, (j0 + nj) W), zero past P. */
-ATTR static void F(ps_ssd_row)(V *row, const T *src, T scale, int64_t P, int64_t j0, int64_t nj) {
-    for (int64_t j = 0; j < nj; ++j) {
-        V v = {0};
-        for (int l = 0; l < W; ++l) {
-            const int64_t p = (j0 + j) * W + l;
-            if (p < P) v[l] = scale * src[p];
-        }
-        row[j] = v;
-    }
-}
-
 /* row[j] = src[p] over lanes [j0 W, (j0 + nj) W), zero past P (one copy: the rows
  * then go through vector code only); and back, the lanes past P left out. */
 ATTR static void F(ps_ssd_load)(V *row, const T *src, int64_t P, int64_t j0, int64_t nj) {
@@ -201,8 +189,6 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
     for (int k = 0; k < nb; ++k) gu[k] = gs[k];
     *ga = acc;
 }
-
-ATTR static inline T F(ps_ssd_sigmoid)(T v) { return (T)1 / ((T)1 + EXP(-v)); }
 
 /* The decay of step (b, t) of head h: exp(max(dt A, LO)); *slope its derivative's
  * factor (0 where the floor holds). */
@@ -342,7 +328,8 @@ ATTR static inline int64_t F(ps_ssd_seq_of)(const int64_t *cu, int64_t nseq, int
 
 /* Chunk c of unit (b, h): rebuild its states from the checkpoint (pass 1, forward:
  * y, the grad_C sums), then the adjoint sweep (pass 2, backward) with every other
- * gradient. Buffers: hs (K + 1 states), rows (4 K rows: u, gy, y, gu), sc (N). */
+ * gradient. Buffers: hs (K + 1 states), rows (6 K rows: u, gy, y, gu, x, sigmoid(z);
+ * then 4 single rows: D, and scratch), sc (N). */
 ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, int64_t h,
                                     int64_t c, V *hs, V *rows, V *sc, T *rowT, int64_t *sq) {
     ps_ssd_args *a = ctx->a;
@@ -356,6 +343,9 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
     const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
     const int64_t ss = N * pv; /* a state's vectors */
     V *u = rows, *gy = rows + K * pv, *y = rows + 2 * K * pv, *gu = rows + 3 * K * pv;
+    V *xr = rows + 4 * K * pv, *sgr = rows + 5 * K * pv, *dv = rows + 6 * K * pv;
+    V *zv = dv + pv, *ov = zv + pv, *gxv = ov + pv;
+    if (D) F(ps_ssd_load)(dv, D + h * P, P, 0, pv);
     T *decay = rowT, *slope = rowT + K;
     T *pB = ctx->pB + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
     T *pC = ctx->pC + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
@@ -379,11 +369,16 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
             F(ps_ssd_prefetch)(gt + ahead, P, 0);
             if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
         }
-        F(ps_ssd_row)(u + i * pv, xt, dtv, P, 0, pv);
-        F(ps_ssd_row)(gy + i * pv, gt, (T)1, P, 0, pv);
+        F(ps_ssd_load)(xr + i * pv, xt, P, 0, pv);
+        for (int64_t jj = 0; jj < pv; ++jj) u[i * pv + jj] = dtv * xr[i * pv + jj];
+        F(ps_ssd_load)(gy + i * pv, gt, P, 0, pv);
         if (z) {
-            const T *zt = z + (bt * H + h) * P;
-            for (int64_t p = 0; p < P; ++p) gy[i * pv + p / W][p % W] *= zt[p] * F(ps_ssd_sigmoid)(zt[p]);
+            F(ps_ssd_load)(zv, z + (bt * H + h) * P, P, 0, pv);
+            for (int64_t jj = 0; jj < pv; ++jj) {
+                const V sg = F(ps_ssd_vsigmoid)(zv[jj]);
+                sgr[i * pv + jj] = sg;
+                gy[i * pv + jj] *= zv[jj] * sg;
+            }
         }
         const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
         const V *src = hs + i * ss;
@@ -408,7 +403,7 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         F(ps_ssd_sums)(sc, N, pC + i * N);
     }
     V *gst = ctx->gstate + unit * ss;
-    T *gD = ctx->gD + unit * pv * W;
+    V *gD = (V *)ctx->gD + unit * pv;
     for (int64_t i = len - 1; i >= 0; --i) {
         const int64_t t = t0 + i, bt = b * L + t;
         s = sq[i];
@@ -439,28 +434,36 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         T gas = 0;
         for (int l = 0; l < W; ++l) gas += ga[l];
         const T dtv = dt[bt * H + h];
-        const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
+        const T *gt = go + (bt * H + h) * P;
         T *gx = (T *)a->grad_x + (bt * H + h) * P;
         if (i >= PS_SSD_AHEAD) {
             const int64_t back = PS_SSD_AHEAD * H * P;
             F(ps_ssd_prefetch)(gx - back, P, 1);
             if (z) F(ps_ssd_prefetch)((T *)a->grad_z + (bt * H + h) * P - back, P, 1);
         }
-        T gdt = 0;
-        for (int64_t p = 0; p < P; ++p) {
-            const T gyp = gg[p / W][p % W], gup = gu[p / W][p % W];
-            gx[p] = dtv * gup + (D ? gyp * D[h * P + p] : (T)0);
-            gdt += gup * xt[p];
-            gD[p] += gyp * xt[p];
+        const V *xi = xr + i * pv;
+        V gdtv = {0};
+        for (int64_t jj = 0; jj < pv; ++jj) {
+            V gxj = dtv * gu[jj];
+            if (D) gxj += gg[jj] * dv[jj];
+            gxv[jj] = gxj;
+            gdtv += gu[jj] * xi[jj];
+            gD[jj] += gg[jj] * xi[jj];
         }
+        F(ps_ssd_store)(gx, gxv, P, 0, pv);
+        T gdt = 0;
+        for (int l = 0; l < W; ++l) gdt += gdtv[l];
         if (z) {
-            const T *zt = z + (bt * H + h) * P;
-            T *gz = (T *)a->grad_z + (bt * H + h) * P;
-            for (int64_t p = 0; p < P; ++p) {
-                const T sg = F(ps_ssd_sigmoid)(zt[p]);
-                const T pre = y[i * pv + p / W][p % W] + (D ? D[h * P + p] * xt[p] : (T)0);
-                gz[p] = gt[p] * pre * sg * ((T)1 + zt[p] * ((T)1 - sg));
+            F(ps_ssd_load)(zv, z + (bt * H + h) * P, P, 0, pv);
+            F(ps_ssd_load)(ov, gt, P, 0, pv);
+            const V one = (T)1 - (V){0};
+            for (int64_t jj = 0; jj < pv; ++jj) {
+                const V sg = sgr[i * pv + jj];
+                V pre = y[i * pv + jj];
+                if (D) pre += dv[jj] * xi[jj];
+                gxv[jj] = ov[jj] * pre * sg * (one + zv[jj] * (one - sg));
             }
+            F(ps_ssd_store)((T *)a->grad_z + (bt * H + h) * P, gxv, P, 0, pv);
         }
         ((T *)a->grad_dt)[bt * H + h] = gdt + gas * slope[i] * A[h];
         ctx->gA[unit] += gas * slope[i] * dtv;
@@ -474,7 +477,7 @@ ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) 
     ps_ssd_args *a = ctx->a;
     const int64_t K = a->chunk, N = a->nstate, pv = ctx->pv;
     const int64_t npad = (N + W - 1) / W * W;
-    const size_t vecs = (size_t)((K + 1) * N * pv + 4 * K * pv + npad + 1);
+    const size_t vecs = (size_t)((K + 1) * N * pv + (6 * K + 4) * pv + npad + 1);
     V *hs = ps_ssd_alloc(sizeof(V) * vecs);
     T *rowT = malloc(sizeof(T) * (size_t)(2 * K) + sizeof(int64_t) * (size_t)K + 64);
     if (!hs || !rowT) {
@@ -482,7 +485,7 @@ ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) 
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    V *rows = hs + (K + 1) * N * pv, *sc = rows + 4 * K * pv;
+    V *rows = hs + (K + 1) * N * pv, *sc = rows + (6 * K + 4) * pv;
     int64_t *sq = (int64_t *)(rowT + 2 * K);
     for (int64_t unit = begin; unit < end; ++unit)
         for (int64_t c = ctx->span_hi - 1; c >= ctx->span_lo; --c)
@@ -525,7 +528,8 @@ ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
     const int64_t span_steps = span_chunks * K;
     V *gstate = ps_ssd_alloc(sizeof(V) * (size_t)(units * N * pv + 1));
     T *gA = calloc((size_t)(units + 1), sizeof(T));
-    T *gD = calloc((size_t)(units * pv * W + 1), sizeof(T));
+    T *gD = ps_ssd_alloc(sizeof(T) * (size_t)(units * pv * W + 1));
+    if (gD) memset(gD, 0, sizeof(T) * (size_t)(units * pv * W + 1));
     T *pB = malloc(sizeof(T) * (size_t)(2 * units * span_steps * N + 1));
     int rc = 0;
     if (!gstate || !gA || !gD || !pB) { rc = -1; goto done; }
