@@ -169,9 +169,8 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
     V *g, int64_t stride, const V *hs, const V *u, const V *gy, V *gu, V *ga, V *sb,
     const T *Bt, const T *Ct, T a, int64_t N, int first, const int nb) {
-    V uu[PB], gg[PB], gs[PB];
-    V acc = *ga;
-    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; }
+    V uu[PB], gg[PB], gs[PB], acc[PB]; /* acc: one chain per vector (latency-bound if one) */
+    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; acc[k] = (V){0}; }
     for (int64_t n = 0; n < N; ++n) {
         const T bn = Bt[n], cn = Ct[n];
         V *row = g + n * stride;
@@ -181,13 +180,14 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
             const V G = row[k] + gg[k] * cn;
             gb += G * uu[k];
             gs[k] += G * bn;
-            acc += G * hp[k];
+            acc[k] += G * hp[k];
             row[k] = a * G;
         }
         sb[n] = first ? gb : sb[n] + gb;
     }
-    for (int k = 0; k < nb; ++k) gu[k] = gs[k];
-    *ga = acc;
+    V sum = *ga;
+    for (int k = 0; k < nb; ++k) { gu[k] = gs[k]; sum += acc[k]; }
+    *ga = sum;
 }
 
 /* The decay of step (b, t) of head h: exp(max(dt A, LO)); *slope its derivative's
