@@ -141,10 +141,11 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_fwd_block)(
 }
 
 /* The backward's rebuild of a step (hs: the state before it, hn: after it), with
- * y and the lane vectors of grad_C, sc[n] += sum over p of gy[p] h[t][n][p]. */
+ * y (when wy: only z's gradient reads it) and the lane vectors of grad_C,
+ * sc[n] += sum over p of gy[p] h[t][n][p]. */
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
     const V *hs, V *hn, int64_t stride, const V *u, const V *gy, V *y, V *sc, const T *Bt,
-    const T *Ct, T a, int64_t N, int first, const int nb) {
+    const T *Ct, T a, int64_t N, int first, int wy, const int nb) {
     V uu[PB], gg[PB], yy[PB];
     for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; yy[k] = (V){0}; }
     for (int64_t n = 0; n < N; ++n) {
@@ -154,7 +155,7 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
         V gc = {0};
         for (int k = 0; k < nb; ++k) {
             const V hv = a * src[k] + uu[k] * bn;
-            yy[k] += hv * cn;
+            if (wy) yy[k] += hv * cn; /* y only where z's gradient needs it */
             gc += gg[k] * hv;
             dst[k] = hv;
         }
@@ -386,18 +387,18 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         int64_t j = 0;
         for (; j + PB <= pv; j += PB)
             F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                decay[i], N, j == 0, PB);
+                                decay[i], N, j == 0, z != NULL, PB);
         switch (pv - j) {
 #if PB > 3
         case 3: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 3); break;
+                                    decay[i], N, j == 0, z != NULL, 3); break;
 #endif
 #if PB > 2
         case 2: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 2); break;
+                                    decay[i], N, j == 0, z != NULL, 2); break;
 #endif
         case 1: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 1); break;
+                                    decay[i], N, j == 0, z != NULL, 1); break;
         default: break;
         }
         F(ps_ssd_sums)(sc, N, pC + i * N);
