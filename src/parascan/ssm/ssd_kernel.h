@@ -37,7 +37,9 @@
 /* dst[i] = the sum of the lanes of v[i], i < count <= W: W vectors summed at once by
  * a tree of shuffles (log2 W levels of W / 2 ... 1 pairs), vector i's bits becoming
  * the lane's bits, so lane i of the root holds v[i]'s sum. */
-ATTR static void F(ps_ssd_lane_sums)(const V *v, int64_t count, T *dst) {
+ATTR static inline __attribute__((always_inline)) void F(ps_ssd_lane_sums)(const V *v,
+                                                                            int64_t count,
+                                                                            T *dst) {
     V r[W];
     for (int i = 0; i < W; ++i) r[i] = i < count ? v[i] : (V){0};
 #if W >= 16
@@ -50,7 +52,7 @@ ATTR static void F(ps_ssd_lane_sums)(const V *v, int64_t count, T *dst) {
     for (int j = 0; j < 2; ++j) r[j] = LEVEL(r[j], r[j + 2], 2);
 #endif
     r[0] = LEVEL(r[0], r[1], 1);
-    for (int64_t i = 0; i < count; ++i) dst[i] = r[0][i];
+    memcpy(dst, &r[0], sizeof(T) * (size_t)count); /* one vector store when count is W */
 }
 
 ATTR static void F(ps_ssd_sums)(const V *v, int64_t n, T *dst) {
