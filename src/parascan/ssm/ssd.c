@@ -11,7 +11,11 @@
  *       hT[n] = a hT[n] + (dt x) B[t, n],   y += hT[n] C[t, n]     for n < N
  *   one pass over the state per step, one multiply and two fused multiply-adds per
  *   state element, with up to PB vectors of dt x and y kept in registers and no lane
- *   sums. Work units are (batch row, head) pairs (split further along headdim when
+ *   sums. The rest of a step (dt x, D x, the silu(z) gate, and in the backward the
+ *   rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector code too,
+ *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
+ *   per step and head (the decay) is all that is left scalar. Work units are (batch
+ *   row, head) pairs (split further along headdim when
  *   there are fewer pairs than threads: rows of the state never interact). The state
  *   entering every K-th step is stored as its checkpoint. Packed sequences are walked
  *   one after the other inside a unit: the state is reloaded from that sequence's
