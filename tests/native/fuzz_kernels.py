@@ -40,7 +40,7 @@ from parascan._native import kernel_library_path
 from parascan._native.bindings import kernel_constants
 
 from conftest import DTYPES, assert_matches
-from oracles import linear_loop, log_loop, matmul_fold, matrix_loop, selective_loop
+from oracles import linear_loop, log_loop, matmul_fold, matrix_loop, selective_loop, ssd_loop
 
 FIRST_ORDER_DTYPES = DTYPES  # every dtype of the first-order scans
 MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
@@ -510,14 +510,98 @@ def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     return what, lambda: _with_threads(threads, check)
 
 
+def _ssd_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    """The SSD scan's C kernel (forward, fused backward) through
+    ps.ssd_scan(backend="cpu"): batch, heads in groups, headdim and N not multiples of
+    any vector width, lengths around the checkpoint interval, packed sequences (empty
+    ones included), optional D (per head or per channel), z, dt_bias with softplus,
+    initial states, strided views, float32/float64, 1 to 4 threads; the output, final
+    states and every gradient against the float64 loop."""
+    dtype = rng.choice([torch.float32, torch.float64])
+    groups = rng.choice([1, 1, 2, 3])
+    heads = groups * rng.choice([1, 2, 3])
+    headdim = rng.choice([1, 3, 8, 16, 17, 33, 64])
+    n = rng.choice([1, 3, 16, 17, 64])
+    k = 64  # the cpu backend's checkpoint interval (CHECKPOINT_STEPS)
+    length = rng.choice([0, 1, 2, 3, 17, k - 1, k, k + 1, 2 * k + 1])
+    packed = rng.random() < 0.3
+    batch = 1 if packed else rng.choice([1, 2, 3])
+    cu = None
+    if packed:
+        cuts = sorted(rng.choice([0, 1, k - 1, k, k + 1, rng.randint(0, length)])
+                      for _ in range(rng.randint(0, 4)))  # fmt: skip
+        cu = [0, *[c for c in cuts if c <= length], length]
+    opts = {name: rng.random() < 0.5 for name in ("D", "z", "dt_bias", "initial")}
+    per_head_d = rng.random() < 0.5
+    kinds = [rng.choice(["contiguous", "transposed", "sliced"]) for _ in range(2)]
+    threads = rng.choice([1, 2, 3, 4])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    states = batch if cu is None else len(cu) - 1
+    what = (
+        f"ssd scan {dtype} batch {batch} heads {heads} groups {groups} headdim {headdim} "
+        f"N {n} L {length} cu_seqlens {cu} {opts} D per head={per_head_d} views {kinds} "
+        f"threads {threads}"
+    )
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
+    wide = {
+        "x": r(batch, length, heads, headdim),
+        "dt": r(batch, length, heads, scale=0.5),
+        "A": -r(heads).abs() - 0.05,
+        "B": r(batch, length, groups, n),
+        "C": r(batch, length, groups, n),
+        "D": (r(heads) if per_head_d else r(heads, headdim)) if opts["D"] else None,
+        "z": r(batch, length, heads, headdim) if opts["z"] else None,
+        "dt_bias": r(heads, scale=0.1) if opts["dt_bias"] else None,
+        "initial": r(states, heads, headdim, n) if opts["initial"] else None,
+    }
+    softplus = opts["dt_bias"] or rng.random() < 0.5
+    if not softplus:
+        wide["dt"] = wide["dt"].abs()
+
+    def check() -> None:
+        args = {k2: None if v is None else v.to(dtype) for k2, v in wide.items()}
+        leaves = {k2: v.detach().clone().requires_grad_() for k2, v in args.items()
+                  if v is not None}  # fmt: skip
+        viewed = {"x": _view(rng, leaves["x"], kinds[0]), "B": _view(rng, leaves["B"], kinds[1])}
+        call = {**leaves, **viewed}
+        got, final = ps.ssd_scan(
+            call["x"], call["dt"], call["A"], call["B"], call["C"], D=call.get("D"),
+            z=call.get("z"), dt_bias=call.get("dt_bias"), dt_softplus=softplus,
+            initial=call.get("initial"), return_final=True,
+            cu_seqlens=None if cu is None else torch.tensor(cu), backend="cpu",
+        )  # fmt: skip
+        exact = {k2: v.detach().double().clone().requires_grad_() for k2, v in leaves.items()}
+        want, want_final = ssd_loop(**exact, dt_softplus=softplus, cu_seqlens=cu)
+        assert_matches(got, want, dtype)
+        assert_matches(final, want_final, dtype)
+        if length == 0:
+            return
+        w_out, w_fin = r(*want.shape), r(*want_final.shape)
+        got_grads = torch.autograd.grad(
+            (got.double() * w_out).sum() + (final.double() * w_fin).sum(), list(leaves.values())
+        )
+        want_grads = torch.autograd.grad(
+            (want * w_out).sum() + (want_final * w_fin).sum(), list(exact.values())
+        )
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert_matches(g, w, dtype)
+
+    return what, lambda: _with_threads(threads, check)
+
+
 def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
     """Case ``case`` of ``seed``: its description, and the check that runs it."""
     rng = random.Random(f"{seed}-{case}")
-    kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product", "selective"])
+    kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product", "selective", "ssd"])
     if kind in ("linear", "log"):
         return _first_order_case(rng, log=kind == "log")
     if kind == "selective":
         return _selective_case(rng)
+    if kind == "ssd":
+        return _ssd_case(rng)
     return _matrix_case(rng) if kind == "matrix" else _product_case(rng)
 
 

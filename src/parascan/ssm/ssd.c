@@ -11,7 +11,11 @@
  *       hT[n] = a hT[n] + (dt x) B[t, n],   y += hT[n] C[t, n]     for n < N
  *   one pass over the state per step, one multiply and two fused multiply-adds per
  *   state element, with up to PB vectors of dt x and y kept in registers and no lane
- *   sums. Work units are (batch row, head) pairs (split further along headdim when
+ *   sums. The rest of a step (dt x, D x, the silu(z) gate, and in the backward the
+ *   rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector code too,
+ *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
+ *   per step and head (the decay) is all that is left scalar. Work units are (batch
+ *   row, head) pairs (split further along headdim when
  *   there are fewer pairs than threads: rows of the state never interact). The state
  *   entering every K-th step is stored as its checkpoint. Packed sequences are walked
  *   one after the other inside a unit: the state is reloaded from that sequence's
@@ -114,12 +118,26 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
 #define EXP expf
 #define LO (-80.0f)
 #define SFX f32
+/* the vector exp's constants (see ps_ssd_vexp): results of at least 2^-125 */
+#define PS_SSD_EXP_LO -86.9f
+#define PS_SSD_EXP_HI 88.7228317f
+#define PS_SSD_ROUND 12582912.0f /* 1.5 2^23 */
+#define PS_SSD_LOG2E 1.44269504088896341f
+#define PS_SSD_LN2_HI 0.693359375f /* 9 bits: times k (8 bits) is exact */
+#define PS_SSD_LN2_LO -2.12194440e-4f
+#define PS_SSD_MANT 23
+/* a near-minimax fit of (exp(r) - 1 - r) / r^2 on |r| <= 0.3467: relative error 8e-9 */
+#define PS_SSD_EXP_POLY(r, r2)                                                            \
+    ((T)1 + ((r) + (r2) * (0.5f + (r) * (0.166665769f + (r) * (0.0416665545f +              \
+                                   (r) * (0.00836319488f + (r) * 0.00139262034f))))))
 
 #if PS_SSD_X86
 typedef float ps_ssd_v16f __attribute__((vector_size(64)));
 typedef int32_t ps_ssd_v16i __attribute__((vector_size(64)));
 #define V ps_ssd_v16f
+typedef uint32_t ps_ssd_v16iu __attribute__((vector_size(64)));
 #define VI ps_ssd_v16i
+#define VU ps_ssd_v16iu
 #define W 16
 #define PB 4
 #define ATTR PS_SSD_V4
@@ -127,6 +145,7 @@ typedef int32_t ps_ssd_v16i __attribute__((vector_size(64)));
 #include "ssd_kernel.h"
 #undef V
 #undef VI
+#undef VU
 #undef W
 #undef PB
 #undef ATTR
@@ -134,7 +153,9 @@ typedef int32_t ps_ssd_v16i __attribute__((vector_size(64)));
 typedef float ps_ssd_v8f __attribute__((vector_size(32)));
 typedef int32_t ps_ssd_v8i __attribute__((vector_size(32)));
 #define V ps_ssd_v8f
+typedef uint32_t ps_ssd_v8iu __attribute__((vector_size(32)));
 #define VI ps_ssd_v8i
+#define VU ps_ssd_v8iu
 #define W 8
 #define PB 3
 #define ATTR PS_SSD_V3
@@ -142,6 +163,7 @@ typedef int32_t ps_ssd_v8i __attribute__((vector_size(32)));
 #include "ssd_kernel.h"
 #undef V
 #undef VI
+#undef VU
 #undef W
 #undef PB
 #undef ATTR
@@ -150,7 +172,9 @@ typedef int32_t ps_ssd_v8i __attribute__((vector_size(32)));
 typedef float ps_ssd_v4f __attribute__((vector_size(16)));
 typedef int32_t ps_ssd_v4i __attribute__((vector_size(16)));
 #define V ps_ssd_v4f
+typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
 #define VI ps_ssd_v4i
+#define VU ps_ssd_v4iu
 #define W 4
 #define PB 4
 #define ATTR
@@ -158,6 +182,7 @@ typedef int32_t ps_ssd_v4i __attribute__((vector_size(16)));
 #include "ssd_kernel.h"
 #undef V
 #undef VI
+#undef VU
 #undef W
 #undef PB
 #undef ATTR
@@ -166,18 +191,43 @@ typedef int32_t ps_ssd_v4i __attribute__((vector_size(16)));
 #undef EXP
 #undef LO
 #undef SFX
+#undef PS_SSD_EXP_LO
+#undef PS_SSD_EXP_HI
+#undef PS_SSD_ROUND
+#undef PS_SSD_LOG2E
+#undef PS_SSD_LN2_HI
+#undef PS_SSD_LN2_LO
+#undef PS_SSD_MANT
+#undef PS_SSD_EXP_POLY
 
 /* ---- float64 ---------------------------------------------------------------------- */
 #define T double
 #define EXP exp
 #define LO (-700.0)
 #define SFX f64
+/* the vector exp's constants: results of at least 2^-1021 */
+#define PS_SSD_EXP_LO -708.0
+#define PS_SSD_EXP_HI 709.782712893384
+#define PS_SSD_ROUND 6755399441055744.0 /* 1.5 2^52 */
+#define PS_SSD_LOG2E 1.4426950408889634
+#define PS_SSD_LN2_HI 6.93147180369123816490e-01 /* 32 bits: times k (11 bits) is exact */
+#define PS_SSD_LN2_LO 1.90821492927058770002e-10
+#define PS_SSD_MANT 52
+/* the same fit, degree 11: relative error 1.3e-17 */
+#define PS_SSD_EXP_POLY(r, r2)                                                            \
+    (1.0 + ((r) + (r2) * (0.5000000000000001 + (r) * (0.16666666666666667 +               \
+        (r) * (0.041666666666624038 + (r) * (0.0083333333333300549 +                      \
+        (r) * (0.0013888888917258758 + (r) * (0.00019841269863088254 +                    \
+        (r) * (2.4801521225986432e-05 + (r) * (2.7557268406190795e-06 +                   \
+        (r) * (2.7620121717381935e-07 + (r) * 2.5100411082014901e-08)))))))))))
 
 #if PS_SSD_X86
 typedef double ps_ssd_v8d __attribute__((vector_size(64)));
 typedef int64_t ps_ssd_v8l __attribute__((vector_size(64)));
 #define V ps_ssd_v8d
+typedef uint64_t ps_ssd_v8lu __attribute__((vector_size(64)));
 #define VI ps_ssd_v8l
+#define VU ps_ssd_v8lu
 #define W 8
 #define PB 4
 #define ATTR PS_SSD_V4
@@ -185,6 +235,7 @@ typedef int64_t ps_ssd_v8l __attribute__((vector_size(64)));
 #include "ssd_kernel.h"
 #undef V
 #undef VI
+#undef VU
 #undef W
 #undef PB
 #undef ATTR
@@ -192,7 +243,9 @@ typedef int64_t ps_ssd_v8l __attribute__((vector_size(64)));
 typedef double ps_ssd_v4d __attribute__((vector_size(32)));
 typedef int64_t ps_ssd_v4l __attribute__((vector_size(32)));
 #define V ps_ssd_v4d
+typedef uint64_t ps_ssd_v4lu __attribute__((vector_size(32)));
 #define VI ps_ssd_v4l
+#define VU ps_ssd_v4lu
 #define W 4
 #define PB 3
 #define ATTR PS_SSD_V3
@@ -200,6 +253,7 @@ typedef int64_t ps_ssd_v4l __attribute__((vector_size(32)));
 #include "ssd_kernel.h"
 #undef V
 #undef VI
+#undef VU
 #undef W
 #undef PB
 #undef ATTR
@@ -208,7 +262,9 @@ typedef int64_t ps_ssd_v4l __attribute__((vector_size(32)));
 typedef double ps_ssd_v2d __attribute__((vector_size(16)));
 typedef int64_t ps_ssd_v2l __attribute__((vector_size(16)));
 #define V ps_ssd_v2d
+typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
 #define VI ps_ssd_v2l
+#define VU ps_ssd_v2lu
 #define W 2
 #define PB 4
 #define ATTR
@@ -216,6 +272,7 @@ typedef int64_t ps_ssd_v2l __attribute__((vector_size(16)));
 #include "ssd_kernel.h"
 #undef V
 #undef VI
+#undef VU
 #undef W
 #undef PB
 #undef ATTR
@@ -224,6 +281,14 @@ typedef int64_t ps_ssd_v2l __attribute__((vector_size(16)));
 #undef EXP
 #undef LO
 #undef SFX
+#undef PS_SSD_EXP_LO
+#undef PS_SSD_EXP_HI
+#undef PS_SSD_ROUND
+#undef PS_SSD_LOG2E
+#undef PS_SSD_LN2_HI
+#undef PS_SSD_LN2_LO
+#undef PS_SSD_MANT
+#undef PS_SSD_EXP_POLY
 
 /* ---- entry points ----------------------------------------------------------------- */
 

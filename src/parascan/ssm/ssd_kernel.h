@@ -37,7 +37,9 @@
 /* dst[i] = the sum of the lanes of v[i], i < count <= W: W vectors summed at once by
  * a tree of shuffles (log2 W levels of W / 2 ... 1 pairs), vector i's bits becoming
  * the lane's bits, so lane i of the root holds v[i]'s sum. */
-ATTR static void F(ps_ssd_lane_sums)(const V *v, int64_t count, T *dst) {
+ATTR static inline __attribute__((always_inline)) void F(ps_ssd_lane_sums)(const V *v,
+                                                                            int64_t count,
+                                                                            T *dst) {
     V r[W];
     for (int i = 0; i < W; ++i) r[i] = i < count ? v[i] : (V){0};
 #if W >= 16
@@ -50,7 +52,7 @@ ATTR static void F(ps_ssd_lane_sums)(const V *v, int64_t count, T *dst) {
     for (int j = 0; j < 2; ++j) r[j] = LEVEL(r[j], r[j + 2], 2);
 #endif
     r[0] = LEVEL(r[0], r[1], 1);
-    for (int64_t i = 0; i < count; ++i) dst[i] = r[0][i];
+    memcpy(dst, &r[0], sizeof(T) * (size_t)count); /* one vector store when count is W */
 }
 
 ATTR static void F(ps_ssd_sums)(const V *v, int64_t n, T *dst) {
@@ -82,16 +84,43 @@ ATTR static void F(ps_ssd_store_state)(T *dst, const V *st, int64_t P, int64_t N
             }
 }
 
-/* row[j] = scale * src[p] over lanes [j0 W, (j0 + nj) W), zero past P. */
-ATTR static void F(ps_ssd_row)(V *row, const T *src, T scale, int64_t P, int64_t j0, int64_t nj) {
-    for (int64_t j = 0; j < nj; ++j) {
-        V v = {0};
-        for (int l = 0; l < W; ++l) {
-            const int64_t p = (j0 + j) * W + l;
-            if (p < P) v[l] = scale * src[p];
-        }
-        row[j] = v;
-    }
+/* row[j] = src[p] over lanes [j0 W, (j0 + nj) W), zero past P (one copy: the rows
+ * then go through vector code only); and back, the lanes past P left out. */
+ATTR static void F(ps_ssd_load)(V *row, const T *src, int64_t P, int64_t j0, int64_t nj) {
+    const int64_t lo = j0 * W, hi = (j0 + nj) * W < P ? (j0 + nj) * W : P;
+    if (hi < (j0 + nj) * W) row[nj - 1] = (V){0};
+    if (hi > lo) memcpy(row, src + lo, sizeof(T) * (size_t)(hi - lo));
+}
+
+ATTR static void F(ps_ssd_store)(T *dst, const V *row, int64_t P, int64_t j0, int64_t nj) {
+    const int64_t lo = j0 * W, hi = (j0 + nj) * W < P ? (j0 + nj) * W : P;
+    if (hi > lo) memcpy(dst + lo, row, sizeof(T) * (size_t)(hi - lo));
+}
+
+/* exp(x) per lane within a few ulp for results of at least the smallest normal
+ * number (0 below, inf above PS_SSD_EXP_HI, NaN for NaN): x = k ln2 + r with k
+ * rounded by adding and removing 1.5 2^m (m: the mantissa bits, k left in the low
+ * bits of the sum), r from a two-part ln2, exp(r) by a polynomial and 2^k added to
+ * the exponent field. Lanes out of range compute garbage and are replaced. */
+ATTR static inline V F(ps_ssd_vexp)(V x) {
+    const V round = (T)PS_SSD_ROUND - (V){0};
+    const V t = x * (T)PS_SSD_LOG2E + round;
+    const V kf = t - round;
+    const V r = (x - kf * (T)PS_SSD_LN2_HI) - kf * (T)PS_SSD_LN2_LO;
+    const V r2 = r * r;
+    const V p = PS_SSD_EXP_POLY(r, r2);
+    const V scaled = (V)((VU)p + ((VU)t << PS_SSD_MANT));
+    const VI small = (VI)(x < (T)PS_SSD_EXP_LO);
+    const VI big = ~(VI)(x <= (T)PS_SSD_EXP_HI); /* or NaN: x + inf is inf or NaN */
+    const V inf = x + (T)INFINITY;
+    const V lo = (V)(~small & (VI)scaled);
+    return (V)((big & (VI)inf) | (~big & (VI)lo));
+}
+
+/* 1 / (1 + exp(-x)) per lane. */
+ATTR static inline V F(ps_ssd_vsigmoid)(V x) {
+    const V one = (T)1 - (V){0};
+    return one / (one + F(ps_ssd_vexp)(-x));
 }
 
 /* The forward step of nb (a constant after inlining) vectors of one head:
@@ -114,10 +143,11 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_fwd_block)(
 }
 
 /* The backward's rebuild of a step (hs: the state before it, hn: after it), with
- * y and the lane vectors of grad_C, sc[n] += sum over p of gy[p] h[t][n][p]. */
+ * y (when wy: only z's gradient reads it) and the lane vectors of grad_C,
+ * sc[n] += sum over p of gy[p] h[t][n][p]. */
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
     const V *hs, V *hn, int64_t stride, const V *u, const V *gy, V *y, V *sc, const T *Bt,
-    const T *Ct, T a, int64_t N, int first, const int nb) {
+    const T *Ct, T a, int64_t N, int first, int wy, const int nb) {
     V uu[PB], gg[PB], yy[PB];
     for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; yy[k] = (V){0}; }
     for (int64_t n = 0; n < N; ++n) {
@@ -127,7 +157,7 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
         V gc = {0};
         for (int k = 0; k < nb; ++k) {
             const V hv = a * src[k] + uu[k] * bn;
-            yy[k] += hv * cn;
+            if (wy) yy[k] += hv * cn; /* y only where z's gradient needs it */
             gc += gg[k] * hv;
             dst[k] = hv;
         }
@@ -142,9 +172,8 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
     V *g, int64_t stride, const V *hs, const V *u, const V *gy, V *gu, V *ga, V *sb,
     const T *Bt, const T *Ct, T a, int64_t N, int first, const int nb) {
-    V uu[PB], gg[PB], gs[PB];
-    V acc = *ga;
-    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; }
+    V uu[PB], gg[PB], gs[PB], acc[PB]; /* acc: one chain per vector (latency-bound if one) */
+    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; acc[k] = (V){0}; }
     for (int64_t n = 0; n < N; ++n) {
         const T bn = Bt[n], cn = Ct[n];
         V *row = g + n * stride;
@@ -154,16 +183,15 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
             const V G = row[k] + gg[k] * cn;
             gb += G * uu[k];
             gs[k] += G * bn;
-            acc += G * hp[k];
+            acc[k] += G * hp[k];
             row[k] = a * G;
         }
         sb[n] = first ? gb : sb[n] + gb;
     }
-    for (int k = 0; k < nb; ++k) gu[k] = gs[k];
-    *ga = acc;
+    V sum = *ga;
+    for (int k = 0; k < nb; ++k) { gu[k] = gs[k]; sum += acc[k]; }
+    *ga = sum;
 }
-
-ATTR static inline T F(ps_ssd_sigmoid)(T v) { return (T)1 / ((T)1 + EXP(-v)); }
 
 /* The decay of step (b, t) of head h: exp(max(dt A, LO)); *slope its derivative's
  * factor (0 where the floor holds). */
@@ -200,15 +228,16 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
     const T *init = a->initial;
     T *out = a->out, *final = a->final, *ckpt = a->checkpoints;
     const int64_t most = (ctx->pv + ctx->split - 1) / ctx->split;
-    V *st = ps_ssd_alloc(sizeof(V) * (size_t)(N * most + 2 * most + 1));
+    V *st = ps_ssd_alloc(sizeof(V) * (size_t)(N * most + 5 * most + 1));
     if (!st) { __atomic_store_n(&((ps_ssd_args *)a)->failed, 1, __ATOMIC_RELAXED); return; }
-    V *u = st + N * most, *y = u + most;
+    V *u = st + N * most, *y = u + most, *xv = y + most, *dv = xv + most, *zv = dv + most;
     for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t bh = unit / ctx->split, part = unit % ctx->split;
         const int64_t b = bh / H, h = bh % H, g = h / (H / G);
         const int64_t j0 = part * ctx->pv / ctx->split, j1 = (part + 1) * ctx->pv / ctx->split;
         const int64_t nj = j1 - j0;
         if (nj == 0) continue;
+        if (D) F(ps_ssd_load)(dv, D + h * P, P, j0, nj);
         const int64_t local[2] = {0, L};
         const int64_t *cu = a->cu_seqlens ? a->cu_seqlens : local;
         const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
@@ -231,7 +260,8 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                     F(ps_ssd_prefetch)(out + (bt * H + h) * P + ahead, P, 1);
                     if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
                 }
-                F(ps_ssd_row)(u, xt, dtv, P, j0, nj);
+                F(ps_ssd_load)(xv, xt, P, j0, nj);
+                for (int64_t jj = 0; jj < nj; ++jj) u[jj] = dtv * xv[jj];
                 int64_t j = 0;
                 for (; j + PB <= nj; j += PB)
                     F(ps_ssd_fwd_block)(st + j, nj, u + j, y + j, Bt, Ct, decay, N, PB);
@@ -247,15 +277,14 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                 }
                 T *ot = out + (bt * H + h) * P;
                 const T *zt = z ? z + (bt * H + h) * P : NULL;
-                for (int64_t jj = 0; jj < nj; ++jj)
-                    for (int l = 0; l < W; ++l) {
-                        const int64_t p = (j0 + jj) * W + l;
-                        if (p >= P) break;
-                        T v = y[jj][l];
-                        if (D) v += D[h * P + p] * xt[p];
-                        if (zt) v *= zt[p] * F(ps_ssd_sigmoid)(zt[p]);
-                        ot[p] = v;
-                    }
+                if (D)
+                    for (int64_t jj = 0; jj < nj; ++jj) y[jj] += dv[jj] * xv[jj];
+                if (zt) {
+                    F(ps_ssd_load)(zv, zt, P, j0, nj);
+                    for (int64_t jj = 0; jj < nj; ++jj)
+                        y[jj] *= zv[jj] * F(ps_ssd_vsigmoid)(zv[jj]);
+                }
+                F(ps_ssd_store)(ot, y, P, j0, nj);
             }
             F(ps_ssd_store_state)(final + (sidx * H + h) * P * N, st, P, N, j0, nj);
         }
@@ -302,7 +331,8 @@ ATTR static inline int64_t F(ps_ssd_seq_of)(const int64_t *cu, int64_t nseq, int
 
 /* Chunk c of unit (b, h): rebuild its states from the checkpoint (pass 1, forward:
  * y, the grad_C sums), then the adjoint sweep (pass 2, backward) with every other
- * gradient. Buffers: hs (K + 1 states), rows (4 K rows: u, gy, y, gu), sc (N). */
+ * gradient. Buffers: hs (K + 1 states), rows (6 K rows: u, gy, y, gu, x, sigmoid(z);
+ * then 4 single rows: D, and scratch), sc (N). */
 ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, int64_t h,
                                     int64_t c, V *hs, V *rows, V *sc, T *rowT, int64_t *sq) {
     ps_ssd_args *a = ctx->a;
@@ -316,6 +346,9 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
     const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
     const int64_t ss = N * pv; /* a state's vectors */
     V *u = rows, *gy = rows + K * pv, *y = rows + 2 * K * pv, *gu = rows + 3 * K * pv;
+    V *xr = rows + 4 * K * pv, *sgr = rows + 5 * K * pv, *dv = rows + 6 * K * pv;
+    V *zv = dv + pv, *ov = zv + pv, *gxv = ov + pv;
+    if (D) F(ps_ssd_load)(dv, D + h * P, P, 0, pv);
     T *decay = rowT, *slope = rowT + K;
     T *pB = ctx->pB + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
     T *pC = ctx->pC + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
@@ -339,11 +372,16 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
             F(ps_ssd_prefetch)(gt + ahead, P, 0);
             if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
         }
-        F(ps_ssd_row)(u + i * pv, xt, dtv, P, 0, pv);
-        F(ps_ssd_row)(gy + i * pv, gt, (T)1, P, 0, pv);
+        F(ps_ssd_load)(xr + i * pv, xt, P, 0, pv);
+        for (int64_t jj = 0; jj < pv; ++jj) u[i * pv + jj] = dtv * xr[i * pv + jj];
+        F(ps_ssd_load)(gy + i * pv, gt, P, 0, pv);
         if (z) {
-            const T *zt = z + (bt * H + h) * P;
-            for (int64_t p = 0; p < P; ++p) gy[i * pv + p / W][p % W] *= zt[p] * F(ps_ssd_sigmoid)(zt[p]);
+            F(ps_ssd_load)(zv, z + (bt * H + h) * P, P, 0, pv);
+            for (int64_t jj = 0; jj < pv; ++jj) {
+                const V sg = F(ps_ssd_vsigmoid)(zv[jj]);
+                sgr[i * pv + jj] = sg;
+                gy[i * pv + jj] *= zv[jj] * sg;
+            }
         }
         const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
         const V *src = hs + i * ss;
@@ -351,24 +389,24 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         int64_t j = 0;
         for (; j + PB <= pv; j += PB)
             F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                decay[i], N, j == 0, PB);
+                                decay[i], N, j == 0, z != NULL, PB);
         switch (pv - j) {
 #if PB > 3
         case 3: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 3); break;
+                                    decay[i], N, j == 0, z != NULL, 3); break;
 #endif
 #if PB > 2
         case 2: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 2); break;
+                                    decay[i], N, j == 0, z != NULL, 2); break;
 #endif
         case 1: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 1); break;
+                                    decay[i], N, j == 0, z != NULL, 1); break;
         default: break;
         }
         F(ps_ssd_sums)(sc, N, pC + i * N);
     }
     V *gst = ctx->gstate + unit * ss;
-    T *gD = ctx->gD + unit * pv * W;
+    V *gD = (V *)ctx->gD + unit * pv;
     for (int64_t i = len - 1; i >= 0; --i) {
         const int64_t t = t0 + i, bt = b * L + t;
         s = sq[i];
@@ -399,28 +437,36 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         T gas = 0;
         for (int l = 0; l < W; ++l) gas += ga[l];
         const T dtv = dt[bt * H + h];
-        const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
+        const T *gt = go + (bt * H + h) * P;
         T *gx = (T *)a->grad_x + (bt * H + h) * P;
         if (i >= PS_SSD_AHEAD) {
             const int64_t back = PS_SSD_AHEAD * H * P;
             F(ps_ssd_prefetch)(gx - back, P, 1);
             if (z) F(ps_ssd_prefetch)((T *)a->grad_z + (bt * H + h) * P - back, P, 1);
         }
-        T gdt = 0;
-        for (int64_t p = 0; p < P; ++p) {
-            const T gyp = gg[p / W][p % W], gup = gu[p / W][p % W];
-            gx[p] = dtv * gup + (D ? gyp * D[h * P + p] : (T)0);
-            gdt += gup * xt[p];
-            gD[p] += gyp * xt[p];
+        const V *xi = xr + i * pv;
+        V gdtv = {0};
+        for (int64_t jj = 0; jj < pv; ++jj) {
+            V gxj = dtv * gu[jj];
+            if (D) gxj += gg[jj] * dv[jj];
+            gxv[jj] = gxj;
+            gdtv += gu[jj] * xi[jj];
+            gD[jj] += gg[jj] * xi[jj];
         }
+        F(ps_ssd_store)(gx, gxv, P, 0, pv);
+        T gdt = 0;
+        for (int l = 0; l < W; ++l) gdt += gdtv[l];
         if (z) {
-            const T *zt = z + (bt * H + h) * P;
-            T *gz = (T *)a->grad_z + (bt * H + h) * P;
-            for (int64_t p = 0; p < P; ++p) {
-                const T sg = F(ps_ssd_sigmoid)(zt[p]);
-                const T pre = y[i * pv + p / W][p % W] + (D ? D[h * P + p] * xt[p] : (T)0);
-                gz[p] = gt[p] * pre * sg * ((T)1 + zt[p] * ((T)1 - sg));
+            F(ps_ssd_load)(zv, z + (bt * H + h) * P, P, 0, pv);
+            F(ps_ssd_load)(ov, gt, P, 0, pv);
+            const V one = (T)1 - (V){0};
+            for (int64_t jj = 0; jj < pv; ++jj) {
+                const V sg = sgr[i * pv + jj];
+                V pre = y[i * pv + jj];
+                if (D) pre += dv[jj] * xi[jj];
+                gxv[jj] = ov[jj] * pre * sg * (one + zv[jj] * (one - sg));
             }
+            F(ps_ssd_store)((T *)a->grad_z + (bt * H + h) * P, gxv, P, 0, pv);
         }
         ((T *)a->grad_dt)[bt * H + h] = gdt + gas * slope[i] * A[h];
         ctx->gA[unit] += gas * slope[i] * dtv;
@@ -434,7 +480,7 @@ ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) 
     ps_ssd_args *a = ctx->a;
     const int64_t K = a->chunk, N = a->nstate, pv = ctx->pv;
     const int64_t npad = (N + W - 1) / W * W;
-    const size_t vecs = (size_t)((K + 1) * N * pv + 4 * K * pv + npad + 1);
+    const size_t vecs = (size_t)((K + 1) * N * pv + (6 * K + 4) * pv + npad + 1);
     V *hs = ps_ssd_alloc(sizeof(V) * vecs);
     T *rowT = malloc(sizeof(T) * (size_t)(2 * K) + sizeof(int64_t) * (size_t)K + 64);
     if (!hs || !rowT) {
@@ -442,7 +488,7 @@ ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) 
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    V *rows = hs + (K + 1) * N * pv, *sc = rows + 4 * K * pv;
+    V *rows = hs + (K + 1) * N * pv, *sc = rows + (6 * K + 4) * pv;
     int64_t *sq = (int64_t *)(rowT + 2 * K);
     for (int64_t unit = begin; unit < end; ++unit)
         for (int64_t c = ctx->span_hi - 1; c >= ctx->span_lo; --c)
@@ -485,7 +531,8 @@ ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
     const int64_t span_steps = span_chunks * K;
     V *gstate = ps_ssd_alloc(sizeof(V) * (size_t)(units * N * pv + 1));
     T *gA = calloc((size_t)(units + 1), sizeof(T));
-    T *gD = calloc((size_t)(units * pv * W + 1), sizeof(T));
+    T *gD = ps_ssd_alloc(sizeof(T) * (size_t)(units * pv * W + 1));
+    if (gD) memset(gD, 0, sizeof(T) * (size_t)(units * pv * W + 1));
     T *pB = malloc(sizeof(T) * (size_t)(2 * units * span_steps * N + 1));
     int rc = 0;
     if (!gstate || !gA || !gD || !pB) { rc = -1; goto done; }
