@@ -34,7 +34,7 @@ def boundaries(steps: int, rng: random.Random) -> list[list[int]]:
     c = constants()
     near = {
         k + d
-        for k in (c.get("TILE", 5), c.get("ROWS", 2), 2 * c.get("TILE", 5))
+        for k in (c.get("TILE", 5), c.get("ROWS", 2), 2 * c.get("TILE", 5), 16)
         for d in (-1, 0, 1)
     }
     cases = [[0, steps], [0, 0, steps, steps]]
@@ -203,11 +203,12 @@ def test_gradcheck(target, op) -> None:
 def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
     target, op, threads, gen
 ) -> None:
-    """The C kernel's packed entries (forward and backward) run each sequence through
-    the plain kernel (the team shares short ones, long ones run alone): the same bits
+    """The C kernel's packed entries (forward and backward) run each sequence with the
+    plain kernel's arithmetic (each channel block walking every sequence, or with few
+    channels the team sharing short ones and long ones running alone): the same bits
     as one plain call per sequence, outputs, final states and every gradient, with any
-    thread count. Long rows (the chunked long-sequence path) and many short sequences
-    (the shared pool) both."""
+    thread count. Long rows (the chunked long-sequence path), many short sequences
+    (the shared pool) and the walk in both layouts."""
     c = constants()
     long = c["LONG_STEPS"] + c["LONG_CHUNKS"] * 3 + 5
     old = torch.get_num_threads()
@@ -216,6 +217,8 @@ def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
         for shape, dim, cu in [
             ((1, 2, long), -1, [0, 7, 7, long - 3, long]),  # long rows: the chunked path
             ((1, 4000, 40), 1, sorted({0, 4000, *range(0, 4000, 37)})),  # many short ones
+            # channels enough for every thread: each block walks every sequence
+            ((1, 1500, 200), 1, [0, 0, 1, 16, 17, c["TILE"] + 17, 700, 700, 1499, 1500]),
             ((1, 40, 4000), -1, [0, 1, 2, c["TILE"], 2 * c["TILE"] + 1, 4000]),
         ]:
             gates = random_gates(shape, torch.float32, gen)
