@@ -242,6 +242,7 @@ class _PackedScan(torch.autograd.Function):
         if not SEMIRINGS[ring].backward_reads_tokens:
             tokens = None
         ctx.save_for_backward(gates, tokens, output, initial, cu_seqlens)
+        ctx.save_for_forward(gates, tokens, output, initial, cu_seqlens)
         ctx.dim, ctx.reverse, ctx.backend, ctx.ring = dim, reverse, backend, ring
 
     @staticmethod
@@ -265,6 +266,42 @@ class _PackedScan(torch.autograd.Function):
             grads[2] if initial is not None and need[2] else None,
             None, None, None, None, None,
         )  # fmt: skip
+
+
+class _PackedScanForwardMode(_PackedScan):
+    """_PackedScan with forward-mode AD (torch.func.jvp, jacfwd); kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(
+        ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None,
+        *_: Any,
+    ) -> Tensor:  # fmt: skip
+        # Within each sequence the tangent obeys a linear recurrence with the steps'
+        # partials (w, d_a, d_b): dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),
+        # from the sequence's d initial: a packed linear scan, by the same backend.
+        gates, tokens, out, initial, cu_seqlens = ctx.saved_tensors
+        ring = SEMIRINGS[ctx.ring]
+        w, d_gates, d_tokens = ring.partials(
+            gates, tokens, out, initial, ctx.dim, ctx.reverse, cu_seqlens
+        )
+        drive = torch.zeros_like(out)
+        if tokens_t is not None:
+            drive = tokens_t if d_tokens is None else d_tokens * tokens_t
+        if gates_t is not None:
+            drive = drive + d_gates * gates_t
+        return _apply(LINEAR.name, w, drive, initial_t, ctx.dim, cu_seqlens, ctx.reverse,
+                      ctx.backend)  # fmt: skip
+
+
+def _apply(
+    ring: str, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int,
+    cu_seqlens: Tensor, reverse: bool, backend: str,
+) -> Tensor:  # fmt: skip
+    """The differentiable packed scan (forward mode too, outside torch.compile)."""
+    fn = _PackedScan if torch.compiler.is_compiling() else _PackedScanForwardMode
+    out: Tensor = fn.apply(gates, tokens, initial, dim, cu_seqlens, reverse, backend, ring)  # type: ignore[no-untyped-call]
+    return out
 
 
 def _differentiable_backward(
@@ -358,9 +395,7 @@ def scan(
             ) from None
         h = to_internal(h, d)
     rev = bool(reverse)  # validated by prepare
-    out: Tensor = _PackedScan.apply(  # type: ignore[no-untyped-call]
-        p.gates, p.tokens, h, d, cu, rev, p.backend, ring.name
-    )
+    out = _apply(ring.name, p.gates, p.tokens, h, d, cu, rev, p.backend)
     result = out.reshape(()) if p.scalar else out
     if not return_final:
         return result
