@@ -178,6 +178,33 @@ def test_gradients_stay_inside_each_sequence(target, op, layout, gen) -> None:
                 assert_matches(g, e, dtype)
 
 
+@pytest.mark.targets(interpreter=True)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_non_finite_state_does_not_leak_into_the_next_sequence(target, layout, gen) -> None:
+    """A sequence whose state overflows to inf (and NaN: inf - inf) leaves the next
+    sequence's outputs and gradients finite and exact (no 0 * inf at the boundary);
+    with several chunks and tiles on the Triton kernels (cuts inside them)."""
+    steps = 9 if target.interpreted else 150
+    cut = 6 if target.interpreted else 70
+    make, dim = LAYOUTS[layout]
+    shape = make(steps, 3)
+    gates = random_gates(shape, torch.float32, gen)
+    tokens = random_tokens(shape, torch.float32, gen)
+    gates.narrow(dim, 1, 1).fill_(math.inf)
+    tokens.narrow(dim, 2, 1).fill_(-math.inf)
+    cu = [0, cut, steps]
+    leaves = [t.clone().to(target.device).requires_grad_() for t in (gates, tokens)]
+    out, _ = _run("linear", *leaves, dim, cu, None, False, target.backend)
+    assert not out.narrow(dim, 0, cut).isfinite().all()
+    rest = out.narrow(dim, cut, steps - cut)
+    a, b = (t.narrow(dim, cut, steps - cut) for t in (gates, tokens))
+    want, _ = _oracle("linear", a, b, dim, [0, steps - cut], None, False)
+    assert_matches(rest, want, torch.float32)
+    grads = torch.autograd.grad(rest.sum(), leaves)
+    for g in grads:  # (the first sequence's: 0 times its infinite states, NaN)
+        assert g.narrow(dim, cut, steps - cut).isfinite().all()
+
+
 @pytest.mark.targets(backends=("cpu", "torch", "loop"))
 @pytest.mark.parametrize("op", ["linear", "log"])
 def test_gradcheck(target, op) -> None:
