@@ -123,6 +123,38 @@ static ps_scan_bwd_args FN(bwd_walk_view)(const ps_scan_bwd_args *f, const ps_va
 /* Units u0 .. u1 - 1, each through every non-empty sequence in turn (the backward
  * from the last, so that memory streams one way); the long rows are left to the
  * entry. */
+#ifdef PS_ACC_IS_STORAGE
+/* Time-contiguous rows (inner == 1) are stepped in visits of whole cache lines (scan_x86.h)
+ * when a row's steps start on a line; a sequence starting inside a line would make
+ * every visit straddle two lines per row, whose rows, a power of two apart, then
+ * share cache sets and evict each other. So the sequence's first steps, up to the
+ * next line boundary of unit u's first output row, run as a view of their own, and
+ * the rest from the state they leave in `out`: the same bits where the state is
+ * stored in its own type. 0 when the sequence needs no head. */
+static int64_t FN(fwd_head)(const ps_scan_fwd_args *p, int64_t u) {
+    const int64_t st = p->out_stride[1];
+    if (p->inner != 1 || (st != 1 && st != -1)) return 0;
+    const uintptr_t x = (uintptr_t)((const ST *)p->out + u * PS_ROWS * p->out_stride[0]);
+    const uintptr_t line = 64, size = sizeof(ST);
+    const uintptr_t bytes = st == 1 ? (line - x % line) % line : (x + size) % line;
+    const int64_t head = (int64_t)(bytes / size);
+    return head < p->steps ? head : 0;
+}
+
+/* The view past the first `head` steps of p, starting from the state out[head - 1]. */
+static ps_scan_fwd_args FN(fwd_body)(const ps_scan_fwd_args *p, int64_t head) {
+    ps_scan_fwd_args r = *p;
+    r.steps -= head;
+    r.gates = (const ST *)p->gates + head * p->gates_stride[1];
+    r.tokens = (const ST *)p->tokens + head * p->tokens_stride[1];
+    r.out = (ST *)p->out + head * p->out_stride[1];
+    r.initial = (const ST *)p->out + (head - 1) * p->out_stride[1];
+    r.initial_stride[0] = p->out_stride[0];
+    r.initial_stride[1] = 0;
+    return r;
+}
+#endif
+
 static void FN(fwd_walk)(const void *vp, int64_t u0, int64_t u1) {
     const FN(fwd_walk_job) *j = (const FN(fwd_walk_job) *)vp;
     const ps_varlen_args *v = j->v;
@@ -130,7 +162,17 @@ static void FN(fwd_walk)(const void *vp, int64_t u0, int64_t u1) {
         for (int64_t s = 0; s < v->nseq; ++s) {
             const int64_t len = v->cu_seqlens[s + 1] - v->cu_seqlens[s];
             if (len == 0 || FN(fwd_is_long)(&j->full, len)) continue;
-            const ps_scan_fwd_args p = FN(fwd_walk_view)(&j->full, v, s);
+            ps_scan_fwd_args p = FN(fwd_walk_view)(&j->full, v, s);
+#ifdef PS_ACC_IS_STORAGE
+            const int64_t head = FN(fwd_head)(&p, u);
+            if (head > 0) {
+                const ps_scan_fwd_args body = FN(fwd_body)(&p, head);
+                p.steps = head;
+                j->work(&p, u, u + 1);
+                j->work(&body, u, u + 1);
+                continue;
+            }
+#endif
             j->work(&p, u, u + 1);
         }
 }
