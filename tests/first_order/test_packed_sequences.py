@@ -34,7 +34,7 @@ def boundaries(steps: int, rng: random.Random) -> list[list[int]]:
     c = constants()
     near = {
         k + d
-        for k in (c.get("TILE", 5), c.get("ROWS", 2), 2 * c.get("TILE", 5))
+        for k in (c.get("TILE", 5), c.get("ROWS", 2), 2 * c.get("TILE", 5), 16)
         for d in (-1, 0, 1)
     }
     cases = [[0, steps], [0, 0, steps, steps]]
@@ -178,6 +178,33 @@ def test_gradients_stay_inside_each_sequence(target, op, layout, gen) -> None:
                 assert_matches(g, e, dtype)
 
 
+@pytest.mark.targets(interpreter=True)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_non_finite_state_does_not_leak_into_the_next_sequence(target, layout, gen) -> None:
+    """A sequence whose state overflows to inf (and NaN: inf - inf) leaves the next
+    sequence's outputs and gradients finite and exact (no 0 * inf at the boundary);
+    with several chunks and tiles on the Triton kernels (cuts inside them)."""
+    steps = 9 if target.interpreted else 150
+    cut = 6 if target.interpreted else 70
+    make, dim = LAYOUTS[layout]
+    shape = make(steps, 3)
+    gates = random_gates(shape, torch.float32, gen)
+    tokens = random_tokens(shape, torch.float32, gen)
+    gates.narrow(dim, 1, 1).fill_(math.inf)
+    tokens.narrow(dim, 2, 1).fill_(-math.inf)
+    cu = [0, cut, steps]
+    leaves = [t.clone().to(target.device).requires_grad_() for t in (gates, tokens)]
+    out, _ = _run("linear", *leaves, dim, cu, None, False, target.backend)
+    assert not out.narrow(dim, 0, cut).isfinite().all()
+    rest = out.narrow(dim, cut, steps - cut)
+    a, b = (t.narrow(dim, cut, steps - cut) for t in (gates, tokens))
+    want, _ = _oracle("linear", a, b, dim, [0, steps - cut], None, False)
+    assert_matches(rest, want, torch.float32)
+    grads = torch.autograd.grad(rest.sum(), leaves)
+    for g in grads:  # (the first sequence's: 0 times its infinite states, NaN)
+        assert g.narrow(dim, cut, steps - cut).isfinite().all()
+
+
 @pytest.mark.targets(backends=("cpu", "torch", "loop"))
 @pytest.mark.parametrize("op", ["linear", "log"])
 def test_gradcheck(target, op) -> None:
@@ -197,17 +224,62 @@ def test_gradcheck(target, op) -> None:
     assert torch.autograd.gradgradcheck(f, (gates, tokens, initial))
 
 
+@pytest.mark.targets(backends=("cpu", "torch"))
+@pytest.mark.parametrize("op", ["linear", "log"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forward_mode_against_the_loop(target, op, layout, gen) -> None:
+    """torch.func.jvp (every tangent at once) and jacfwd: the tangents of the outputs
+    and final states equal those of the float64 loop scanning each sequence alone."""
+    steps = 70
+    cu = [0, 0, 1, 4, 4, 17, steps - 1, steps]
+    gates, tokens, dim = _case(op, layout, steps, 3, torch.float64, gen)
+    initial = random_tokens((len(cu) - 1, 3), torch.float64, gen)
+    if op == "log":
+        initial = initial.abs().log()
+    primals = (gates, tokens, initial)
+    tangents = tuple(random_tokens(t.shape, torch.float64, gen) for t in primals)
+    for reverse in (False, True):
+
+        def mine(a, b, h, reverse=reverse):  # type: ignore[no-untyped-def]
+            return _run(op, a, b, dim, cu, h, reverse, target.backend)
+
+        def loop(a, b, h, reverse=reverse):  # type: ignore[no-untyped-def]
+            return _oracle(op, a, b, dim, cu, h, reverse)
+
+        got = torch.func.jvp(mine, primals, tangents)[1]
+        want = torch.func.jvp(loop, primals, tangents)[1]
+        for g, w in zip(got, want, strict=True):
+            assert g.abs().max() > 0
+            assert_matches(g, w, torch.float64)
+    small = tuple(t.narrow(dim, 0, 6) for t in primals[:2])
+    cu_small = [0, 2, 2, 6]
+
+    def out_only(a, b):  # type: ignore[no-untyped-def]
+        return _run(op, a, b, dim, cu_small, None, False, target.backend)[0]
+
+    def loop_only(a, b):  # type: ignore[no-untyped-def]
+        return _oracle(op, a, b, dim, cu_small, None, False)[0]
+
+    for g, w in zip(
+        torch.func.jacfwd(out_only, argnums=(0, 1))(*small),
+        torch.func.jacfwd(loop_only, argnums=(0, 1))(*small),
+        strict=True,
+    ):
+        assert_matches(g, w, torch.float64)
+
+
 @pytest.mark.targets(backends=("cpu",))
 @pytest.mark.parametrize("op", ["linear", "log"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
     target, op, threads, gen
 ) -> None:
-    """The C kernel's packed entries (forward and backward) run each sequence through
-    the plain kernel (the team shares short ones, long ones run alone): the same bits
+    """The C kernel's packed entries (forward and backward) run each sequence with the
+    plain kernel's arithmetic (each channel block walking every sequence, or with few
+    channels the team sharing short ones and long ones running alone): the same bits
     as one plain call per sequence, outputs, final states and every gradient, with any
-    thread count. Long rows (the chunked long-sequence path) and many short sequences
-    (the shared pool) both."""
+    thread count. Long rows (the chunked long-sequence path), many short sequences
+    (the shared pool) and the walk in both layouts."""
     c = constants()
     long = c["LONG_STEPS"] + c["LONG_CHUNKS"] * 3 + 5
     old = torch.get_num_threads()
@@ -216,6 +288,8 @@ def test_cpu_kernel_equals_scanning_each_sequence_alone_bit_for_bit(
         for shape, dim, cu in [
             ((1, 2, long), -1, [0, 7, 7, long - 3, long]),  # long rows: the chunked path
             ((1, 4000, 40), 1, sorted({0, 4000, *range(0, 4000, 37)})),  # many short ones
+            # channels enough for every thread: each block walks every sequence
+            ((1, 1500, 200), 1, [0, 0, 1, 16, 17, c["TILE"] + 17, 700, 700, 1499, 1500]),
             ((1, 40, 4000), -1, [0, 1, 2, c["TILE"], 2 * c["TILE"] + 1, 4000]),
         ]:
             gates = random_gates(shape, torch.float32, gen)

@@ -79,25 +79,32 @@ static inline int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
 /* Run a kernel's work units: groups of PS_ROWS rows (`tc`) when time is
  * contiguous (inner == 1), else (outer index, channel block) pairs (`tm`), whose
  * workers recompute the block from the nthreads stored in their arguments. */
-static inline void ps_run_units(int64_t outer, int64_t inner, int64_t nthreads, ps_task_fn tc,
-                                ps_task_fn tm, const void *args) {
-    if (inner == 1) {
-        ps_parallel_for((outer + PS_ROWS - 1) / PS_ROWS, nthreads, tc, args);
-    } else {
-        const int64_t block = ps_channel_block(outer, inner, nthreads);
-        ps_parallel_for(outer * ((inner + block - 1) / block), nthreads, tm, args);
-    }
+static inline int64_t ps_units(int64_t outer, int64_t inner, int64_t nthreads) {
+    if (inner == 1) return (outer + PS_ROWS - 1) / PS_ROWS;
+    const int64_t block = ps_channel_block(outer, inner, nthreads);
+    return outer * ((inner + block - 1) / block);
 }
 
-/* Packed sequences (ps_varlen_args): each sequence is an independent scan of its own
- * steps, run by the plain entry on a view of them (`run` builds that view for
- * sequence s and calls the entry with `nthreads`), so every input is read once and
- * no state crosses a boundary; the sequence's tiles and chunks start at its first
- * step. A sequence big enough to share among the team (at least 2^16 elements per
- * thread, or a long row) runs alone with all of it, one after another; the others
- * run together, each whole on one thread, the team splitting them by where they
- * start (thread k takes those starting in its k-th share of the steps), so that
- * many short sequences cost one parallel region. */
+static inline void ps_run_units(int64_t outer, int64_t inner, int64_t nthreads, ps_task_fn tc,
+                                ps_task_fn tm, const void *args) {
+    ps_parallel_for(ps_units(outer, inner, nthreads), nthreads, inner == 1 ? tc : tm, args);
+}
+
+/* A requested thread count as the parallel helpers use it: 1 .. PS_MAX_THREADS. */
+static inline int64_t ps_clamp_threads(int64_t nthreads) {
+    return nthreads < 1 ? 1 : nthreads > PS_MAX_THREADS ? PS_MAX_THREADS : nthreads;
+}
+
+/* Packed sequences (ps_varlen_args) with too few channels to keep the team busy
+ * (first_order/scan_varlen.h walks the channels otherwise): each sequence is an
+ * independent scan of its own steps, run by the plain entry on a view of them
+ * (`run` builds that view for sequence s and calls the entry with `nthreads`), so
+ * every input is read once and no state crosses a boundary; the sequence's tiles and
+ * chunks start at its first step. A sequence big enough to share among the team (at
+ * least 2^16 elements per thread, or a long row) runs alone with all of it, one
+ * after another; the others run together, each whole on one thread, the team
+ * splitting them by where they start (thread k takes those starting in its k-th
+ * share of the steps), so that many short sequences cost one parallel region. */
 typedef int (*ps_segment_fn)(const void *args, const ps_varlen_args *v, int64_t s,
                              int64_t nthreads);
 typedef struct {
@@ -136,18 +143,23 @@ static void ps_varlen_shared(const void *vp, int64_t k0, int64_t k1) {
             __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
 }
 
-/* 0; -1 when cu_seqlens is not 0 = cu[0] <= ... <= cu[nseq] = steps, or an entry
- * failed. */
-static inline int ps_run_varlen(const void *args, const ps_varlen_args *v, ps_segment_fn run,
-                                int64_t steps, int64_t channels, int64_t nthreads) {
+/* 0; -1 when cu_seqlens is not 0 = cu[0] <= ... <= cu[nseq] = steps. */
+static inline int ps_varlen_check(const ps_varlen_args *v, int64_t steps) {
     if (!v || v->nseq < 0 || !v->cu_seqlens || v->cu_seqlens[0] != 0 ||
         v->cu_seqlens[v->nseq] != steps)
         return -1;
     for (int64_t s = 0; s < v->nseq; ++s)
         if (v->cu_seqlens[s + 1] < v->cu_seqlens[s]) return -1;
+    return 0;
+}
+
+/* 0; -1 when cu_seqlens is invalid (ps_varlen_check) or an entry failed. */
+static inline int ps_run_varlen(const void *args, const ps_varlen_args *v, ps_segment_fn run,
+                                int64_t steps, int64_t channels, int64_t nthreads) {
+    if (ps_varlen_check(v, steps) != 0) return -1;
     if (channels == 0) return 0; /* nothing to read or write (data pointers may be NULL) */
     ps_varlen_job job = {args, v, run, steps, channels,
-                         ps_threads_for(steps * channels, nthreads < 1 ? 1 : nthreads), 0};
+                         ps_threads_for(steps * channels, ps_clamp_threads(nthreads)), 0};
     if (steps > 0) ps_parallel_for(job.nthreads, job.nthreads, ps_varlen_shared, &job);
     for (int64_t s = 0; s < v->nseq; ++s)
         if ((steps == 0 || ps_varlen_alone(&job, s)) && run(args, v, s, job.nthreads) != 0)

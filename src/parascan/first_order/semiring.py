@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ __all__ = [
     "LOG",
     "SEMIRINGS",
     "Partials",
+    "PartialsFn",
     "Semiring",
     "log_weight",
     "logaddexp",
@@ -71,13 +73,18 @@ def log_weight(x: Tensor, h: Tensor) -> Tensor:
 
 
 def previous_states(
-    out: Tensor, initial: Tensor | None, dim: int, reverse: bool, empty: float = 0.0
-) -> Tensor:
+    out: Tensor, initial: Tensor | None, dim: int, reverse: bool, empty: float = 0.0,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """x[t-1] for every t (x[t+1] when reversed), the initial state (or ``empty``,
-    the state before any step) at the start: the states each step's gate acts on."""
+    the state before any step) at the start: the states each step's gate acts on.
+    With ``cu_seqlens`` (packed sequences, varlen.py) every sequence starts from its
+    own: ``initial`` then has ``out``'s shape with ``dim`` of size num_seqs."""
     steps = out.shape[dim]
     if steps == 0:
         return out
+    if cu_seqlens is not None:
+        return _packed_previous_states(out, initial, dim, reverse, empty, cu_seqlens)
     if initial is None:
         x0 = torch.full_like(out.narrow(dim, 0, 1), empty)
     else:
@@ -87,9 +94,37 @@ def previous_states(
     return torch.cat([x0, out.narrow(dim, 0, steps - 1)], dim)
 
 
+def _packed_previous_states(
+    out: Tensor, initial: Tensor | None, dim: int, reverse: bool, empty: float,
+    cu_seqlens: Tensor,
+) -> Tensor:  # fmt: skip
+    """previous_states of packed sequences: the states shifted by one step, then each
+    non-empty sequence's first step in scan order given its initial state (or
+    ``empty``)."""
+    shifted = previous_states(out, None, dim, reverse, empty)
+    cu = cu_seqlens.to(device=out.device, dtype=torch.int64)
+    lo, hi = cu[:-1], cu[1:]
+    seqs = torch.nonzero(hi > lo).flatten()
+    first = (hi - 1 if reverse else lo).index_select(0, seqs)
+    if initial is None:
+        shape = list(out.shape)
+        shape[dim] = seqs.numel()
+        starts = out.new_full(shape, empty)
+    else:
+        starts = initial.index_select(dim, seqs)
+    return shifted.index_copy(dim, first, starts)
+
+
 # The partial derivatives of every step x[t] = a[t] (x) x[t-1] (+) b[t]:
 # (d x[t] / d x[t-1], d x[t] / d a[t], d x[t] / d b[t]); None stands for 1.
 Partials = tuple[Tensor, Tensor, "Tensor | None"]
+
+
+class PartialsFn(Protocol):
+    def __call__(
+        self, gates: Tensor, tokens: Tensor | None, out: Tensor, initial: Tensor | None,
+        dim: int, reverse: bool, cu_seqlens: Tensor | None = None, /,
+    ) -> Partials: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,28 +147,29 @@ class Semiring:
     compose_: Callable[[Tensor, Tensor, Tensor], object]
     total: Callable[[Tensor, int], Tensor]
     backward_reads_tokens: bool  # whether partials (and the fused backward) read b
-    # (gates, tokens, out, initial, dim, reverse) -> the partial derivatives of every
-    # step: (d x[t]/d x[t-1], d x[t]/d a[t], d x[t]/d b[t]), None standing for 1
-    partials: Callable[[Tensor, Tensor | None, Tensor, Tensor | None, int, bool], Partials]
+    # (gates, tokens, out, initial, dim, reverse, cu_seqlens=None) -> the partial
+    # derivatives of every step: (d x[t]/d x[t-1], d x[t]/d a[t], d x[t]/d b[t]), None
+    # standing for 1; with cu_seqlens, of packed sequences (see previous_states)
+    partials: PartialsFn
 
 
 def _linear_partials(
     gates: Tensor, tokens: Tensor | None, out: Tensor, initial: Tensor | None, dim: int,
-    reverse: bool,
+    reverse: bool, cu_seqlens: Tensor | None = None,
 ) -> Partials:  # fmt: skip
     """(a[t], x[t-1], 1)."""
-    return gates, previous_states(out, initial, dim, reverse), None
+    return gates, previous_states(out, initial, dim, reverse, 0.0, cu_seqlens), None
 
 
 def _log_partials(
     log_gates: Tensor, log_tokens: Tensor | None, out: Tensor, initial: Tensor | None, dim: int,
-    reverse: bool,
+    reverse: bool, cu_seqlens: Tensor | None = None,
 ) -> Partials:  # fmt: skip
     """(wu, wu, wb) with wu = exp(log a[t] + h[t-1] - h[t]), wb = exp(log b[t] - h[t])
     (0 where h[t] is log 0)."""
     if log_tokens is None:
         raise RuntimeError("parascan: internal error: the log semiring's partials read b")
-    h_prev = previous_states(out, initial, dim, reverse, empty=-math.inf)
+    h_prev = previous_states(out, initial, dim, reverse, -math.inf, cu_seqlens)
     wu = log_weight(log_gates + h_prev, out)
     return wu, wu, log_weight(log_tokens, out)
 

@@ -16,9 +16,11 @@ num_seqs dim in place of the batch (``to_internal``/``to_public``): a result of 
 (1, T, D) along dim 1 has states (num_seqs, D); along dim 0, (T, D) has (num_seqs, D).
 
 Backends. ``cpu``: the C kernels' packed entries (scan_varlen.h), every input read
-once, short sequences spread over the threads in one parallel region. ``torch``,
-``loop`` and ``triton``: the backend's own scan on each sequence in turn (a view of
-its steps), the results written into one output.
+once, each channel block walking every sequence in one parallel region. ``triton``:
+the Triton kernels in their usual launches, restarting the state where a sequence
+starts inside their tiles and chunks (triton.packed_forward). ``torch`` and ``loop``:
+the backend's own scan on each sequence in turn (a view of its steps), the results
+written into one output.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import Tensor
 from parascan._checks import accumulate_dtype, as_operand, check_dtype, describe
 from parascan._native import bindings
 from parascan._op_utils import register_batch_first_vmap, resolved, resolved_optional
+from parascan.first_order import triton
 from parascan.first_order.arguments import Prepared, prepare
 from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
@@ -157,12 +160,16 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
     ) -> Tensor:  # fmt: skip
         gates, tokens, initial = resolved(gates), resolved(tokens), resolved_optional(initial)
         dim %= tokens.dim()
+        if backend == "triton":
+            _check_values(ring.op, cu_seqlens.tolist(), tokens.shape[dim])
         if backend == "cpu":
             cu = _cpu_cu(cu_seqlens)
             _check_values(ring.op, cu.tolist(), tokens.shape[dim])
             return bindings.scan_forward(
                 ring.name, gates, tokens, initial, dim, reverse, cu_seqlens=cu
             )
+        if backend == "triton":
+            return triton.packed_forward(ring, gates, tokens, initial, dim, reverse, cu_seqlens)
         return _by_segments_forward(ring, backend, gates, tokens, initial, cu_seqlens, dim,
                                     reverse)  # fmt: skip
 
@@ -190,6 +197,12 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
             return bindings.scan_backward(
                 ring.name, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
                 initial, dim, reverse, cu_seqlens=cu,
+            )  # fmt: skip
+        if backend == "triton":
+            _check_values(ring.op, cu_seqlens.tolist(), out.shape[dim])
+            return triton.packed_backward(
+                ring, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
+                initial, dim, reverse, cu_seqlens,
             )  # fmt: skip
         return _by_segments_backward(ring, backend, gates, tokens, out, grad_out, initial,
                                      cu_seqlens, dim, reverse)  # fmt: skip
@@ -242,6 +255,7 @@ class _PackedScan(torch.autograd.Function):
         if not SEMIRINGS[ring].backward_reads_tokens:
             tokens = None
         ctx.save_for_backward(gates, tokens, output, initial, cu_seqlens)
+        ctx.save_for_forward(gates, tokens, output, initial, cu_seqlens)
         ctx.dim, ctx.reverse, ctx.backend, ctx.ring = dim, reverse, backend, ring
 
     @staticmethod
@@ -265,6 +279,42 @@ class _PackedScan(torch.autograd.Function):
             grads[2] if initial is not None and need[2] else None,
             None, None, None, None, None,
         )  # fmt: skip
+
+
+class _PackedScanForwardMode(_PackedScan):
+    """_PackedScan with forward-mode AD (torch.func.jvp, jacfwd); kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(
+        ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None,
+        *_: Any,
+    ) -> Tensor:  # fmt: skip
+        # Within each sequence the tangent obeys a linear recurrence with the steps'
+        # partials (w, d_a, d_b): dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),
+        # from the sequence's d initial: a packed linear scan, by the same backend.
+        gates, tokens, out, initial, cu_seqlens = ctx.saved_tensors
+        ring = SEMIRINGS[ctx.ring]
+        w, d_gates, d_tokens = ring.partials(
+            gates, tokens, out, initial, ctx.dim, ctx.reverse, cu_seqlens
+        )
+        drive = torch.zeros_like(out)
+        if tokens_t is not None:
+            drive = tokens_t if d_tokens is None else d_tokens * tokens_t
+        if gates_t is not None:
+            drive = drive + d_gates * gates_t
+        return _apply(LINEAR.name, w, drive, initial_t, ctx.dim, cu_seqlens, ctx.reverse,
+                      ctx.backend)  # fmt: skip
+
+
+def _apply(
+    ring: str, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int,
+    cu_seqlens: Tensor, reverse: bool, backend: str,
+) -> Tensor:  # fmt: skip
+    """The differentiable packed scan (forward mode too, outside torch.compile)."""
+    fn = _PackedScan if torch.compiler.is_compiling() else _PackedScanForwardMode
+    out: Tensor = fn.apply(gates, tokens, initial, dim, cu_seqlens, reverse, backend, ring)  # type: ignore[no-untyped-call]
+    return out
 
 
 def _differentiable_backward(
@@ -358,9 +408,7 @@ def scan(
             ) from None
         h = to_internal(h, d)
     rev = bool(reverse)  # validated by prepare
-    out: Tensor = _PackedScan.apply(  # type: ignore[no-untyped-call]
-        p.gates, p.tokens, h, d, cu, rev, p.backend, ring.name
-    )
+    out = _apply(ring.name, p.gates, p.tokens, h, d, cu, rev, p.backend)
     result = out.reshape(()) if p.scalar else out
     if not return_final:
         return result

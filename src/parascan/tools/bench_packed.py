@@ -3,9 +3,10 @@ batch of sequences of random lengths packed along time, against the same tokens 
 one sequence (what packing should cost: nothing more) and against scanning each
 sequence by itself in a Python loop (what users write without ``cu_seqlens``).
 
-Summary of method. Each repetition times, back to back, the limit (``torch.add`` over
-the case's tensors, scaled to the 3 a scan moves: read a and b, write x) and every
-implementation; medians are reported with their ratio to the limit and to the
+Summary of method. Each repetition times, back to back and in an order that rotates
+from one repetition to the next, the limit (``torch.add`` over the case's tensors,
+scaled to the 3 a scan moves: read a and b, write x) and every implementation;
+medians are reported with their ratio to the limit and to the
 single-sequence row. Every packed result is first checked against a float64 scan of
 each sequence alone on a few channels (the chunked torch backend in float64, itself
 tested against the loop); a wrong result gets no speed.
@@ -124,11 +125,16 @@ def _run_case(case: PackedCase, repeat: int, step: Callable[[str], None]) -> lis
 
     times: dict[str, list[float]] = {name: [] for name in impls}
     limits: list[float] = []
-    for _ in range(repeat):
-        limits.append(_elapsed(limit_fn, 1, "cpu"))
-        for name, fn in impls.items():
-            if name != "cu_seqlens" or correct:  # no speed for a wrong result
-                times[name].append(_elapsed(fn, 1, "cpu"))
+    # The order rotates from one repetition to the next: a call right after a large
+    # torch op (the limit, the loop's copies) measured up to 2x slower here, and a
+    # fixed order charged that to whichever row came next.
+    order: list[str | None] = [None, *impls]  # None: the limit
+    for rep in range(repeat):
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
+            if name is None:
+                limits.append(_elapsed(limit_fn, 1, "cpu"))
+            elif name != "cu_seqlens" or correct:  # no speed for a wrong result
+                times[name].append(_elapsed(impls[name], 1, "cpu"))
     limit = statistics.median(limits)
     medians = {n: statistics.median(t) if t else None for n, t in times.items()}
     one = medians["one sequence"]
