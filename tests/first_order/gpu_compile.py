@@ -12,8 +12,7 @@ the figure. NVIDIA's figures come from ptxas -v (spills: bytes of local memory),
 from the assembly's metadata (spills: VGPRs spilled and scratch bytes, both memory).
 
 The default suite compiles every (mode, dtype, tile, kernel) with ``reverse``, an
-initial state, several chunks and packed sequences (the code paths that add loads,
-index arithmetic and live values),
+initial state and several chunks (the code paths that add loads and index arithmetic),
 as contiguous inputs launch it (see UNIT); ``pytest -m slow`` compiles every
 combination of flags, and the strided specialization (every integer argument an int64,
 the widest Triton can pick) too.
@@ -49,8 +48,7 @@ REAL = ("fp16", "bf16", "fp32", "fp64")
 PASSES = [(m, p, False) for m in LINEAR_MODES + LOG_MODES for p in REAL] + [
     (m, p, True) for m in LINEAR_MODES for p in ("fp32", "fp64")
 ]
-SUMMARY_PTRS = ("Mr_ptr", "Mi_ptr", "Fr_ptr", "Fi_ptr", "Rs_ptr", "Cr_ptr", "Ci_ptr")
-INT32_PTRS = ("seq_ptr",)  # packed sequences: each step's sequence
+SUMMARY_PTRS = ("Mr_ptr", "Mi_ptr", "Fr_ptr", "Fi_ptr", "Cr_ptr", "Ci_ptr")
 
 
 TILES = {"time-major": kernels.TIME_MAJOR, "time-contiguous": kernels.TIME_CONTIGUOUS}
@@ -69,16 +67,13 @@ def _specializations(full: bool) -> list[Spec]:
     both = (False, True) if full else (True,)
     contiguity = ("contiguous", "strided") if full else ("contiguous",)
     flags = {
-        "_summaries": [
-            {"REVERSE": r, "HAS_INIT": h, "PACKED": p} for r in both for h in both for p in both
-        ],
-        "_carries": [{"HAS_INIT": h, "PACKED": p} for h in both for p in both],
+        "_summaries": [{"REVERSE": r} for r in both],
+        "_carries": [{"HAS_INIT": h} for h in both],
         "_apply": [
-            {"REVERSE": r, "HAS_INIT": h, "SINGLE": one, "PACKED": p}
+            {"REVERSE": r, "HAS_INIT": h, "SINGLE": one}
             for r in both
             for h in both
             for one in ((False, True) if full else (False,))
-            for p in both
         ],
     }
     return [
@@ -118,8 +113,6 @@ def _compile(spec: Spec, arch: str):
     for param in params:
         if param in constexprs:
             signature[param] = "constexpr"
-        elif param in INT32_PTRS:
-            signature[param] = "*i32"
         elif param.endswith("_ptr"):
             signature[param] = f"*{acc}" if param in SUMMARY_PTRS else f"*{ptr}"
         else:
