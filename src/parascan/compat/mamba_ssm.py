@@ -518,7 +518,7 @@ class _CausalConv1d(torch.autograd.Function):
     general grouped convolution's backward for the small widths (2 to 4) of Mamba."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None,
         silu: bool,
     ) -> Tensor:  # fmt: skip
@@ -533,7 +533,7 @@ class _CausalConv1d(torch.autograd.Function):
         return torch.nn.functional.silu(pre) if silu else pre
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias, pre = ctx.saved_tensors
         masks: list[Tensor | None] = ctx.masks
         grad = grad.contiguous()
@@ -567,7 +567,7 @@ def _causal_conv1d_silu(
     """``out[t] = act(bias + sum_k weight[:, k] * x[t - (K-1) + k])`` for ``x`` ``(batch,
     L, c)`` and ``weight`` ``(c, K)``: zeros before the first step and, with
     ``seq_idx``, before each sequence's first step; ``act`` silu or identity."""
-    out: Tensor = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)
+    out: Tensor = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -585,7 +585,7 @@ def _gated_rms_norm(
         y = y * gate
     grouped = y.unflatten(-1, (groups, -1))
     rstd = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    out = (grouped * rstd).flatten(-2) * weight.to(dtype)
+    out: Tensor = (grouped * rstd).flatten(-2) * weight.to(dtype)
     if before_gate:
         out = out * gate
     return out
