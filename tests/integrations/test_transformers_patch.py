@@ -389,7 +389,7 @@ def test_extra_arguments_are_refused() -> None:
 
 def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
     """A Mamba-2 model calls parascan.ssd_scan (backend "auto") for every full-sequence
-    scan, in evaluation and in training (the fused kernel declined), and the multi-head
+    scan, in evaluation and in training (inside the fused layer), and the multi-head
     decoding step for each generated token."""
     import parascan
 
@@ -416,6 +416,26 @@ def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
     model.train()
     model(ids, labels=ids).loss.backward()
     assert calls["scan"] == 4
+
+
+@pytest.mark.parametrize("name", ["mamba2", "falcon_h1", "zamba2"])
+def test_mamba2_training_runs_the_fused_layer(monkeypatch, name) -> None:
+    """Training (no cache) goes through parascan's fused layer (convolution, scan, norm,
+    projection) instead of transformers' unfused path; gradients equal to unpatched are
+    checked above."""
+    calls = [0]
+    fused = integration.mamba_ssm.mamba_split_conv1d_scan_combined
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(integration.mamba_ssm, "mamba_split_conv1d_scan_combined", counted)
+    model = build(name).train()
+    ids, mask = inputs()
+    integration.patch()
+    model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    assert calls[0] == 2  # 2 Mamba-2 layers
 
 
 def test_mamba2_packed_sequences_stay_apart() -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from itertools import pairwise
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +65,7 @@ from parascan.first_order.varlen import check_cu_seqlens
 
 __all__ = [
     "mamba_chunk_scan_combined",
+    "mamba_split_conv1d_scan_combined",
     "selective_scan_fn",
     "selective_scan_ref",
     "selective_state_update",
@@ -469,3 +471,261 @@ def mamba_chunk_scan_combined(
 def _state(state: Tensor, C: Tensor, state_dtype: torch.dtype | None) -> Tensor:
     """A returned state in mamba_ssm's dtype: ``state_dtype``, else ``C``'s."""
     return state.to(state_dtype if state_dtype is not None else C.dtype)
+
+
+# --- Mamba-2's fused training layer: split, convolution, scan, gated norm, projection --------
+
+
+def _shift_masks(seq_idx: Tensor | None, width: int, length: int) -> list[Tensor | None]:
+    """For each lag ``s`` in 1 .. width - 1, a ``(batch, L, 1)`` 0/1 mask of the steps
+    ``t`` whose input ``t - s`` lies in the same sequence (None without ``seq_idx``: the
+    zero padding alone keeps the convolution causal)."""
+    if seq_idx is None:
+        return [None] * width
+    masks: list[Tensor | None] = [None]
+    for lag in range(1, width):
+        same = torch.zeros(seq_idx.shape, dtype=torch.bool, device=seq_idx.device)
+        if lag < length:
+            same[:, lag:] = seq_idx[:, lag:] == seq_idx[:, :-lag]
+        masks.append(same[..., None])
+    return masks
+
+
+def _conv_taps(x: Tensor, weight: Tensor, masks: list[Tensor | None], transpose: bool) -> Tensor:
+    """``sum_s weight[:, K-1-s] * x[t - s]`` (or, transposed, ``sum_s weight[:, K-1-s] *
+    x[t + s]``, the backward's) for ``x`` ``(batch, L, c)``: one multiply-add per lag on
+    shifted views, each lag's term zeroed where ``masks`` says the lag crosses a
+    sequence boundary."""
+    width, length = weight.shape[1], x.shape[1]
+    out = x * weight[:, width - 1]
+    for lag in range(1, min(width, length + 1)):
+        tap = weight[:, width - 1 - lag]
+        mask = masks[lag]
+        if transpose:  # out[t] += w * x[t + lag], masked by the mask of step t + lag
+            term = x[:, lag:] * tap
+            out[:, : length - lag] += term if mask is None else term * mask[:, lag:]
+        else:  # out[t] += w * x[t - lag], masked by the mask of step t
+            term = x[:, : length - lag] * tap
+            out[:, lag:] += term if mask is None else term * mask[:, lag:]
+    return out
+
+
+class _CausalConv1d(torch.autograd.Function):
+    """Depthwise causal convolution (+ bias, + silu) along dim 1 of ``(batch, L, c)``.
+
+    A width-K filter is K shifted multiply-adds, forward and backward (the weight's
+    gradient is K products summed over batch and time), cheaper on a CPU than a
+    general grouped convolution's backward for the small widths (2 to 4) of Mamba."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None,
+        silu: bool,
+    ) -> Tensor:  # fmt: skip
+        masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
+        x = x.contiguous()
+        pre = _conv_taps(x, weight.to(x.dtype), masks, transpose=False)
+        if bias is not None:
+            pre += bias.to(x.dtype)
+        ctx.save_for_backward(x, weight, bias, pre if silu else None)
+        ctx.masks = masks
+        ctx.silu = silu
+        return torch.nn.functional.silu(pre) if silu else pre
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, bias, pre = ctx.saved_tensors
+        masks: list[Tensor | None] = ctx.masks
+        grad = grad.contiguous()
+        if ctx.silu:
+            sig = torch.sigmoid(pre)
+            grad = grad * sig * (1 + pre * (1 - sig))
+        width, length = weight.shape[1], x.shape[1]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _conv_taps(grad, weight.to(grad.dtype), masks, transpose=True)
+        if ctx.needs_input_grad[1]:
+            cols = []
+            for k in range(width):
+                lag = width - 1 - k
+                if lag >= length:
+                    cols.append(grad.new_zeros(grad.shape[-1]))
+                    continue
+                term = grad[:, lag:] * x[:, : length - lag]
+                if masks[lag] is not None:
+                    term = term * masks[lag][:, lag:]
+                cols.append(term.sum((0, 1)))
+            dw = torch.stack(cols, 1).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            db = grad.sum((0, 1)).to(bias.dtype)
+        return dx, dw, db, None, None
+
+
+def _causal_conv1d_silu(
+    x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
+) -> Tensor:
+    """``out[t] = act(bias + sum_k weight[:, k] * x[t - (K-1) + k])`` for ``x`` ``(batch,
+    L, c)`` and ``weight`` ``(c, K)``: zeros before the first step and, with
+    ``seq_idx``, before each sequence's first step; ``act`` silu or identity."""
+    out: Tensor = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)  # type: ignore[no-untyped-call]
+    return out
+
+
+_SPLIT = "parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined"
+
+
+def _gated_rms_norm(
+    y: Tensor, z: Tensor, weight: Tensor, eps: float, groups: int, before_gate: bool
+) -> Tensor:
+    """RMS norm over groups of ``dim // groups`` channels, gated by ``silu(z)`` after
+    (``before_gate``) or before the norm, in float32 (float64 for float64 input)."""
+    dtype = _compute_dtype(y)
+    y, gate = y.to(dtype), torch.nn.functional.silu(z.to(dtype))
+    if not before_gate:
+        y = y * gate
+    grouped = y.unflatten(-1, (groups, -1))
+    rstd = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    out: Tensor = (grouped * rstd).flatten(-2) * weight.to(dtype)
+    if before_gate:
+        out = out * gate
+    return out
+
+
+def mamba_split_conv1d_scan_combined(
+    zxbcdt: Tensor,
+    conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None,
+    dt_bias: Tensor,
+    A: Tensor,
+    D: Tensor,
+    chunk_size: int,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+    activation: str | None = "silu",
+    rmsnorm_weight: Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: Tensor | None = None,
+    outproj_bias: Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    state_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """A whole Mamba-2 layer after its input projection, with mamba_ssm 2.x's signature
+    and results (its fused training kernel), on any device. With ``dim = nheads *
+    headdim`` and ``conv_dim = dim + 2 * ngroups * dstate``, ``zxbcdt`` is split along
+    its last dimension into ``(zx0, z, xBC, dt)`` of widths ``(2 * d_nonssm, dim,
+    conv_dim, nheads)``, then::
+
+        xBC      = act(conv1d_bias + causal depthwise conv of xBC by conv1d_weight)
+        x, B, C  = split(xBC, (dim, ngroups * dstate, ngroups * dstate))
+        y        = mamba_chunk_scan_combined(x, dt, A, B, C, D=D, dt_bias=dt_bias,
+                                             dt_softplus=True, dt_limit=dt_limit,
+                                             z=z if rmsnorm_weight is None else None)
+        y        = rmsnorm(y) * silu(z) if norm_before_gate else rmsnorm(y * silu(z))
+                   (times rmsnorm_weight; RMS over groups of dim // ngroups channels;
+                   only when rmsnorm_weight is given)
+        out      = cat(silu(zx0[:d_nonssm]) * zx0[d_nonssm:], y) @ outproj_weight.T
+                   + outproj_bias       (the swish-gated part only when d_nonssm > 0;
+                                         the projection only when outproj_weight is given)
+
+    ``act`` is silu for ``activation`` ``"silu"`` or ``"swish"``, the identity for None.
+    The convolution is causal (zeros before the first step) and, with ``seq_idx``
+    ``(batch, seqlen)``, reads nothing across a change of id, where the scan restarts
+    too. The convolution is K shifted multiply-adds (K the filter width), forward and
+    backward; the scan is :func:`parascan.ssd_scan` (backend ``"auto"``).
+
+    Args:
+        zxbcdt: ``(batch, seqlen, 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads)``.
+        conv1d_weight: ``(conv_dim, width)``; conv1d_bias: ``(conv_dim,)`` or None.
+        dt_bias, A: ``(nheads,)``. D: ``(nheads, headdim)`` or ``(nheads,)`` (then
+            ``headdim`` must be given).
+        chunk_size: accepted and not used (the result does not depend on it).
+        initial_states: ``(batch, nheads, headdim, dstate)`` or None.
+        rmsnorm_weight: ``(dim,)`` or None; outproj_weight ``(out_dim, dim + d_nonssm)``,
+            outproj_bias ``(out_dim,)``.
+        state_dtype: the dtype of the returned final states (default: ``C``'s, that
+            is ``zxbcdt``'s).
+
+    Returns:
+        ``out`` ``(batch, seqlen, out_dim)`` (``(batch, seqlen, dim + d_nonssm)``
+        without a projection), or ``(out, final_states)`` with ``return_final_states``.
+
+    How it differs from mamba_ssm's: any device and float dtype; the norm is computed
+    in float32 (float64 for float64 input); the gradient of ``final_states`` is
+    propagated.
+    """
+    fn = _SPLIT
+    if not isinstance(zxbcdt, Tensor) or zxbcdt.dim() != 3:
+        raise ValueError(
+            f"{fn}: expected zxbcdt of shape (batch, seqlen, channels), but got {describe(zxbcdt)}"
+        )
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(
+            f"{fn}: expected activation None, 'silu' or 'swish', but got {activation!r}"
+        )
+    if not isinstance(D, Tensor) or D.dim() not in (1, 2):
+        raise ValueError(f"{fn}: expected D of shape (nheads,) or (nheads, headdim), but got "
+                         f"{describe(D)}")  # fmt: skip
+    if D.dim() == 2:
+        nheads, headdim = D.shape
+    elif headdim is None:
+        raise ValueError(f"{fn}: D is (nheads,), so headdim must be given, but got None")
+    else:
+        nheads = D.shape[0]
+    if isinstance(ngroups, bool) or not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:
+        raise ValueError(
+            f"{fn}: expected ngroups to be a positive int dividing nheads = {nheads}, but got "
+            f"{describe(ngroups)}"
+        )
+    if not isinstance(conv1d_weight, Tensor) or conv1d_weight.dim() != 2:
+        raise ValueError(
+            f"{fn}: expected conv1d_weight of shape (conv_dim, width), but got "
+            f"{describe(conv1d_weight)}"
+        )
+    batch, length, channels = zxbcdt.shape
+    dim = nheads * headdim
+    conv_dim = conv1d_weight.shape[0]
+    dstate = (conv_dim - dim) // (2 * ngroups)
+    nonssm2 = channels - 2 * dim - 2 * ngroups * dstate - nheads
+    if dstate < 1 or conv_dim != dim + 2 * ngroups * dstate or nonssm2 < 0 or nonssm2 % 2:
+        raise ValueError(
+            f"{fn}: expected conv1d_weight (dim + 2 * ngroups * dstate, width) and zxbcdt "
+            f"(batch, seqlen, 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads) with "
+            f"dim = nheads * headdim = {dim}, ngroups = {ngroups}, but got conv1d_weight "
+            f"{describe(conv1d_weight)} and zxbcdt {describe(zxbcdt)}"
+        )
+    d_nonssm = nonssm2 // 2
+    zx0, z, xBC, dt = zxbcdt.split([nonssm2, dim, conv_dim, nheads], dim=-1)
+    if seq_idx is not None and (
+        not isinstance(seq_idx, Tensor) or tuple(seq_idx.shape) != (batch, length)
+    ):
+        raise ValueError(
+            f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
+            f"{(batch, length)}, but got {describe(seq_idx)}"
+        )
+    xBC = _causal_conv1d_silu(xBC, conv1d_weight, conv1d_bias, seq_idx, activation is not None)
+    x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    gate = z.unflatten(-1, (nheads, headdim))
+    result = mamba_chunk_scan_combined(
+        x.unflatten(-1, (nheads, headdim)), dt, A, B.unflatten(-1, (ngroups, dstate)),
+        C.unflatten(-1, (ngroups, dstate)), chunk_size, D=D,
+        z=gate if rmsnorm_weight is None else None, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+        return_final_states=True, state_dtype=state_dtype,
+    )  # fmt: skip
+    assert isinstance(result, tuple)
+    y, final = result[0].flatten(-2), result[1]
+    if rmsnorm_weight is not None:
+        y = _gated_rms_norm(y, z, rmsnorm_weight, rmsnorm_eps, ngroups, norm_before_gate)
+        y = y.to(zxbcdt.dtype)
+    if d_nonssm:
+        left, right = zx0.split([d_nonssm, d_nonssm], dim=-1)
+        y = torch.cat([torch.nn.functional.silu(left) * right, y], dim=-1)
+    if outproj_weight is not None:
+        y = torch.nn.functional.linear(y, outproj_weight, outproj_bias)
+    elif outproj_bias is not None:
+        raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
+    return (y, final) if return_final_states else y

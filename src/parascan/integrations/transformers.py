@@ -47,13 +47,16 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
     the decoding step becomes :func:`parascan.compat.mamba_ssm.selective_state_update`
     in its multi-head layout, the cached state advanced in place.
 ``mamba2_split_conv1d_scan_combined``
-    the fused training kernel (convolution, scan, gated norm, output projection): the
-    replacement declines, as the original does without mamba_ssm, so that training runs
-    the mixer's unfused path (transformers' own convolution and norm around the patched
-    scan).
+    the fused training path (a mixer in training mode without a cache: convolution,
+    scan, gated norm, output projection) becomes
+    :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined`, whose causal
+    convolution is a few shifted multiply-adds (forward and backward) and whose scan is
+    :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
+    mixer runs its unfused torch path.
 
-Everything else (projections, the causal convolution and its ``conv_states`` cache, the
-cache's bookkeeping) is the model's own code, unchanged; so are its quirks (a Mamba-1
+Everything else (the input projection; outside training, the causal convolution and
+its ``conv_states`` cache, the gated norm and output projection; the cache's
+bookkeeping) is the model's own code, unchanged; so are its quirks (a Mamba-1
 prompt continued with several tokens at once restarts the scan from a zero state, as
 unpatched). In float32 the logits, gradients, caches and greedy generations equal the
 unpatched ones to rounding; in half precision parascan takes the step in float32 where
@@ -196,6 +199,50 @@ def chunk_scan(
     return result
 
 
+def split_conv_scan(
+    zxbcdt: Tensor,
+    conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None,
+    dt_bias: Tensor,
+    A: Tensor,
+    D: Tensor,
+    chunk_size: int,
+    initial_states: Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+    activation: str | None = "silu",
+    rmsnorm_weight: Tensor | None = None,
+    rmsnorm_eps: float | None = 1e-6,
+    outproj_weight: Tensor | None = None,
+    outproj_bias: Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Replaces transformers' ``mamba2_split_conv1d_scan_combined`` (same parameters):
+    the mixer's whole training path after its input projection (convolution, scan,
+    gated norm, output projection) by
+    :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined`.
+
+    ``seq_idx`` (batch, L) or ``cu_seqlens`` (batch 1) among the other keywords mark
+    packed sequences (neither the convolution nor the scan crosses a boundary); the
+    rest (the model's attention keywords) are dropped. ``rmsnorm_eps`` None (a mixer
+    without the norm) is not read."""
+    seq_idx = kwargs.get("seq_idx")
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if seq_idx is None and cu_seqlens is not None:
+        seq_idx = _seq_idx_from_cu_seqlens(cu_seqlens, zxbcdt)
+    return mamba_ssm.mamba_split_conv1d_scan_combined(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+        initial_states=initial_states, seq_idx=seq_idx, dt_limit=dt_limit,
+        return_final_states=bool(return_final_states), activation=activation,
+        rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=1e-6 if rmsnorm_eps is None else rmsnorm_eps,
+        outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim,
+        ngroups=ngroups, norm_before_gate=norm_before_gate,
+    )  # fmt: skip
+
+
 def _seq_idx_from_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> Tensor:
     """The sequence id of every step of a packed batch of one."""
     fn = "mamba2_chunk_scan"
@@ -235,10 +282,9 @@ def multihead_state_update(
 
 
 def no_fused_inner(*args: Any, **kwargs: Any) -> None:
-    """Replaces transformers' ``mamba_inner_fn`` and ``mamba2_split_conv1d_scan_combined``:
-    returning None sends training through the mixer's unfused path (projections,
-    convolution, then the patched scan), as it goes whenever mamba_ssm is not
-    installed."""
+    """Replaces transformers' ``mamba_inner_fn``: returning None sends training through
+    the mixer's unfused path (projections, convolution, then the patched scan), as it
+    goes whenever mamba_ssm is not installed."""
     return None
 
 
@@ -324,8 +370,27 @@ _MAMBA2 = _Family(
         ),
         _Function(
             "mamba2_split_conv1d_scan_combined",
-            no_fused_inner,
-            ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
+            split_conv_scan,
+            (
+                "zxbcdt",
+                "conv1d_weight",
+                "conv1d_bias",
+                "dt_bias",
+                "A",
+                "D",
+                "chunk_size",
+                "initial_states",
+                "dt_limit",
+                "return_final_states",
+                "activation",
+                "rmsnorm_weight",
+                "rmsnorm_eps",
+                "outproj_weight",
+                "outproj_bias",
+                "headdim",
+                "ngroups",
+                "norm_before_gate",
+            ),
             required=False,
         ),
     ),
