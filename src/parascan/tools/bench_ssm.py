@@ -21,14 +21,14 @@ backward.
 
 Summary of method. Each repetition times, back to back, the exp limit and every
 implementation; medians are reported with ratios to the exp limit and to the
-reference loop. The loops' forward + backward take tens of seconds at the default
-shape; they run whole. A case may set ``loop_steps`` to time them on the first
-steps and scale by L / loop_steps: fair for the forward, a lower bound for the
-forward + backward (the loop's backward costs more per step the longer it is:
-autograd's select backward fills a (batch, dim, L, N) gradient for every step).
-Results are checked first against a float64 loop on a few channels (their output
-and the gradients of u and delta):
-a wrong result gets no speed. Peak extra memory of forward + backward is the
+reference loop. The loops' forward + backward take one to two minutes whole at the
+default shape, so the default workload times them on the first ``loop_steps`` steps
+and scales by L / loop_steps (``--full`` runs them whole): fair for the forward, a
+lower bound for the forward + backward (the loop's backward costs more per step
+the longer it is: autograd's select backward fills a (batch, dim, L, N) gradient
+for every step). Results are checked first against a float64 loop on a few
+channels (their output and the gradients of u and delta): a wrong result gets no
+speed. Peak extra memory of forward + backward is the
 growth of the process's peak resident set (Linux ``VmHWM``, reset before the
 call), next to the size of one (batch, dim, L, N) float32 tensor.
 """
@@ -100,10 +100,10 @@ class SsmRow:
 AnySsmCase = SsmCase | SsdCase
 
 DEFAULT_SSM_CASES: list[AnySsmCase] = [
-    # the loops at full length: their backward is not linear in L (autograd's select
-    # backward fills a (batch, dim, L, N) gradient for every step), so a shorter loop
-    # scaled up would flatter parascan's ratio by about L / loop_steps
-    SsmCase("mamba-1 scan", 1, 1536, 1024, 16),
+    # the loops on 128 steps, scaled by 8: right for the forward, a lower bound for the
+    # forward + backward (its cost per step grows with L: about 100 s whole here, which
+    # --full runs), so parascan's forward + backward ratio here understates it
+    SsmCase("mamba-1 scan", 1, 1536, 1024, 16, loop_steps=128),
     *DEFAULT_SSD_CASES,
 ]
 FULL_SSM_CASES: list[AnySsmCase] = [
