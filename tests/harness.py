@@ -249,7 +249,11 @@ def grid(spec: OpSpec) -> list[Any]:
                     reverse, initial = spec.variants[i % len(spec.variants)]
                     initial = initial and layout.shapes.get("initial") is not None
                     case = Case(spec, target, dtype, layout, steps, reverse, initial)
-                    marks = [pytest.mark.slow] if steps in slow else []
+                    # the interpreter's longest case runs in float32 by default; the
+                    # other dtypes' (4 s each) with the slow tests
+                    longest = target.interpreted and steps == max(lengths)
+                    heavy = longest and dtype != torch.float32
+                    marks = [pytest.mark.slow] if steps in slow or heavy else []
                     params.append(pytest.param(case, id=str(case), marks=marks))
     return params
 

@@ -45,6 +45,7 @@ def test_check_catches_a_wrong_imaginary_part(monkeypatch) -> None:
     assert results["matrix forward float64"] is True
 
 
+@pytest.mark.slow  # 30 s: every backend of every op; the checks' own logic is tested above
 def test_check_passes_on_this_machine() -> None:
     out = io.StringIO()
     assert run_check(["cpu"], out=out) == 0, out.getvalue()

@@ -13,7 +13,9 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
 
 
-@pytest.mark.parametrize("mode", [[], ["--seq-parallel"]])
+@pytest.mark.parametrize(
+    "mode", [[], pytest.param(["--seq-parallel"], marks=pytest.mark.slow)]
+)  # the sequence-parallel run (15 s) with the slow tests; test_distributed covers it
 def test_language_model_trains_on_two_processes(mode) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
