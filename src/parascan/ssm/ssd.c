@@ -42,19 +42,21 @@
  *   headdim are so small that a step's state does not fill the vectors.
  *
  *   The backward walks the chunks from last to first per unit. A chunk's states are
- *   rebuilt from its checkpoint (K + 1 states, 1 MiB at float32 and 64 x 64: in L2)
- *   together with y and grad_C (pass 1, forward), then the adjoint recurrence runs
- *   backwards (pass 2):
+ *   rebuilt from its checkpoint one at a time in place (pass 1, forward: grad_C,
+ *   grad_z), then the adjoint recurrence runs backwards (pass 2):
  *       G[t] = a[t+1] G[t+1] + gy[t] (outer) C[t]    (G at a sequence's last step:
  *                                                     its grad_final)
  *       grad_B[t] = sum_p G[t] u[t],  grad_u[t] = G[t] B[t],  grad_a[t] = <G[t], h[t-1]>
- *   and a sequence's first step leaves a[t] G[t], its grad_initial. The sums over
+ *   where grad_a comes from the per-step sums <C, grad_C> and <B, grad_B> instead of a
+ *   multiply-add per state element (ssd_kernel.h, ps_ssd_bwd_chunk), so pass 2 reads no
+ *   state: only the few steps where that difference would cancel keep theirs. A
+ *   sequence's first step leaves a[t] G[t], its grad_initial. The sums over
  *   headdim (grad_B, grad_C) take vector lanes: W rows are summed at once by a tree
  *   of shuffles. grad_B and grad_C are kept per head for a span of chunks (at most
  *   PS_SSD_PARTIAL_BYTES), then summed over each group's heads in head order; A's and
  *   D's gradients are per unit, then summed over the batch in batch order: the same
  *   bits for any number of threads. No buffer holds a (batch, L, heads, headdim, N)
- *   tensor: one chunk of states per thread, the adjoint state per unit.
+ *   tensor: at most one chunk of states per thread, the adjoint state per unit.
  *
  *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
  *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the

@@ -142,24 +142,23 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_fwd_block)(
     for (int k = 0; k < nb; ++k) y[k] = yy[k];
 }
 
-/* The backward's rebuild of a step (hs: the state before it, hn: after it), with
- * y (when wy: only z's gradient reads it) and the lane vectors of grad_C,
- * sc[n] += sum over p of gy[p] h[t][n][p]. */
+/* The backward's rebuild of a step, in place (st: the state before it on entry,
+ * after it on return), with y (when wy: only z's gradient reads it) and the lane
+ * vectors of grad_C, sc[n] += sum over p of gy[p] h[t][n][p]. */
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
-    const V *hs, V *hn, int64_t stride, const V *u, const V *gy, V *y, V *sc, const T *Bt,
-    const T *Ct, T a, int64_t N, int first, int wy, const int nb) {
+    V *st, int64_t stride, const V *u, const V *gy, V *y, V *sc, const T *Bt, const T *Ct,
+    T a, int64_t N, int first, int wy, const int nb) {
     V uu[PB], gg[PB], yy[PB];
     for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; yy[k] = (V){0}; }
     for (int64_t n = 0; n < N; ++n) {
         const T bn = Bt[n], cn = Ct[n];
-        const V *src = hs + n * stride;
-        V *dst = hn + n * stride;
+        V *row = st + n * stride;
         V gc = {0};
         for (int k = 0; k < nb; ++k) {
-            const V hv = a * src[k] + uu[k] * bn;
+            const V hv = a * row[k] + uu[k] * bn;
             if (wy) yy[k] += hv * cn; /* y only where z's gradient needs it */
             gc += gg[k] * hv;
-            dst[k] = hv;
+            row[k] = hv;
         }
         sc[n] = first ? gc : sc[n] + gc;
     }
@@ -168,29 +167,55 @@ ATTR static inline __attribute__((always_inline)) void F(ps_ssd_rec_block)(
 
 /* The adjoint step of nb vectors: with G the adjoint of the state after step t
  * (g: a[t+1] G[t+1] on entry, or grad_final),
- *   G = g + gy C[n];  sb[n] += sum_p G u;  gu += G B[n];  ga += G h[t-1];  g = a G. */
+ *   G = g + gy C[n];  sb[n] += sum_p G u;  gu += G B[n];  g = a G.
+ * The decay's gradient needs no state here (ps_ssd_bwd_chunk: from the lane sums). */
 ATTR static inline __attribute__((always_inline)) void F(ps_ssd_adj_block)(
-    V *g, int64_t stride, const V *hs, const V *u, const V *gy, V *gu, V *ga, V *sb,
-    const T *Bt, const T *Ct, T a, int64_t N, int first, const int nb) {
-    V uu[PB], gg[PB], gs[PB], acc[PB]; /* acc: one chain per vector (latency-bound if one) */
-    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; acc[k] = (V){0}; }
+    V *g, int64_t stride, const V *u, const V *gy, V *gu, V *sb, const T *Bt, const T *Ct,
+    T a, int64_t N, int first, const int nb) {
+    V uu[PB], gg[PB], gs[PB];
+    for (int k = 0; k < nb; ++k) { uu[k] = u[k]; gg[k] = gy[k]; gs[k] = (V){0}; }
     for (int64_t n = 0; n < N; ++n) {
         const T bn = Bt[n], cn = Ct[n];
         V *row = g + n * stride;
-        const V *hp = hs + n * stride;
         V gb = {0};
         for (int k = 0; k < nb; ++k) {
             const V G = row[k] + gg[k] * cn;
             gb += G * uu[k];
             gs[k] += G * bn;
-            acc[k] += G * hp[k];
             row[k] = a * G;
         }
         sb[n] = first ? gb : sb[n] + gb;
     }
-    V sum = *ga;
-    for (int k = 0; k < nb; ++k) { gu[k] = gs[k]; sum += acc[k]; }
-    *ga = sum;
+    for (int k = 0; k < nb; ++k) gu[k] = gs[k];
+}
+
+/* sum_n w[n] v[n] in double (the decay gradient's running sums, ps_ssd_bwd_chunk). */
+ATTR static inline double F(ps_ssd_dot)(const T *w, const T *v, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += (double)w[i] * (double)v[i];
+    return s;
+}
+
+/* <g, h> over a state: g transposed in vectors, h a (headdim, N) state in memory. */
+ATTR static inline double F(ps_ssd_state_dot)(const V *g, const T *h, int64_t P, int64_t N,
+                                         int64_t pv) {
+    double s = 0;
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t n = 0; n < N; ++n) s += (double)g[n * pv + p / W][p % W] * h[p * N + n];
+    return s;
+}
+
+/* <g, hT> over two transposed states of N x pv vectors (zero lanes past headdim). */
+ATTR static inline double F(ps_ssd_vdot)(const V *g, const V *h, int64_t count) {
+    V acc[4] = {{0}, {0}, {0}, {0}};
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4)
+        for (int k = 0; k < 4; ++k) acc[k] += g[i + k] * h[i + k];
+    for (; i < count; ++i) acc[0] += g[i] * h[i];
+    const V v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    double s = 0;
+    for (int l = 0; l < W; ++l) s += (double)v[l];
+    return s;
 }
 
 /* The decay of step (b, t) of head h: exp(max(dt A, LO)); *slope its derivative's
@@ -314,6 +339,7 @@ typedef struct {
     ps_ssd_args *a;
     int64_t pv, nc, span_lo, span_hi; /* the chunks of the current span */
     V *gstate;                        /* (units, N, pv): the adjoint carried between chunks */
+    double *carry;                    /* (units,): a[t] <G[t], h[t-1]> of the chunk after */
     T *gA, *gD;                       /* (units,), (units, pv W): partial sums */
     T *pB, *pC;                       /* (units, span steps, N): per-head grad_B, grad_C */
     int64_t span_steps;
@@ -329,12 +355,36 @@ ATTR static inline int64_t F(ps_ssd_seq_of)(const int64_t *cu, int64_t nseq, int
     return lo;
 }
 
-/* Chunk c of unit (b, h): rebuild its states from the checkpoint (pass 1, forward:
- * y, the grad_C sums), then the adjoint sweep (pass 2, backward) with every other
- * gradient. Buffers: hs (K + 1 states), rows (6 K rows: u, gy, y, gu, x, sigmoid(z);
- * then 4 single rows: D, and scratch), sc (N). */
+/* Per-thread buffers of the backward (ps_ssd_bwd_task): the rebuilt state, K saved
+ * states (ps_ssd_bwd_chunk), 3 K rows (u, gy, x) and 6 single rows (D, z, sigmoid(z),
+ * scratch, grad_u, y), the lane sums; the per-step scalars. */
+typedef struct {
+    V *st, *saved, *rows, *sc;
+    T *decay, *live;
+    double *cdot, *qend;
+    int64_t *sq;
+    char *keep;
+} F(ps_ssd_bwd_buf);
+
+/* Below this decay a step's q[t] is taken exactly from its saved previous state: the
+ * difference <G[t], h[t]> - bdot[t] loses about eps / a[t] of its relative accuracy. */
+#define PS_SSD_EXACT_BELOW 0.5
+
+/* Chunk c of unit (b, h): pass 1 (forward) rebuilds the states from the checkpoint in
+ * place, one at a time, with grad_C and grad_z; pass 2 (backward) runs the adjoint
+ * recurrence with every other gradient. The decay's gradient needs
+ * q[t] = a[t] <G[t], h[t-1]>, which would cost a multiply-add per state element and
+ * step and every state of the chunk kept for pass 2. It follows from sums both passes
+ * have at hand instead: with cdot[t] = <C[t], grad_C[t]> = <G[t] - a[t+1] G[t+1], h[t]>
+ * and bdot[t] = <B[t], grad_B[t]> = <G[t], h[t] - a[t] h[t-1]>,
+ *     q[t] = <G[t], h[t]> - bdot[t],   <G[t], h[t]> = q[t+1] + cdot[t],
+ * and <G[t], h[t]> = <grad_final, h[t]> + cdot[t] at a sequence's last step. The
+ * difference cancels where a[t] h[t-1] is small against B[t] u[t]: there (a chunk's
+ * first step, a sequence's first step, a decay below PS_SSD_EXACT_BELOW) pass 1 saves
+ * h[t-1] and pass 2 takes q[t] exactly, which also restarts the running sum (in
+ * double): its rounding never spans more than a chunk. */
 ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, int64_t h,
-                                    int64_t c, V *hs, V *rows, V *sc, T *rowT, int64_t *sq) {
+                                    int64_t c, const F(ps_ssd_bwd_buf) *buf) {
     ps_ssd_args *a = ctx->a;
     const int64_t L = a->length, H = a->heads, P = a->headdim, N = a->nstate, K = a->chunk;
     const int64_t G = a->groups, pv = ctx->pv, unit = b * H + h, g = h / (H / G);
@@ -345,15 +395,18 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
     const int64_t *cu = a->cu_seqlens ? a->cu_seqlens : local;
     const int64_t nseq = a->cu_seqlens ? a->nseq : 1;
     const int64_t ss = N * pv; /* a state's vectors */
-    V *u = rows, *gy = rows + K * pv, *y = rows + 2 * K * pv, *gu = rows + 3 * K * pv;
-    V *xr = rows + 4 * K * pv, *sgr = rows + 5 * K * pv, *dv = rows + 6 * K * pv;
-    V *zv = dv + pv, *ov = zv + pv, *gxv = ov + pv;
+    V *st = buf->st, *sc = buf->sc, *rows = buf->rows, *saved = buf->saved;
+    V *u = rows, *gy = rows + K * pv, *xr = rows + 2 * K * pv, *dv = rows + 3 * K * pv;
+    V *zv = dv + pv, *ov = zv + pv, *gxv = ov + pv, *gu = gxv + pv, *yv = gu + pv;
+    T *decay = buf->decay, *live = buf->live;
+    double *cdot = buf->cdot, *qend = buf->qend;
+    int64_t *sq = buf->sq;
+    char *keep = buf->keep;
     if (D) F(ps_ssd_load)(dv, D + h * P, P, 0, pv);
-    T *decay = rowT, *slope = rowT + K;
     T *pB = ctx->pB + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
     T *pC = ctx->pC + (unit * ctx->span_steps + (t0 - ctx->span_lo * K)) * N;
-    F(ps_ssd_load_state)(hs, (const T *)a->checkpoints + ((b * ctx->nc + c) * H + h) * P * N, P,
-                         N, 0, pv);
+    const T *ck = (const T *)a->checkpoints + ((b * ctx->nc + c) * H + h) * P * N;
+    F(ps_ssd_load_state)(st, ck, P, N, 0, pv);
     int64_t s = F(ps_ssd_seq_of)(cu, nseq, t0);
     for (int64_t i = 0; i < len; ++i) {
         const int64_t t = t0 + i, bt = b * L + t;
@@ -361,89 +414,104 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         sq[i] = s;
         const int64_t sidx = a->cu_seqlens ? s : b;
         if (i > 0 && t == cu[s])
-            F(ps_ssd_load_state)(hs + i * ss, init ? init + (sidx * H + h) * P * N : NULL, P, N,
-                                 0, pv);
+            F(ps_ssd_load_state)(st, init ? init + (sidx * H + h) * P * N : NULL, P, N, 0, pv);
         const T dtv = dt[bt * H + h];
-        decay[i] = F(ps_ssd_decay)(dtv, A[h], &slope[i]);
+        T slope;
+        decay[i] = F(ps_ssd_decay)(dtv, A[h], &slope);
+        live[i] = slope != 0 ? (T)1 : (T)0;
+        keep[i] = i == 0 || t == cu[s] || (slope != 0 && decay[i] < (T)PS_SSD_EXACT_BELOW);
+        if (keep[i]) memcpy(saved + i * ss, st, sizeof(V) * (size_t)ss);
         const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
+        const T *zt = z ? z + (bt * H + h) * P : NULL;
         if (t + PS_SSD_AHEAD < L) {
             const int64_t ahead = PS_SSD_AHEAD * H * P;
             F(ps_ssd_prefetch)(xt + ahead, P, 0);
             F(ps_ssd_prefetch)(gt + ahead, P, 0);
-            if (z) F(ps_ssd_prefetch)(z + (bt * H + h) * P + ahead, P, 0);
+            if (z) F(ps_ssd_prefetch)(zt + ahead, P, 0);
         }
         F(ps_ssd_load)(xr + i * pv, xt, P, 0, pv);
         for (int64_t jj = 0; jj < pv; ++jj) u[i * pv + jj] = dtv * xr[i * pv + jj];
         F(ps_ssd_load)(gy + i * pv, gt, P, 0, pv);
         if (z) {
-            F(ps_ssd_load)(zv, z + (bt * H + h) * P, P, 0, pv);
+            F(ps_ssd_load)(zv, zt, P, 0, pv);
             for (int64_t jj = 0; jj < pv; ++jj) {
                 const V sg = F(ps_ssd_vsigmoid)(zv[jj]);
-                sgr[i * pv + jj] = sg;
+                ov[jj] = sg; /* held until y is known */
                 gy[i * pv + jj] *= zv[jj] * sg;
             }
         }
         const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
-        const V *src = hs + i * ss;
-        V *dst = hs + (i + 1) * ss, *uu = u + i * pv, *gg = gy + i * pv, *yy = y + i * pv;
+        V *uu = u + i * pv, *gg = gy + i * pv;
         int64_t j = 0;
         for (; j + PB <= pv; j += PB)
-            F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                decay[i], N, j == 0, z != NULL, PB);
+            F(ps_ssd_rec_block)(st + j, pv, uu + j, gg + j, yv + j, sc, Bt, Ct, decay[i], N,
+                                j == 0, z != NULL, PB);
         switch (pv - j) {
 #if PB > 3
-        case 3: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, z != NULL, 3); break;
+        case 3: F(ps_ssd_rec_block)(st + j, pv, uu + j, gg + j, yv + j, sc, Bt, Ct, decay[i], N,
+                                    j == 0, z != NULL, 3); break;
 #endif
 #if PB > 2
-        case 2: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, z != NULL, 2); break;
+        case 2: F(ps_ssd_rec_block)(st + j, pv, uu + j, gg + j, yv + j, sc, Bt, Ct, decay[i], N,
+                                    j == 0, z != NULL, 2); break;
 #endif
-        case 1: F(ps_ssd_rec_block)(src + j, dst + j, pv, uu + j, gg + j, yy + j, sc, Bt, Ct,
-                                    decay[i], N, j == 0, z != NULL, 1); break;
+        case 1: F(ps_ssd_rec_block)(st + j, pv, uu + j, gg + j, yv + j, sc, Bt, Ct, decay[i], N,
+                                    j == 0, z != NULL, 1); break;
         default: break;
         }
         F(ps_ssd_sums)(sc, N, pC + i * N);
+        cdot[i] = F(ps_ssd_dot)(Ct, pC + i * N, N);
+        if (t == cu[s + 1] - 1) qend[i] = F(ps_ssd_state_dot)(st, gfin + (sidx * H + h) * P * N,
+                                                              P, N, pv);
+        if (z) { /* grad_z = grad_out (y + D x) sigmoid(z) (1 + z (1 - sigmoid(z))) */
+            F(ps_ssd_load)(gxv, gt, P, 0, pv);
+            const V one = (T)1 - (V){0};
+            const V *xi = xr + i * pv;
+            for (int64_t jj = 0; jj < pv; ++jj) {
+                const V sg = ov[jj];
+                V pre = yv[jj];
+                if (D) pre += dv[jj] * xi[jj];
+                gxv[jj] = gxv[jj] * pre * sg * (one + zv[jj] * (one - sg));
+            }
+            F(ps_ssd_store)((T *)a->grad_z + (bt * H + h) * P, gxv, P, 0, pv);
+        }
     }
     V *gst = ctx->gstate + unit * ss;
     V *gD = (V *)ctx->gD + unit * pv;
+    double q = ctx->carry[unit]; /* a[t+1] <G[t+1], h[t]> of the step after */
     for (int64_t i = len - 1; i >= 0; --i) {
         const int64_t t = t0 + i, bt = b * L + t;
         s = sq[i];
         const int64_t sidx = a->cu_seqlens ? s : b;
-        if (t == cu[s + 1] - 1) F(ps_ssd_load_state)(gst, gfin + (sidx * H + h) * P * N, P, N, 0, pv);
+        const int last = t == cu[s + 1] - 1;
+        if (last) F(ps_ssd_load_state)(gst, gfin + (sidx * H + h) * P * N, P, N, 0, pv);
         const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
-        const V *hp = hs + i * ss;
         V *uu = u + i * pv, *gg = gy + i * pv;
-        V ga = {0};
         int64_t j = 0;
         for (; j + PB <= pv; j += PB)
-            F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
-                                decay[i], N, j == 0, PB);
+            F(ps_ssd_adj_block)(gst + j, pv, uu + j, gg + j, gu + j, sc, Bt, Ct, decay[i], N,
+                                j == 0, PB);
         switch (pv - j) {
 #if PB > 3
-        case 3: F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 3); break;
+        case 3: F(ps_ssd_adj_block)(gst + j, pv, uu + j, gg + j, gu + j, sc, Bt, Ct, decay[i], N,
+                                    j == 0, 3); break;
 #endif
 #if PB > 2
-        case 2: F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 2); break;
+        case 2: F(ps_ssd_adj_block)(gst + j, pv, uu + j, gg + j, gu + j, sc, Bt, Ct, decay[i], N,
+                                    j == 0, 2); break;
 #endif
-        case 1: F(ps_ssd_adj_block)(gst + j, pv, hp + j, uu + j, gg + j, gu + j, &ga, sc, Bt, Ct,
-                                    decay[i], N, j == 0, 1); break;
+        case 1: F(ps_ssd_adj_block)(gst + j, pv, uu + j, gg + j, gu + j, sc, Bt, Ct, decay[i], N,
+                                    j == 0, 1); break;
         default: break;
         }
         F(ps_ssd_sums)(sc, N, pB + i * N);
-        T gas = 0;
-        for (int l = 0; l < W; ++l) gas += ga[l];
+        /* q[t] = <G[t], h[t]> - bdot[t]; exact at the chunk's first step */
+        q = keep[i] ? F(ps_ssd_vdot)(gst, saved + i * ss, ss)
+                    : (last ? qend[i] : q) + cdot[i] - F(ps_ssd_dot)(Bt, pB + i * N, N);
+        const T gq = (T)q * live[i];
         const T dtv = dt[bt * H + h];
-        const T *gt = go + (bt * H + h) * P;
         T *gx = (T *)a->grad_x + (bt * H + h) * P;
-        if (i >= PS_SSD_AHEAD) {
-            const int64_t back = PS_SSD_AHEAD * H * P;
-            F(ps_ssd_prefetch)(gx - back, P, 1);
-            if (z) F(ps_ssd_prefetch)((T *)a->grad_z + (bt * H + h) * P - back, P, 1);
-        }
+        if (i >= PS_SSD_AHEAD) F(ps_ssd_prefetch)(gx - PS_SSD_AHEAD * H * P, P, 1);
         const V *xi = xr + i * pv;
         V gdtv = {0};
         for (int64_t jj = 0; jj < pv; ++jj) {
@@ -456,23 +524,12 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         F(ps_ssd_store)(gx, gxv, P, 0, pv);
         T gdt = 0;
         for (int l = 0; l < W; ++l) gdt += gdtv[l];
-        if (z) {
-            F(ps_ssd_load)(zv, z + (bt * H + h) * P, P, 0, pv);
-            F(ps_ssd_load)(ov, gt, P, 0, pv);
-            const V one = (T)1 - (V){0};
-            for (int64_t jj = 0; jj < pv; ++jj) {
-                const V sg = sgr[i * pv + jj];
-                V pre = y[i * pv + jj];
-                if (D) pre += dv[jj] * xi[jj];
-                gxv[jj] = ov[jj] * pre * sg * (one + zv[jj] * (one - sg));
-            }
-            F(ps_ssd_store)((T *)a->grad_z + (bt * H + h) * P, gxv, P, 0, pv);
-        }
-        ((T *)a->grad_dt)[bt * H + h] = gdt + gas * slope[i] * A[h];
-        ctx->gA[unit] += gas * slope[i] * dtv;
+        ((T *)a->grad_dt)[bt * H + h] = gdt + gq * A[h];
+        ctx->gA[unit] += gq * dtv;
         if (t == cu[s] && a->grad_initial)
             F(ps_ssd_store_state)((T *)a->grad_initial + (sidx * H + h) * P * N, gst, P, N, 0, pv);
     }
+    ctx->carry[unit] = q;
 }
 
 ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) {
@@ -480,21 +537,31 @@ ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) 
     ps_ssd_args *a = ctx->a;
     const int64_t K = a->chunk, N = a->nstate, pv = ctx->pv;
     const int64_t npad = (N + W - 1) / W * W;
-    const size_t vecs = (size_t)((K + 1) * N * pv + (6 * K + 4) * pv + npad + 1);
-    V *hs = ps_ssd_alloc(sizeof(V) * vecs);
-    T *rowT = malloc(sizeof(T) * (size_t)(2 * K) + sizeof(int64_t) * (size_t)K + 64);
-    if (!hs || !rowT) {
-        free(hs); free(rowT);
+    const size_t vecs = (size_t)((K + 1) * N * pv + (3 * K + 6) * pv + npad + 1);
+    V *mem = ps_ssd_alloc(sizeof(V) * vecs);
+    double *scal = malloc(sizeof(double) * (size_t)(2 * K) + sizeof(T) * (size_t)(2 * K) +
+                          sizeof(int64_t) * (size_t)K + (size_t)K + 64);
+    if (!mem || !scal) {
+        free(mem); free(scal);
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    V *rows = hs + (K + 1) * N * pv, *sc = rows + (6 * K + 4) * pv;
-    int64_t *sq = (int64_t *)(rowT + 2 * K);
+    F(ps_ssd_bwd_buf) buf;
+    buf.st = mem;
+    buf.saved = mem + N * pv;
+    buf.rows = mem + (K + 1) * N * pv;
+    buf.sc = buf.rows + (3 * K + 6) * pv;
+    buf.cdot = scal;
+    buf.qend = scal + K;
+    buf.sq = (int64_t *)(scal + 2 * K);
+    buf.decay = (T *)(buf.sq + K);
+    buf.live = buf.decay + K;
+    buf.keep = (char *)(buf.live + K);
     for (int64_t unit = begin; unit < end; ++unit)
         for (int64_t c = ctx->span_hi - 1; c >= ctx->span_lo; --c)
-            F(ps_ssd_bwd_chunk)(ctx, unit / a->heads, unit % a->heads, c, hs, rows, sc, rowT, sq);
-    free(hs);
-    free(rowT);
+            F(ps_ssd_bwd_chunk)(ctx, unit / a->heads, unit % a->heads, c, &buf);
+    free(mem);
+    free(scal);
 }
 
 /* grad_B and grad_C of steps (b, t) of the span: the heads of each group summed in
@@ -530,13 +597,14 @@ ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
     if (span_chunks > nc) span_chunks = nc;
     const int64_t span_steps = span_chunks * K;
     V *gstate = ps_ssd_alloc(sizeof(V) * (size_t)(units * N * pv + 1));
+    double *carry = calloc((size_t)(units + 1), sizeof(double));
     T *gA = calloc((size_t)(units + 1), sizeof(T));
     T *gD = ps_ssd_alloc(sizeof(T) * (size_t)(units * pv * W + 1));
     if (gD) memset(gD, 0, sizeof(T) * (size_t)(units * pv * W + 1));
     T *pB = malloc(sizeof(T) * (size_t)(2 * units * span_steps * N + 1));
     int rc = 0;
-    if (!gstate || !gA || !gD || !pB) { rc = -1; goto done; }
-    F(ps_ssd_bwd_ctx) ctx = {a, pv, nc, 0, 0, gstate, gA, gD, pB,
+    if (!gstate || !carry || !gA || !gD || !pB) { rc = -1; goto done; }
+    F(ps_ssd_bwd_ctx) ctx = {a, pv, nc, 0, 0, gstate, carry, gA, gD, pB,
                              pB + units * span_steps * N, span_steps};
     const int64_t threads =
         ps_threads_for(a->batch * L * H * P * (N + 1) / 16, a->nthreads);
@@ -577,6 +645,7 @@ ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
     }
 done:
     free(gstate);
+    free(carry);
     free(gA);
     free(gD);
     free(pB);
@@ -588,3 +657,4 @@ done:
 #undef LANES
 #undef LEVEL
 #undef PS_SSD_AHEAD
+#undef PS_SSD_EXACT_BELOW
