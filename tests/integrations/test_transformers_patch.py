@@ -474,3 +474,90 @@ def test_a_changed_mamba2_module_is_refused(monkeypatch) -> None:
     with pytest.raises(UnsupportedVersionError, match=rf"transformers {version} .*{match}"):
         integration.patch()
     assert modeling_mamba.mamba_selective_scan is original and integration.patched() == []
+
+
+def conv_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              history: torch.Tensor | None, silu: bool) -> torch.Tensor:  # fmt: skip
+    """The depthwise causal convolution in float64, one output at a time: step t of x
+    (batch, channels, L) sees ``history`` (batch, channels, S) before step 0, zeros
+    before that."""
+    x, weight = x.double(), weight.double()
+    batch, channels, length = x.shape
+    width = weight.shape[1]
+    past = history.double() if history is not None else x.new_zeros(batch, channels, 0)
+    seq = torch.cat([x.new_zeros(batch, channels, width), past, x], dim=-1)
+    start = seq.shape[-1] - length
+    out = x.new_zeros(batch, channels, length)
+    for t in range(length):
+        for k in range(width):
+            out[:, :, t] += weight[:, k] * seq[:, :, start + t - (width - 1) + k]
+    if bias is not None:
+        out += bias.double()[:, None]
+    return torch.nn.functional.silu(out) if silu else out
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_convolution_matches_a_float64_loop(length, activation, with_bias) -> None:
+    """causal_conv1d (the replacement of causal_conv1d_fn) on a strided slice of a
+    transposed projection, as the mixers pass it, with widths 2 and 4: outputs in
+    float32, gradients of the input, weight and bias in float64 (gradcheck)."""
+    gen = torch.Generator().manual_seed(length)
+    channels = 5
+    for width in (2, 4):
+        projected = torch.randn(2, length, 2 * channels + 1, generator=gen).transpose(1, 2)
+        x = projected[:, 1 : channels + 1]  # (batch, channels, L), channel stride 1
+        weight = torch.randn(channels, width, generator=gen)
+        bias = torch.randn(channels, generator=gen) if with_bias else None
+        got = integration.causal_conv1d(x, weight, bias, activation=activation)
+        want = conv_loop(x, weight, bias, None, activation is not None)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+        def f(x, w, *b):  # type: ignore[no-untyped-def]
+            return integration.causal_conv1d(x, w, b[0] if b else None, activation=activation)
+
+        operands = [projected.double()[:, 1 : channels + 1], weight.double()]
+        operands += [bias.double()] if bias is not None else []
+        for t in operands:
+            t.requires_grad_(True)
+        assert torch.autograd.gradcheck(f, tuple(operands))
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_the_convolution_step_matches_a_float64_loop(steps, activation) -> None:
+    """causal_conv1d_update (the replacement of causal_conv1d_update): the cached inputs
+    advance in place by the new ones, and each new output is the filter over its last
+    inputs, as if the whole sequence were convolved at once."""
+    gen = torch.Generator().manual_seed(steps)
+    channels, width, kept = 6, 4, 4
+    history = torch.randn(2, channels, kept, generator=gen)
+    x = torch.randn(2, steps, channels, generator=gen).transpose(1, 2)  # strided
+    weight = torch.randn(channels, width, generator=gen)
+    bias = torch.randn(channels, generator=gen)
+    state = history.clone()
+    got = integration.causal_conv1d_update(x, state, weight, bias, activation=activation)
+    want = conv_loop(x, weight, bias, history, activation is not None)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, torch.cat([history, x], dim=-1)[:, :, -kept:])
+
+
+def test_another_activation_uses_transformers_own_convolution() -> None:
+    """An activation other than silu is left to transformers' functions (the mixers of
+    5.23 pass silu, or None)."""
+    module = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 6, generator=gen)
+    weight, bias = torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen)
+    state = torch.randn(1, 3, 4, generator=gen)
+    want = module.causal_conv1d_fn(x, weight, bias, activation="gelu")
+    want_step = module.causal_conv1d_update(x[..., :1], state.clone(), weight, bias, "gelu")
+    integration.patch()
+    assert module.causal_conv1d_fn is integration.causal_conv1d
+    torch.testing.assert_close(integration.causal_conv1d(x, weight, bias, "gelu"), want)
+    torch.testing.assert_close(
+        integration.causal_conv1d_update(x[..., :1], state.clone(), weight, bias, "gelu"),
+        want_step,
+    )

@@ -54,11 +54,22 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
     :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
     mixer runs its unfused torch path.
 
-Everything else (the input projection; outside training, the causal convolution and
-its ``conv_states`` cache, the gated norm and output projection; the cache's
-bookkeeping) is the model's own code, unchanged; so are its quirks (a Mamba-1
-prompt continued with several tokens at once restarts the scan from a zero state, as
-unpatched). In float32 the logits, gradients, caches and greedy generations equal the
+Both families, where their modules define them:
+
+``causal_conv1d_fn``
+    the depthwise causal convolution before the scan becomes a few shifted
+    multiply-adds (forward and backward) on the mixer's strided input, instead of a
+    grouped ``conv1d`` that first copies it;
+``causal_conv1d_update``
+    its decoding step becomes a product and a sum over the filter's width, instead of a
+    grouped ``conv1d`` that took a fifth of a decoding step's time on a CPU; the cached
+    inputs (``conv_states``) advance in place as unpatched. An activation other than
+    silu (or none) is left to transformers' own functions.
+
+Everything else (the input projection; outside training, the gated norm and output
+projection; the cache's bookkeeping) is the model's own code, unchanged; so are its
+quirks (a Mamba-1 prompt continued with several tokens at once restarts the scan from a
+zero state, as unpatched). In float32 the logits, gradients, caches and greedy generations equal the
 unpatched ones to rounding; in half precision parascan takes the step in float32 where
 transformers' Mamba-1 loop rounds it to the model's dtype first.
 
@@ -281,6 +292,72 @@ def multihead_state_update(
     )  # fmt: skip
 
 
+_CONV_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _conv_original(name: str) -> Callable[..., Any]:
+    """transformers' own convolution function ``name`` (any patched module's: they are
+    the same code), for an activation the replacement does not compute."""
+    for (_, fn_name), original in _ORIGINALS.items():
+        if fn_name == name:
+            return original
+    raise RuntimeError(f"{name}: parascan's replacement is called while nothing is patched")
+
+
+def causal_conv1d(
+    hidden_states: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Replaces transformers' ``causal_conv1d_fn`` (same parameters): the depthwise causal
+    convolution of ``hidden_states`` (batch, channels, L) with ``weight`` (channels, K),
+    plus ``bias`` and silu, as K shifted multiply-adds along L (forward and backward)
+    instead of a grouped ``conv1d`` that first copies its strided input (the mixers pass
+    a slice of the transposed input projection). The result is (batch, channels, L) with
+    the channels contiguous, the layout the mixers' next projection reads. The other
+    keywords are the mixers' own and are dropped, as the original drops them."""
+    if activation not in _CONV_ACTIVATIONS:
+        result: Tensor = _conv_original("causal_conv1d_fn")(hidden_states, weight, bias, activation)
+        return result
+    x = hidden_states.to(weight.dtype).transpose(1, 2)
+    out = mamba_ssm._causal_conv1d_silu(x, weight, bias, None, activation is not None)
+    return out.transpose(1, 2).to(hidden_states.dtype)
+
+
+def causal_conv1d_update(
+    hidden_states: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+) -> Tensor:
+    """Replaces transformers' ``causal_conv1d_update`` (same parameters): the decoding
+    step of the convolution. ``conv_state`` (batch, channels, S) holds the last S inputs
+    and advances in place by the new ones, ``hidden_states`` (batch, channels, steps);
+    each new step's output is the filter times its last K inputs (plus ``bias``, then
+    silu): a product and a sum over K instead of a grouped ``conv1d`` over S + steps
+    inputs, which costs a model's decoding step a fifth of its time on a CPU."""
+    if activation not in _CONV_ACTIVATIONS:
+        stepped: Tensor = _conv_original("causal_conv1d_update")(
+            hidden_states, conv_state, weight, bias, activation
+        )
+        return stepped
+    steps, width, kept = hidden_states.shape[-1], weight.shape[-1], conv_state.shape[-1]
+    inputs = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)
+    conv_state.copy_(inputs[:, :, -kept:])
+    if inputs.shape[-1] < width:  # fewer inputs than taps: the missing ones are zeros
+        inputs = torch.nn.functional.pad(inputs, (width - inputs.shape[-1], 0))
+    windows = inputs.unfold(-1, width, 1)[:, :, -steps:]  # (batch, channels, steps, K)
+    out = (windows * weight[:, None, :]).sum(-1)
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = torch.nn.functional.silu(out)
+    return out.to(hidden_states.dtype)
+
+
 def no_fused_inner(*args: Any, **kwargs: Any) -> None:
     """Replaces transformers' ``mamba_inner_fn``: returning None sends training through
     the mixer's unfused path (projections, convolution, then the patched scan), as it
@@ -339,6 +416,18 @@ _MAMBA1 = _Family(
         ),
         # Only where the mixer has a fused training path (not zamba's).
         _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
+        _Function(
+            "causal_conv1d_fn",
+            causal_conv1d,
+            ("hidden_states", "weight", "bias", "activation"),
+            required=False,
+        ),
+        _Function(
+            "causal_conv1d_update",
+            causal_conv1d_update,
+            ("hidden_states", "conv_state", "weight", "bias", "activation"),
+            required=False,
+        ),
     ),
     expected=("mamba", "falcon_mamba"),
 )
@@ -391,6 +480,18 @@ _MAMBA2 = _Family(
                 "ngroups",
                 "norm_before_gate",
             ),
+            required=False,
+        ),
+        _Function(
+            "causal_conv1d_fn",
+            causal_conv1d,
+            ("hidden_states", "weight", "bias", "activation"),
+            required=False,
+        ),
+        _Function(
+            "causal_conv1d_update",
+            causal_conv1d_update,
+            ("hidden_states", "conv_state", "weight", "bias", "activation"),
             required=False,
         ),
     ),
