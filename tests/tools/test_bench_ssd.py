@@ -59,3 +59,26 @@ def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:
     assert status == 1
     wrong = [line for line in out.getvalue().splitlines() if "WRONG" in line]
     assert len(wrong) == 2 and all("parascan" in line for line in wrong)
+
+
+def test_the_packed_row_is_checked_against_each_sequence_alone(monkeypatch) -> None:
+    """A case with packed sequences adds a row of the same tokens as that many sequences
+    (batch 1; some may be empty), checked against the float64 loop over each sequence
+    alone: a scan that let the state cross a boundary would be WRONG."""
+    case = bench_ssd.SsdCase("tiny packed", 1, 37, 4, 8, 5, packed=5)
+    cu = bench_ssd._cu_seqlens(case)
+    assert cu[0] == 0 and cu[-1] == 37 and len(cu) == 6 and bool((cu[1:] >= cu[:-1]).all())
+    rows = bench_ssd.run_ssd([case], repeat=1)
+    packed = [r for r in rows if r.impl == "parascan packed"]
+    assert [r.direction for r in packed] == ["forward", "forward+backward"]
+    assert all(r.correct and r.parascan_speedup is not None for r in packed)
+    assert "5 sequences" in packed[0].note
+
+    real = parascan.ssd_scan
+
+    def leaky(*args, cu_seqlens=None, **kwargs):  # type: ignore[no-untyped-def]
+        return real(*args, **kwargs)  # the boundaries ignored: one sequence
+
+    monkeypatch.setattr(parascan, "ssd_scan", leaky)
+    rows = bench_ssd.run_ssd([case], repeat=1)
+    assert [r.correct for r in rows if r.impl == "parascan packed"] == [False, False]

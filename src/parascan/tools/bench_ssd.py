@@ -12,6 +12,9 @@ backward.
 - ``transformers``: transformers' own torch fallback for Mamba-2's scan
   (``mamba2_chunk_scan`` of ``modeling_mamba2``, the unpatched original), chunk 128
   as the model's config has it; left out when transformers is not installed.
+- ``parascan packed`` (cases with ``packed`` sequences): the same tokens as that many
+  sequences of random lengths in one call (``cu_seqlens``), each scanned from a zero
+  state; its ``x parascan`` is the cost of packing against one sequence.
 - ``FLOP limit``: ``torch.bmm`` doing the recurrence's multiply-adds in one warm
   product, measured in the same run: forward, ``2 * batch * L * heads * headdim * N``
   (the state update and the output's contraction); forward + backward, three times
@@ -32,6 +35,7 @@ of one (batch, L, heads, headdim, N) float32 tensor.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +77,7 @@ class SsdCase:
     state: int
     groups: int = 1
     seed: int = 0
+    packed: int = 0  # > 0: also the same tokens as this many packed sequences (batch 1)
 
 
 @dataclass
@@ -92,9 +97,9 @@ class SsdRow:
     note: str = ""
 
 
-DEFAULT_SSD_CASES = [SsdCase("mamba-2 scan", 1, 512, 24, 64, 64)]
+DEFAULT_SSD_CASES = [SsdCase("mamba-2 scan", 1, 512, 24, 64, 64, packed=8)]
 FULL_SSD_CASES = [
-    SsdCase("mamba-2 scan", 1, 512, 24, 64, 64),
+    SsdCase("mamba-2 scan", 1, 512, 24, 64, 64, packed=8),
     SsdCase("mamba-2 scan long", 1, 4096, 24, 64, 64),
 ]
 QUICK_SSD_CASES = [SsdCase("mamba-2 scan", 1, 80, 4, 16, 16)]
@@ -113,13 +118,21 @@ def _transformers_scan() -> Callable[..., Tensor] | None:
     return fn
 
 
-def _impls() -> tuple[str, ...]:
-    base = ("parascan", "minimal SSD")
+def _impls(case: SsdCase) -> tuple[str, ...]:
+    base: tuple[str, ...] = ("parascan", "parascan packed") if case.packed else ("parascan",)
+    base += ("minimal SSD",)
     return (*base, "transformers") if _transformers_scan() is not None else base
 
 
 def ssd_step_names(case: SsdCase) -> list[str]:
-    return [f"{case.name} {i} {d}" for i in _impls() for d in _DIRECTIONS]
+    return [f"{case.name} {i} {d}" for i in _impls(case) for d in _DIRECTIONS]
+
+
+def _cu_seqlens(case: SsdCase) -> Tensor:
+    """``case.packed`` sequences of random lengths (some may be empty) covering L."""
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    cuts = torch.randint(0, case.length + 1, (case.packed - 1,), generator=gen).sort().values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([case.length])]).to(torch.int32)
 
 
 def _inputs(case: SsdCase) -> dict[str, Tensor]:
@@ -201,8 +214,21 @@ def _loop64(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
     return torch.stack(ys, 1) + D[:, None] * x
 
 
-def _reference(x: dict[str, Tensor], weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, grad x, grad dt) of the first heads, in float64."""
+def _reference(
+    x: dict[str, Tensor], weight: Tensor, cu_seqlens: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, grad x, grad dt) of the first heads, in float64; with ``cu_seqlens``, each
+    packed sequence alone, from a zero state."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        parts = [
+            _reference({k: v[:, lo:hi] if v.dim() > 2 else v for k, v in x.items()},
+                       weight[:, lo:hi])
+            for lo, hi in itertools.pairwise(bounds)
+            if hi > lo
+        ]  # fmt: skip
+        out, gx, gdt = (torch.cat(ts, 1) for ts in zip(*parts, strict=True))
+        return out, gx, gdt
     heads = slice(0, _CHECKED)
     sub = {k: v.double() for k, v in x.items()}
     for k in ("x", "dt"):
@@ -243,7 +269,18 @@ def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[S
         return hf(x, dt, A, B, C, chunk_size=_TRANSFORMERS_CHUNK, D=D, dt_bias=dt_bias,
                   dt_softplus=True)  # fmt: skip
 
-    impls: dict[str, Callable[..., Tensor]] = {"parascan": ours, "minimal SSD": minimal_ssd}
+    cu = _cu_seqlens(case) if case.packed else None
+
+    def packed(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+               dt_bias: Tensor) -> Tensor:  # fmt: skip
+        out = ps.ssd_scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True, cu_seqlens=cu)
+        assert isinstance(out, Tensor)
+        return out
+
+    impls: dict[str, Callable[..., Tensor]] = {"parascan": ours}
+    if cu is not None:
+        impls["parascan packed"] = packed
+    impls["minimal SSD"] = minimal_ssd
     if hf is not None:
         impls["transformers"] = theirs
 
@@ -255,10 +292,11 @@ def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[S
 
     # correctness first: a wrong result gets no speed
     want = _reference(x, weight)
+    want_packed = _reference(x, weight, cu) if cu is not None else want
     errors, correct = {}, {}
     for name, fn in impls.items():
         result = train(fn)
-        errors[name] = _error(result[:3], want)
+        errors[name] = _error(result[:3], want_packed if name == "parascan packed" else want)
         correct[name] = errors[name] <= _TOLERANCE
     del result
 
@@ -308,6 +346,8 @@ def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[S
             note = ""
             if name == "parascan" and direction == "forward+backward" and peak is not None:
                 note = f"one (b,L,h,p,N) f32 tensor: {b * length * h * p * n * 4 / 2**20:.0f} MiB"
+            elif name == "parascan packed" and cu is not None:
+                note = f"{case.packed} sequences, cu_seqlens {cu.tolist()}"
             elif name == "minimal SSD":
                 note = f"chunk {MINIMAL_CHUNK}"
             elif name == "transformers":
@@ -335,7 +375,7 @@ def format_ssd(rows: list[SsdRow]) -> str:
         "SSD scan (Mamba-2: 1 group of B/C, D, dt_bias, softplus; float32; x limit: time / "
         "torch.bmm of the recurrence's multiply-adds, 2*b*L*h*p*N forward, 3x that forward+"
         "backward; x parascan: this row's time / parascan's)",
-        f"{'case':<18} {'b,L,h,p,N,g':<20} {'implementation':<14} {'direction':<17} "
+        f"{'case':<18} {'b,L,h,p,N,g':<20} {'implementation':<15} {'direction':<17} "
         f"{'ms':>9} {'limit ms':>9} {'x limit':>8} {'x parascan':>10} {'error':>8} "
         f"{'peak MiB':>9}  note",
     ]
@@ -346,7 +386,7 @@ def format_ssd(rows: list[SsdRow]) -> str:
         err = "" if r.max_error is None else f"{r.max_error:.1e}"
         peak = "" if r.peak_extra_mib is None else f"{r.peak_extra_mib:.0f}"
         lines.append(
-            f"{r.case:<18} {','.join(map(str, r.shape)):<20} {r.impl:<14} {r.direction:<17} "
+            f"{r.case:<18} {','.join(map(str, r.shape)):<20} {r.impl:<15} {r.direction:<17} "
             f"{ms:>9} {r.limit_ms:>9.2f} {vs:>8} {sp:>10} {err:>8} {peak:>9}  {r.note}"
         )
     return "\n".join(lines)
