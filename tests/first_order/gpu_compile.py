@@ -13,9 +13,9 @@ from the assembly's metadata (spills: VGPRs spilled and scratch bytes, both memo
 
 The default suite compiles every (mode, dtype, tile, kernel) with ``reverse``, an
 initial state and several chunks (the code paths that add loads and index arithmetic),
-as contiguous inputs launch it (see UNIT); ``pytest -m slow`` compiles every
-combination of flags, and the strided specialization (every integer argument an int64,
-the widest Triton can pick) too.
+as contiguous inputs launch it (see UNIT); ``pytest -m slow`` compiles them with packed
+sequences too (``--packed``: more live values), and every combination of flags and the
+strided specialization (every integer argument an int64, the widest Triton can pick).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ REAL = ("fp16", "bf16", "fp32", "fp64")
 PASSES = [(m, p, False) for m in LINEAR_MODES + LOG_MODES for p in REAL] + [
     (m, p, True) for m in LINEAR_MODES for p in ("fp32", "fp64")
 ]
-SUMMARY_PTRS = ("Mr_ptr", "Mi_ptr", "Fr_ptr", "Fi_ptr", "Cr_ptr", "Ci_ptr")
+SUMMARY_PTRS = ("Mr_ptr", "Mi_ptr", "Fr_ptr", "Fi_ptr", "Rs_ptr", "Cr_ptr", "Ci_ptr")
+INT32_PTRS = ("seq_ptr",)  # packed sequences: each step's sequence
 
 
 TILES = {"time-major": kernels.TIME_MAJOR, "time-contiguous": kernels.TIME_CONTIGUOUS}
@@ -63,17 +64,23 @@ UNIT = {
 Spec = tuple[str, int, str, bool, str, dict[str, bool]]
 
 
-def _specializations(full: bool) -> list[Spec]:
+def _specializations(full: bool, packed: bool = False) -> list[Spec]:
+    """Every specialization (``full``), or each (mode, dtype, tile, kernel) once with
+    reverse, an initial state and several chunks, unpacked or ``packed``."""
     both = (False, True) if full else (True,)
+    pack = (False, True) if full else (packed,)
     contiguity = ("contiguous", "strided") if full else ("contiguous",)
     flags = {
-        "_summaries": [{"REVERSE": r} for r in both],
-        "_carries": [{"HAS_INIT": h} for h in both],
+        "_summaries": [
+            {"REVERSE": r, "HAS_INIT": h, "PACKED": p} for r in both for h in both for p in pack
+        ],
+        "_carries": [{"HAS_INIT": h, "PACKED": p} for h in both for p in pack],
         "_apply": [
-            {"REVERSE": r, "HAS_INIT": h, "SINGLE": one}
+            {"REVERSE": r, "HAS_INIT": h, "SINGLE": one, "PACKED": p}
             for r in both
             for h in both
             for one in ((False, True) if full else (False,))
+            for p in pack
         ],
     }
     return [
@@ -113,6 +120,8 @@ def _compile(spec: Spec, arch: str):
     for param in params:
         if param in constexprs:
             signature[param] = "constexpr"
+        elif param in INT32_PTRS:
+            signature[param] = "*i32"
         elif param.endswith("_ptr"):
             signature[param] = f"*{acc}" if param in SUMMARY_PTRS else f"*{ptr}"
         else:
@@ -187,8 +196,8 @@ def _row(job: tuple[Spec, str]) -> dict:
 
 
 def main() -> None:
-    full = "--full" in sys.argv
-    jobs = [(spec, arch) for spec in _specializations(full) for arch in TARGETS]
+    full, packed = "--full" in sys.argv, "--packed" in sys.argv
+    jobs = [(spec, arch) for spec in _specializations(full, packed) for arch in TARGETS]
     # one compiler process per core: each compile takes about 0.2 s of one core
     with ProcessPoolExecutor(os.cpu_count() or 1) as pool:
         for row in pool.map(_row, jobs, chunksize=8):

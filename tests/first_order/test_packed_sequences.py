@@ -136,13 +136,15 @@ def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
                 initial = random_tokens(state, dtype, gen).to(target.device)
                 if op == "log":
                     initial = initial.abs().log() if not dtype.is_complex else initial.log()
-                for reverse in (False, True):
-                    for h in (None, initial):
-                        out, final = _run(op, gates, tokens, dim, cu, h, reverse, target.backend)
-                        want, want_final = _oracle(op, gates, tokens, dim, cu, h, reverse)
-                        assert out.dtype == dtype and final.shape == state, (out.dtype, final.shape)
-                        assert_matches(_comparable(op, out), want, dtype)
-                        assert_matches(_comparable(op, final), want_final, dtype)
+                runs = [(r, h) for r in (False, True) for h in (None, initial)]
+                if target.interpreted:  # each direction once, each kind of start once
+                    runs = [(False, None), (True, initial)]
+                for reverse, h in runs:
+                    out, final = _run(op, gates, tokens, dim, cu, h, reverse, target.backend)
+                    want, want_final = _oracle(op, gates, tokens, dim, cu, h, reverse)
+                    assert out.dtype == dtype and final.shape == state, (out.dtype, final.shape)
+                    assert_matches(_comparable(op, out), want, dtype)
+                    assert_matches(_comparable(op, final), want_final, dtype)
 
 
 @pytest.mark.targets(interpreter=True)

@@ -21,10 +21,11 @@ HELPER = Path(__file__).with_name("gpu_compile.py")
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "gfx942": 64 * 1024}
 
 
-def _report(full: bool) -> list[dict]:
+def _report(full: bool, packed: bool = False) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, str(HELPER), *(["--full"] if full else [])],
+        [sys.executable, str(HELPER), *(["--full"] if full else []),
+         *(["--packed"] if packed else [])],
         capture_output=True, text=True, env=env, timeout=1800,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -55,7 +56,16 @@ def test_every_pass_compiles_for_the_gpus_without_spills() -> None:
 
 
 @pytest.mark.slow
+def test_every_packed_pass_compiles_for_the_gpus_without_spills() -> None:
+    # the same with packed sequences (each step's sequence id, the restarts' flags)
+    rows = _report(full=False, packed=True)
+    assert len(rows) == 3 * 20 * 2 * 3
+    assert all("'PACKED': True" in row["what"] for row in rows)
+    _check(rows)
+
+
+@pytest.mark.slow
 def test_every_flag_combination_compiles_without_spills() -> None:
     rows = _report(full=True)
-    assert len(rows) == 3 * 20 * 2 * 2 * (2 + 2 + 8)  # _summaries, _carries, _apply
+    assert len(rows) == 3 * 20 * 2 * 2 * (8 + 4 + 16)  # _summaries, _carries, _apply
     _check(rows)

@@ -237,21 +237,66 @@ def _then_log(m1, f1, m2, f2):
     return m1 + m2, _logaddexp(m2 + f1, f2)
 
 
+# The same with a reset flag r (1 where a sequence starts, PACKED): a later map
+# that resets ignores the earlier one (a select, never a product with 0, so that a
+# non-finite state does not leak across the boundary as NaN).
+@triton.jit
+def _then_real_reset(r1, m1, f1, r2, m2, f2):
+    keep = r2 > 0
+    return tl.maximum(r1, r2), tl.where(keep, m2, m2 * m1), tl.where(keep, f2, m2 * f1 + f2)
+
+
+@triton.jit
+def _then_complex_reset(r1, m1r, m1i, f1r, f1i, r2, m2r, m2i, f2r, f2i):
+    keep = r2 > 0
+    return (
+        tl.maximum(r1, r2),
+        tl.where(keep, m2r, m2r * m1r - m2i * m1i),
+        tl.where(keep, m2i, m2r * m1i + m2i * m1r),
+        tl.where(keep, f2r, m2r * f1r - m2i * f1i + f2r),
+        tl.where(keep, f2i, m2r * f1i + m2i * f1r + f2i),
+    )
+
+
+@triton.jit
+def _then_log_reset(r1, m1, f1, r2, m2, f2):
+    keep = r2 > 0
+    f = tl.where(keep, f2, _logaddexp(m2 + f1, f2))
+    return tl.maximum(r1, r2), tl.where(keep, m2, m1 + m2), f
+
+
 @triton.jit
 def _scan_tile(
-    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, BLOCK_T: tl.constexpr,
-    mr, mi, dr, di, hr, hi,
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, BLOCK_T: tl.constexpr, PACKED: tl.constexpr,
+    mr, mi, dr, di, hr, hi, reset, rr, ri,
 ):  # fmt: skip
     """A tile's steps (multipliers m, tokens d: [BLOCK_C, BLOCK_T]) applied along
     time from the states (hr, hi) [BLOCK_C, 1] entering it: (the running products
     of the multipliers, the states), each [BLOCK_C, BLOCK_T]. The entering state is
-    folded into the first step; the rest is a scan of affine maps."""
+    folded into the first step; the rest is a scan of affine maps. ``PACKED``: where
+    ``reset`` holds, a sequence starts and the state is (rr, ri) whatever came
+    before (the products then restart there too)."""
     first = tl.arange(0, BLOCK_T)[None, :] == 0
     cr, ci = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
     dr = tl.where(first, cr, dr)
     di = tl.where(first, ci, di)
+    if PACKED:
+        dr = tl.where(reset, rr, dr)
+        di = tl.where(reset, ri, di)
     if BLOCK_T == 1:
         return mr, mi, dr, di
+    if PACKED:
+        flag = reset.to(tl.int8) + tl.zeros(mr.shape, tl.int8)  # int8: fewer registers
+        if MODE == 1:
+            _, Mr, Fr = tl.associative_scan((flag, mr, dr), 1, _then_log_reset)
+            return Mr, mi, Fr, di
+        if IS_COMPLEX:
+            _, Mr, Mi, Fr, Fi = tl.associative_scan(
+                (flag, mr, mi, dr, di), 1, _then_complex_reset
+            )  # fmt: skip
+            return Mr, Mi, Fr, Fi
+        _, Mr, Fr = tl.associative_scan((flag, mr, dr), 1, _then_real_reset)
+        return Mr, mi, Fr, di
     if MODE == 1:
         Mr, Fr = tl.associative_scan((mr, dr), 1, _then_log)
         return Mr, mi, Fr, di
@@ -268,6 +313,36 @@ def _last(x, BLOCK_T: tl.constexpr):
         return x
     last = tl.arange(0, BLOCK_T)[None, :] == BLOCK_T - 1
     return tl.sum(tl.where(last, x, 0.0), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _resets(
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+    REVERSE: tl.constexpr, PACKED: tl.constexpr,
+    s, t, T, seq_ptr, i_ptr, i_base, si1, mask, mr, mi, dr, di,
+):  # fmt: skip
+    """Packed sequences (``PACKED``; seq_ptr: each step's sequence, non-decreasing):
+    where a sequence starts in this pass's order (its first step in the pass, and
+    the pass's first step), and the state there: in a forward pass the step from the
+    sequence's initial state (or the empty state), in a backward pass the token
+    alone (the gradient reaching a sequence's last step comes from within it)."""
+    if PACKED:
+        inside = s < T
+        q = tl.load(seq_ptr + t, mask=inside, other=-1)
+        qp = tl.load(seq_ptr + _shift(REVERSE, t, False), mask=inside & (s > 0), other=-2)
+        reset = (q != qp) & inside
+        if MODE < 2:
+            if HAS_INIT:
+                hr, hi = _load(i_ptr, i_base + q.to(tl.int64) * si1, mask & reset, IS_COMPLEX, ACC)
+            else:
+                fill = float("-inf") if MODE == 1 else 0.0
+                hr = tl.full(mr.shape, fill, ACC)
+                hi = tl.zeros(mr.shape, ACC)
+            rr, ri = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
+        else:
+            rr, ri = dr, di
+        return reset, rr, ri
+    return s < 0, dr, di
 
 
 @triton.jit
@@ -319,14 +394,16 @@ def _start(
 
 @triton.jit
 def _summaries(
-    a_ptr, sa0, sa1, sa2, b_ptr, sb0, sb1, sb2, h_ptr, sh0, sh1, sh2,
-    Mr_ptr, Mi_ptr, Fr_ptr, Fi_ptr, C, INNER, T, CHUNK,
+    a_ptr, sa0, sa1, sa2, b_ptr, sb0, sb1, sb2, h_ptr, sh0, sh1, sh2, i_ptr, si0, si1, si2,
+    seq_ptr, Mr_ptr, Mi_ptr, Fr_ptr, Fi_ptr, Rs_ptr, C, INNER, T, CHUNK,
     MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
     in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
+    i_base = o * si0 + i * si2
     # the map of no steps: multiplier 1 (0 in LOG), state 0 (-inf, log 0, in LOG)
     if MODE == 1:
         Mr = tl.zeros((BLOCK_C, 1), ACC)
@@ -338,11 +415,17 @@ def _summaries(
     Fi = tl.zeros((BLOCK_C, 1), ACC)
     for s0 in range(k * CHUNK, _chunk_end(k, CHUNK, T), BLOCK_T):
         s, mask = _tile(s0, T, in_channels, BLOCK_T)
-        _, mr, mi, dr, di = _step_inputs(
+        t, mr, mi, dr, di = _step_inputs(
             MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
             h_ptr, h_base, sh1, mask,
         )  # fmt: skip
-        Pr, Pi, Hr, Hi = _scan_tile(MODE, IS_COMPLEX, BLOCK_T, mr, mi, dr, di, Fr, Fi)
+        reset, rr, ri = _resets(
+            MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, s, t, T, seq_ptr, i_ptr, i_base,
+            si1, mask, mr, mi, dr, di,
+        )  # fmt: skip
+        Pr, Pi, Hr, Hi = _scan_tile(
+            MODE, IS_COMPLEX, BLOCK_T, PACKED, mr, mi, dr, di, Fr, Fi, reset, rr, ri
+        )  # fmt: skip
         Fr, Fi = _last(Hr, BLOCK_T), _last(Hi, BLOCK_T)
         Mr, Mi = _compose(MODE, IS_COMPLEX, Mr, Mi, _last(Pr, BLOCK_T), _last(Pi, BLOCK_T))
     c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
@@ -350,12 +433,22 @@ def _summaries(
     tl.store(Mi_ptr + k * C + c, Mi, mask=in_channels)
     tl.store(Fr_ptr + k * C + c, Fr, mask=in_channels)
     tl.store(Fi_ptr + k * C + c, Fi, mask=in_channels)
+    if PACKED:
+        # whether a sequence starts in the chunk: its first step's sequence differs from
+        # the step's before it (or it is the first chunk), or from its last step's
+        end = _chunk_end(k, CHUNK, T)
+        t0 = _time(REVERSE, k.to(tl.int64) * CHUNK, T)
+        q0 = tl.load(seq_ptr + t0)
+        q1 = tl.load(seq_ptr + _time(REVERSE, end - 1, T))
+        qb = tl.load(seq_ptr + _shift(REVERSE, t0, False), mask=k > 0, other=-1)
+        R = tl.where((q0 != q1) | (q0 != qb), 1.0, 0.0).to(ACC) + tl.zeros((BLOCK_C, 1), ACC)
+        tl.store(Rs_ptr + k * C + c, R, mask=in_channels)
 
 
 @triton.jit
 def _carries(
-    Mr_ptr, Mi_ptr, Fr_ptr, Fi_ptr, Cr_ptr, Ci_ptr, i_ptr, si0, si2, C, INNER, N_CHUNKS,
-    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, HAS_INIT: tl.constexpr,
+    Mr_ptr, Mi_ptr, Fr_ptr, Fi_ptr, Rs_ptr, Cr_ptr, Ci_ptr, i_ptr, si0, si2, C, INNER, N_CHUNKS,
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cb = tl.program_id(0)
@@ -369,15 +462,19 @@ def _carries(
         Mi = tl.load(Mi_ptr + k * C + c, mask=in_channels, other=0.0)
         Fr = tl.load(Fr_ptr + k * C + c, mask=in_channels, other=0.0)
         Fi = tl.load(Fi_ptr + k * C + c, mask=in_channels, other=0.0)
-        hr, hi = _combine(MODE, IS_COMPLEX, Mr, Mi, hr, hi, Fr, Fi)
+        nr, ni = _combine(MODE, IS_COMPLEX, Mr, Mi, hr, hi, Fr, Fi)
+        if PACKED:  # a chunk in which a sequence starts leaves its own state
+            starts = tl.load(Rs_ptr + k * C + c, mask=in_channels, other=0.0) > 0
+            nr, ni = tl.where(starts, Fr, nr), tl.where(starts, Fi, ni)
+        hr, hi = nr, ni
 
 
 @triton.jit
 def _apply(
     a_ptr, sa0, sa1, sa2, b_ptr, sb0, sb1, sb2, h_ptr, sh0, sh1, sh2, e_ptr, se0, se1, se2,
-    i_ptr, si0, si2, Cr_ptr, Ci_ptr, o1_ptr, o2_ptr, C, INNER, T, CHUNK,
+    i_ptr, si0, si1, si2, seq_ptr, Cr_ptr, Ci_ptr, o1_ptr, o2_ptr, C, INNER, T, CHUNK,
     MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, REVERSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
+    HAS_INIT: tl.constexpr, SINGLE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
@@ -397,20 +494,35 @@ def _apply(
             MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
             h_ptr, h_base, sh1, mask,
         )  # fmt: skip
-        _, _, Hr, Hi = _scan_tile(MODE, IS_COMPLEX, BLOCK_T, mr, mi, dr, di, hr, hi)
+        reset, rr, ri = _resets(
+            MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, s, t, T, seq_ptr, i_ptr, i_base,
+            si1, mask, mr, mi, dr, di,
+        )  # fmt: skip
+        _, _, Hr, Hi = _scan_tile(
+            MODE, IS_COMPLEX, BLOCK_T, PACKED, mr, mi, dr, di, hr, hi, reset, rr, ri
+        )  # fmt: skip
         hr, hi = _last(Hr, BLOCK_T), _last(Hi, BLOCK_T)
         if MODE < 2:
             _store(o1_ptr, out_base + t * INNER, Hr, Hi, mask, IS_COMPLEX)
         else:
-            # the forward's state before t: the next step in this pass's order
+            # the forward's state before t: the next step in this pass's order, if in
+            # t's sequence; else t's initial state (its sequence's, PACKED)
             tn = _shift(REVERSE, t, True)
             inside = (tn >= 0) & (tn < T)
             outside = (tn < 0) | (tn >= T)  # not ~inside: Triton 3.3's interpreter lacks ~
+            if PACKED:
+                q = tl.load(seq_ptr + t, mask=s < T, other=0)
+                qn = tl.load(seq_ptr + tn, mask=inside & (s < T), other=-1)
+                inside = inside & (qn == q)
+                outside = outside | (qn != q)
+                i_at = i_base + q.to(tl.int64) * si1
+            else:
+                i_at = i_base + 0 * t
             if MODE == 2:
                 xr, xi = _load(h_ptr, h_base + tn * sh1, mask & inside, IS_COMPLEX, ACC)
                 if HAS_INIT:
                     ir, ii = _load(
-                        i_ptr, i_base + 0 * t, mask & outside, IS_COMPLEX, ACC
+                        i_ptr, i_at, mask & outside, IS_COMPLEX, ACC
                     )  # fmt: skip
                     xr, xi = tl.where(inside, xr, ir), tl.where(inside, xi, ii)
                 _store(o1_ptr, out_base + t * INNER, Hr, Hi, mask, IS_COMPLEX)
@@ -423,7 +535,7 @@ def _apply(
                 ).to(ACC)
                 if HAS_INIT:
                     init = tl.load(
-                        i_ptr + i_base + 0 * t, mask=mask, other=float("-inf")
+                        i_ptr + i_at, mask=mask & outside, other=float("-inf")
                     ).to(ACC)  # fmt: skip
                     h_prev = tl.where(inside, h_prev, init)
                 la = tl.load(a_ptr + a_base + t * sa1, mask=mask, other=0.0).to(ACC)
@@ -455,9 +567,11 @@ def forward(
     dim: int,
     reverse: bool,
     chunk: int | None = None,
+    seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A forward scan (LINEAR or LOG) of tensors of one shape and dtype along ``dim``."""
-    out, _ = _run(mode, a, b, None, None, initial, dim, reverse, chunk)
+    """A forward scan (LINEAR or LOG) of tensors of one shape and dtype along ``dim``;
+    packed sequences with ``seq`` (see ``_run``)."""
+    out, _ = _run(mode, a, b, None, None, initial, dim, reverse, chunk, seq)
     return out
 
 
@@ -471,10 +585,13 @@ def backward(
     dim: int,
     reverse: bool,
     chunk: int | None = None,
+    seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A backward pass (LINEAR_BWD or LOG_BWD) in the order ``reverse`` (the opposite
     of the forward's): (the tokens' gradient, the gates' gradient)."""
-    grad_tokens, grad_gates = _run(mode, a, grad_out, out, log_tokens, initial, dim, reverse, chunk)
+    grad_tokens, grad_gates = _run(
+        mode, a, grad_out, out, log_tokens, initial, dim, reverse, chunk, seq
+    )
     return grad_tokens, grad_gates if grad_gates is not None else grad_tokens
 
 
@@ -503,11 +620,15 @@ def _run(
     dim: int,
     reverse: bool,
     chunk: int | None = None,
+    seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunked pass of ``mode`` over tensors of one shape and dtype along ``dim``
     (``reverse``: descending time, this pass's order). Forward modes return
     (out, None); backward modes (b: grad_out, h: the forward's output, e: log tokens
-    for LOG_BWD) return (grad of the tokens, grad of the gates)."""
+    for LOG_BWD) return (grad of the tokens, grad of the gates). Packed sequences:
+    ``seq`` holds each step's sequence (int32, (T,), non-decreasing, on the device),
+    and ``initial`` has b's shape with ``dim`` of size num_seqs; boundaries are
+    handled inside the tiles and chunks (``PACKED``), in the same passes."""
     dim %= b.dim()
     outer, steps, inner = math.prod(b.shape[:dim]), b.shape[dim], math.prod(b.shape[dim + 1 :])
     dims = (outer, steps, inner)
@@ -525,32 +646,40 @@ def _run(
     tile, chunk = plan(steps, channels, views[1][1][1], chunk)
     n_chunks = triton.cdiv(steps, chunk)
     c_blocks = triton.cdiv(channels, tile.channels)
+    packed = seq is not None
     if initial is not None:
-        init = _real_view(initial.reshape(outer, inner))
-        i_strides = initial.reshape(outer, inner).stride()
+        i3 = initial.reshape(outer, -1, inner)  # (outer, num_seqs or 1, inner)
+        init = _real_view(i3)
+        i_strides = i3.stride()
     else:
-        init, i_strides = views[1][0], (0, 0)
+        init, i_strides = views[1][0], (0, 0, 0)
+    seq_ids = seq if seq is not None else torch.zeros(1, dtype=torch.int32, device=b.device)
     ACC = tl.float64 if acc == torch.float64 else tl.float32
-    flags = dict(MODE=mode, IS_COMPLEX=is_complex, ACC=ACC, BLOCK_C=tile.channels)
+    flags = dict(
+        MODE=mode, IS_COMPLEX=is_complex, ACC=ACC, BLOCK_C=tile.channels,
+        HAS_INIT=initial is not None, PACKED=packed,
+    )  # fmt: skip
     (av, sa), (bv, sb), (hv, sh), (ev, se) = views
     carries = [init, init]  # unused with one chunk
     if n_chunks > 1:
-        summaries = [
-            torch.empty((n_chunks, channels), dtype=acc, device=b.device) for _ in range(4)
+        summaries = [  # M (re, im), F (re, im), and whether a sequence starts (PACKED)
+            torch.empty((n_chunks, channels), dtype=acc, device=b.device)
+            for _ in range(5 if packed else 4)
         ]
+        if not packed:
+            summaries.append(summaries[0])  # never read
         carries = [torch.empty((n_chunks, channels), dtype=acc, device=b.device) for _ in range(2)]
         _summaries[(c_blocks, n_chunks)](
-            av, *sa, bv, *sb, hv, *sh, *summaries, channels, inner, steps, chunk,
-            REVERSE=reverse, BLOCK_T=tile.steps, **flags,
+            av, *sa, bv, *sb, hv, *sh, init, *i_strides, seq_ids, *summaries, channels, inner,
+            steps, chunk, REVERSE=reverse, BLOCK_T=tile.steps, **flags,
         )  # fmt: skip
         _carries[(c_blocks,)](
-            *summaries, *carries, init, *i_strides, channels, inner, n_chunks,
-            HAS_INIT=initial is not None, **flags,
+            *summaries, *carries, init, i_strides[0], i_strides[2], channels, inner, n_chunks,
+            **flags,
         )  # fmt: skip
     _apply[(c_blocks, n_chunks)](
-        av, *sa, bv, *sb, hv, *sh, ev, *se, init, *i_strides, *carries,
+        av, *sa, bv, *sb, hv, *sh, ev, *se, init, *i_strides, seq_ids, *carries,
         _real_view(o1), _real_view(o2 if o2 is not None else o1), channels, inner, steps, chunk,
-        REVERSE=reverse, HAS_INIT=initial is not None, SINGLE=n_chunks == 1, BLOCK_T=tile.steps,
-        **flags,
+        REVERSE=reverse, SINGLE=n_chunks == 1, BLOCK_T=tile.steps, **flags,
     )  # fmt: skip
     return o1, o2

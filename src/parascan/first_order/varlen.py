@@ -16,9 +16,11 @@ num_seqs dim in place of the batch (``to_internal``/``to_public``): a result of 
 (1, T, D) along dim 1 has states (num_seqs, D); along dim 0, (T, D) has (num_seqs, D).
 
 Backends. ``cpu``: the C kernels' packed entries (scan_varlen.h), every input read
-once, short sequences spread over the threads in one parallel region. ``torch``,
-``loop`` and ``triton``: the backend's own scan on each sequence in turn (a view of
-its steps), the results written into one output.
+once, each channel block walking every sequence in one parallel region. ``triton``:
+the Triton kernels in their usual launches, restarting the state where a sequence
+starts inside their tiles and chunks (triton.packed_forward). ``torch`` and ``loop``:
+the backend's own scan on each sequence in turn (a view of its steps), the results
+written into one output.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import Tensor
 from parascan._checks import accumulate_dtype, as_operand, check_dtype, describe
 from parascan._native import bindings
 from parascan._op_utils import register_batch_first_vmap, resolved, resolved_optional
+from parascan.first_order import triton
 from parascan.first_order.arguments import Prepared, prepare
 from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
@@ -157,12 +160,16 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
     ) -> Tensor:  # fmt: skip
         gates, tokens, initial = resolved(gates), resolved(tokens), resolved_optional(initial)
         dim %= tokens.dim()
+        if backend == "triton":
+            _check_values(ring.op, cu_seqlens.tolist(), tokens.shape[dim])
         if backend == "cpu":
             cu = _cpu_cu(cu_seqlens)
             _check_values(ring.op, cu.tolist(), tokens.shape[dim])
             return bindings.scan_forward(
                 ring.name, gates, tokens, initial, dim, reverse, cu_seqlens=cu
             )
+        if backend == "triton":
+            return triton.packed_forward(ring, gates, tokens, initial, dim, reverse, cu_seqlens)
         return _by_segments_forward(ring, backend, gates, tokens, initial, cu_seqlens, dim,
                                     reverse)  # fmt: skip
 
@@ -190,6 +197,12 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
             return bindings.scan_backward(
                 ring.name, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
                 initial, dim, reverse, cu_seqlens=cu,
+            )  # fmt: skip
+        if backend == "triton":
+            _check_values(ring.op, cu_seqlens.tolist(), out.shape[dim])
+            return triton.packed_backward(
+                ring, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
+                initial, dim, reverse, cu_seqlens,
             )  # fmt: skip
         return _by_segments_backward(ring, backend, gates, tokens, out, grad_out, initial,
                                      cu_seqlens, dim, reverse)  # fmt: skip
