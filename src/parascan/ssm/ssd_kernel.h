@@ -60,28 +60,30 @@ ATTR static void F(ps_ssd_sums)(const V *v, int64_t n, T *dst) {
 }
 
 /* A (headdim, N) state at src (NULL: zeros) into hT lanes [j0 W, j1 W) (nj = j1 - j0
- * vectors a row), and back. */
+ * vectors a row), and back: a row p of the state at a time, read or written in order
+ * (packed sequences load and store a state per sequence: short ones many). */
 ATTR static void F(ps_ssd_load_state)(V *st, const T *src, int64_t P, int64_t N, int64_t j0,
                                      int64_t nj) {
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < nj; ++j) {
-            V v = {0};
-            for (int l = 0; l < W; ++l) {
-                const int64_t p = (j0 + j) * W + l;
-                if (src && p < P) v[l] = src[p * N + n];
-            }
-            st[n * nj + j] = v;
+    for (int64_t i = 0; i < N * nj; ++i) st[i] = (V){0};
+    if (!src) return;
+    for (int64_t j = 0; j < nj; ++j)
+        for (int l = 0; l < W; ++l) {
+            const int64_t p = (j0 + j) * W + l;
+            if (p >= P) break;
+            const T *row = src + p * N;
+            for (int64_t n = 0; n < N; ++n) st[n * nj + j][l] = row[n];
         }
 }
 
 ATTR static void F(ps_ssd_store_state)(T *dst, const V *st, int64_t P, int64_t N, int64_t j0,
                                       int64_t nj) {
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < nj; ++j)
-            for (int l = 0; l < W; ++l) {
-                const int64_t p = (j0 + j) * W + l;
-                if (p < P) dst[p * N + n] = st[n * nj + j][l];
-            }
+    for (int64_t j = 0; j < nj; ++j)
+        for (int l = 0; l < W; ++l) {
+            const int64_t p = (j0 + j) * W + l;
+            if (p >= P) break;
+            T *row = dst + p * N;
+            for (int64_t n = 0; n < N; ++n) row[n] = st[n * nj + j][l];
+        }
 }
 
 /* row[j] = src[p] over lanes [j0 W, (j0 + nj) W), zero past P (one copy: the rows
