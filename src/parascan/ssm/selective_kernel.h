@@ -581,6 +581,39 @@ static void FN(ps_sel_pack)(const CTX *c, SCRATCH *s, int64_t own, int64_t b, in
                               d / c->cper, t0, len);
 }
 
+/* Whether the forward walks a span chunk by chunk across the unit's channels: where
+ * u, delta or z reach the next channel in fewer elements than the next step (a
+ * channel-last view, e.g. a slice of a transposed projection), a chunk's steps of
+ * neighbouring channels share cache lines, which a walk down one channel's whole row
+ * after another would fetch once per channel. Not when B or C is packed per channel
+ * (a group of one channel: packed per channel and span). */
+static int FN(ps_sel_chunk_major)(const CTX *c) {
+    const ps_selective_operands *in = c->in;
+    if (c->bper == 1 || c->cper == 1) return 0;
+    const int64_t *rows[3] = {in->u_stride, in->delta_stride, in->z ? in->z_stride : NULL};
+    for (int i = 0; i < 3; i++) {
+        const int64_t *st = rows[i];
+        if (st && st[2] != 1 && llabs(st[1]) < llabs(st[2])) return 1;
+    }
+    return 0;
+}
+
+/* Chunk ch of channel (b, d) from its state h: the checkpoint, then the steps (the
+ * span's packed B and C rows start at step ts). */
+static void FN(ps_sel_fwd_step_chunk)(const CTX *c, SCRATCH *s, int64_t b, int64_t d,
+                                      int64_t ch, int64_t ts, T *h) {
+    const ps_selective_fwd_args *f = c->fwd;
+    const int64_t S = c->S, K = c->in->chunk, L = c->in->length;
+    const int64_t t0 = ch * K, len = L - t0 < K ? L - t0 : K;
+    FN(ps_sel_write_row)(PS_SEL_AT_W(f->checkpoints, b * f->checkpoints_stride[0] +
+                                                         d * f->checkpoints_stride[1] +
+                                                         ch * f->checkpoints_stride[2],
+                                     c->cplx),
+                         f->checkpoints_stride[3], c->cplx, h, c->in->nstate, c->npad);
+    FN(ps_sel_fwd_chunk)(c, s, b, d, t0, len, h, c->bper ? s->bchunk + (t0 - ts) * S : NULL,
+                         c->cper ? s->cchunk + (t0 - ts) * S : NULL);
+}
+
 static void FN(ps_sel_fwd_member)(const void *vc, int64_t member, int64_t size) {
     const CTX *c = (const CTX *)vc;
     const ps_selective_operands *in = c->in;
@@ -598,31 +631,31 @@ static void FN(ps_sel_fwd_member)(const void *vc, int64_t member, int64_t size) 
                                             : NULL,
                                 in->initial_stride[2], cx, N, c->npad, cx);
         /* a span at a time: its B and C packed once, then each channel's row read
-         * from start to end (the prefetch asks for the next chunk's lines) */
+         * from start to end (the prefetch asks for the next chunk's lines); or, where
+         * the channels' rows interleave (ps_sel_chunk_major), a chunk at a time for
+         * all the unit's channels, which share that chunk's lines */
         for (int64_t sp = 0; sp < c->nchunks; sp += c->span) {
             const int64_t sp1 = sp + c->span < c->nchunks ? sp + c->span : c->nchunks;
             const int64_t ts = sp * K, te = sp1 * K < L ? sp1 * K : L;
             FN(ps_sel_pack)(c, &s, 0, b, d0, ts, te - ts);
+            if (FN(ps_sel_chunk_major)(c)) {
+                for (int64_t ch = sp; ch < sp1; ch++)
+                    for (int64_t d = d0; d < d1; d++)
+                        FN(ps_sel_fwd_step_chunk)(c, &s, b, d, ch, ts, s.h + (d - d0) * S);
+                continue;
+            }
             for (int64_t d = d0; d < d1; d++) {
                 T *h = s.h + (d - d0) * S;
                 FN(ps_sel_pack)(c, &s, 1, b, d, ts, te - ts);
                 for (int64_t ch = sp; ch < sp1; ch++) {
-                    const int64_t t0 = ch * K, len = L - t0 < K ? L - t0 : K;
-                    FN(ps_sel_write_row)(
-                        PS_SEL_AT_W(f->checkpoints, b * f->checkpoints_stride[0] +
-                                                        d * f->checkpoints_stride[1] +
-                                                        ch * f->checkpoints_stride[2],
-                                    cx),
-                        f->checkpoints_stride[3], cx, h, N, c->npad);
+                    const int64_t t0 = ch * K;
                     if (ch + 1 < sp1) {
                         const int64_t t1 = t0 + K;
                         FN(ps_sel_prefetch)(c, 0, b, d, t1, L - t1 < K ? L - t1 : K);
                     } else if (d + 1 < d1) {
                         FN(ps_sel_prefetch)(c, 0, b, d + 1, ts, te - ts < K ? te - ts : K);
                     }
-                    FN(ps_sel_fwd_chunk)(c, &s, b, d, t0, len, h,
-                                         c->bper ? s.bchunk + (t0 - ts) * S : NULL,
-                                         c->cper ? s.cchunk + (t0 - ts) * S : NULL);
+                    FN(ps_sel_fwd_step_chunk)(c, &s, b, d, ch, ts, h);
                 }
             }
         }
