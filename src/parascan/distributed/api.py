@@ -24,6 +24,9 @@ of rank r (lambda_r) obeys lambda_r = A_r^H lambda_{r+1} + mu_r, where mu_r is t
 local backward's gradient of the entering state with nothing arriving from later
 ranks; one all-gather of (mu_r, the final state's gradient) gives every rank its
 lambda_{r+1}, which enters its local backward as a gradient of its last state.
+
+With ``cu_seqlens`` (packed sequences with global offsets) the same scheme runs per
+sequence boundary: packed.py.
 """
 
 from __future__ import annotations
@@ -415,13 +418,32 @@ def linear_scan(
             that they agree); the others' values are not read.
         return_final: also return the global final state (the last state of the last
             rank, or the first of the first when reversed), on every rank.
+        cu_seqlens: packed variable-length sequences, as in
+            :func:`parascan.linear_scan`, with GLOBAL offsets: an int32/int64 tensor
+            (num_seqs + 1,) of offsets along the whole (concatenated) time dim, 0
+            first, the sum of the ranks' shard lengths last, non-decreasing, the same
+            on every rank (the ranks check it: a CRC of the values rides in their
+            first message, and every rank raises when they differ). Each sequence is
+            scanned alone (``reverse`` within it) and may span ranks, be empty, or
+            start or end on a shard boundary. The result's leading dim must be 1 (or
+            ``dim`` 0); ``initial`` is then (num_seqs, state...), given on every rank
+            (each rank reads the rows of the sequences whose first step it holds),
+            and the final states (num_seqs, state...) are returned on every rank.
 
     Returns:
         This rank's shard of ``x`` (and the global final state). Differentiable in
         gates, tokens and initial across ranks: as with DistributedDataParallel,
         every rank must run the backward (it exchanges one all-gather). Each call
         sends one all-gather of 2 states per rank forward and one backward,
-        whatever the length: O(state) bytes, not O(T).
+        whatever the length: O(state) bytes, not O(T). With ``cu_seqlens``: a
+        fixed-size header message, then one all-gather of 2 states per rank (plus,
+        with ``return_final``, the finals of the sequences ending in each shard,
+        padded to the most any shard holds) forward, and one of 2 states per rank
+        (plus, with ``return_final``, each rank's num_seqs gradients of the finals)
+        backward. The gradient of ``initial`` is then split over the ranks, whose
+        sum is the gradient: a sequence's row on the rank holding its first step,
+        an empty sequence's (its final is its initial state) on every rank from
+        that rank's own use of the final.
     """
     return _distributed(
         _LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend, cu_seqlens
@@ -460,7 +482,9 @@ def log_linear_scan(
     ``h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t])``, ``initial`` (log of
     the state before the first step, default ``-inf``) read on the first rank. A
     shard's map is ``h -> logaddexp(sum(log_gates) + h, F)``; the all-gathers carry
-    O(state) elements per rank, forward and backward.
+    O(state) elements per rank, forward and backward. ``cu_seqlens``: packed
+    sequences with global offsets, as in :func:`linear_scan` of this module (an empty
+    sequence's final is its ``initial`` row, ``-inf`` without one).
     """
     return _distributed(
         _LOG, log_gates, log_tokens, dim, group, initial, reverse, return_final, backend, cu_seqlens

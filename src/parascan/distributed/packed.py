@@ -2,8 +2,8 @@
 
 ``cu_seqlens`` holds the GLOBAL offsets along the sharded time dim, the same on every
 rank; a sequence may start and end on any rank, span several, or be empty. Rank r of
-R holds the steps [S_r, S_r + n_r). In scan order (ranks and steps reversed when
-``reverse``):
+R holds the steps [S_r, S_r + n_r). "First", "last", "left" and "right" below are in
+scan order (ranks and steps reversed when ``reverse``).
 
 Summary of the algorithm (forward):
 
@@ -156,14 +156,14 @@ def _prefix_at(shard: _Shard, reverse: bool) -> int:
 
 
 def _gather_or_fail(
-    name: str, parts: list[Tensor] | None, count: int, like: Tensor, group: Any
+    parts: list[Tensor] | None, count: int, like: Tensor, group: Any
 ) -> tuple[Tensor, list[int]]:
     """All-gather ``count`` state tensors shaped like ``like`` from every rank, each
     message led by a status word: ``parts`` is None on a rank whose local work
     failed (it sends zeros). Returns the stacked parts (world, count, *state) and
     the ranks that failed, so that all raise instead of one waiting forever."""
     device = _wire_device(group)
-    payload = torch.stack(parts) if parts else like.new_zeros((count, *like.shape))
+    payload = like.new_zeros((count, *like.shape)) if parts is None else torch.stack(parts)
     raw = _real_view(payload).contiguous().view(-1).view(torch.uint8).to(device)
     status = torch.tensor([0 if parts is not None else 1], dtype=torch.int64, device=device)
     message = torch.cat([status.view(torch.uint8), raw])
@@ -237,10 +237,10 @@ class _PackedShardScan(torch.autograd.Function):
                 total = ring.total(gates.narrow(dim, _prefix_at(mine, reverse), mine.prefix), dim)
             parts = [total, leaving, *ends, *[zero] * (rows - len(ends))]
         except Exception:
-            _gather_or_fail(name, None, 2 + rows, zero, group)  # every other rank raises
+            _gather_or_fail(None, 2 + rows, zero, group)  # every other rank raises
             raise
         # 3. the exchange; the carries entering every shard, every final
-        gathered, failed = _gather_or_fail(name, parts, 2 + rows, zero, group)
+        gathered, failed = _gather_or_fail(parts, 2 + rows, zero, group)
         _raise_failed(name, failed)
         carries: dict[int, Tensor] = {}
         h = zero
