@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import parascan.distributed as psd
 
 from conftest import assert_matches
-from oracles import linear_loop, log_loop
+from oracles import linear_loop, log_loop, packed_loop
 
 # (shape of the whole sequence, dim, shard lengths per world size)
 CASES = [
@@ -167,6 +167,25 @@ def test_checks_inputs_first() -> None:
         psd.linear_scan(0.5, [1.0, 2.0], 0)
 
 
+@pytest.mark.parametrize(
+    ("shape", "cu", "initial", "error", "match"),
+    [
+        ((1, 4), [0.0, 4.0], None, TypeError, "1-d int32 or int64"),
+        ((1, 4), [[0, 4]], None, TypeError, "1-d int32 or int64"),
+        ((1, 4), [0, 3, 2, 4], None, ValueError, "non-decreasing"),
+        ((1, 4), [1, 4], None, ValueError, "non-decreasing"),
+        ((1, 4), [0, 3], None, ValueError, "at least this rank's 4"),
+        ((2, 4), [0, 4], None, ValueError, "leading dim to be 1"),
+        ((1, 4), [0, 2, 4], torch.zeros(3), ValueError, r"\(num_seqs, state...\) = \(2,\)"),
+    ],
+)
+def test_checks_packed_sequences_before_communicating(shape, cu, initial, error, match) -> None:
+    """A rank's own bad cu_seqlens (or initial) raises before it needs a process group."""
+    cu = torch.tensor(cu) if not isinstance(cu, torch.Tensor) else cu
+    with pytest.raises(error, match=r"distributed\.log_linear_scan: .*" + match):
+        psd.log_linear_scan(0.0, torch.zeros(shape), -1, initial=initial, cu_seqlens=cu)
+
+
 # --- shards that disagree: every rank raises, no abort, no mixed result ---------------
 # (rank 0's call, rank 1's call, what every rank's error names); each call is
 # (function, gates, tokens, dim, keyword arguments)
@@ -210,6 +229,33 @@ _MISMATCHES = {
         (psd.linear_scan, (2, 5, 3), 1, {}),
         "rank(s) 0 failed before the exchange",
     ),
+    # packed sequences: the global offsets must be the same everywhere
+    "different cu_seqlens": (
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 10]}),
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 4, 10]}),
+        "cu_seqlens of 2 sequences",
+    ),
+    "cu_seqlens on one rank only": (
+        (psd.linear_scan, (1, 5, 3), 1, {}),
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 10]}),
+        "rank 0: linear_scan along dim 1 of 3, shape without it (1, 3), torch.float32, cpu, "
+        "reverse=False, initial not given, no backward, no cu_seqlens",
+    ),
+    "return_final on one rank only, packed": (
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 10], "return_final": True}),
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 10]}),
+        "return_final=True",
+    ),
+    "cu_seqlens that end before the global length": (
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 9]}),
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 9]}),
+        "the sum of the ranks' shard lengths 5 + 5 = 10, but got [0, 3, 9]",
+    ),
+    "a rank whose cu_seqlens decrease": (
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 10]}),
+        (psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 6, 3, 10]}),
+        "rank(s) 1 failed before the exchange",
+    ),
 }  # fmt: skip
 
 
@@ -219,6 +265,8 @@ def _call(spec, rank):
     dtype = options.pop("dtype", torch.float32)
     g = torch.Generator().manual_seed(rank)
     tokens = torch.rand(shape, generator=g, dtype=dtype).requires_grad_(options.pop("grad", False))
+    if "cu" in options:
+        options["cu_seqlens"] = torch.tensor(options.pop("cu"))
     if options.pop("initial", False):
         d = dim % len(shape) if -len(shape) <= dim < len(shape) else 0
         options["initial"] = torch.zeros(shape[:d] + shape[d + 1 :], dtype=dtype)
@@ -237,20 +285,47 @@ def _mismatch_worker(rank, world, init_file):
             own_error = {
                 "a rank whose own arguments are bad": (1, IndexError),
                 "a rank whose return_final is not a bool": (0, TypeError),
+                "a rank whose cu_seqlens decrease": (1, ValueError),
             }.get(what)
+            if what == "cu_seqlens that end before the global length":  # seen by every rank
+                own_error = (rank, ValueError)
             expected = own_error[1] if own_error and own_error[0] == rank else RuntimeError
             own_error = own_error is not None and own_error[0] == rank
             with pytest.raises(expected) as info:
                 _call(first if rank == 0 else second, rank)
-            if not own_error:
+            if what == "cu_seqlens that end before the global length":
+                assert named in str(info.value), (what, str(info.value))
+            elif not own_error:
                 message = str(info.value)
                 assert message.startswith("parascan.distributed."), (what, message)
                 assert named in message, (what, message)
-        # the group still works afterwards
+        # a rank whose local packed scan fails: it raises its error, the other one names it
+        from parascan.distributed import packed
+
+        finals = packed._finals
+        if rank == 1:
+
+            def broken(*args):
+                raise RuntimeError("broken on purpose")
+
+            packed._finals = broken
+        try:
+            with pytest.raises(RuntimeError) as info:
+                _call((psd.linear_scan, (1, 5, 3), 1, {"cu": [0, 3, 10]}), rank)
+        finally:
+            packed._finals = finals
+        expected = "broken on purpose" if rank == 1 else "rank(s) 1 failed in their local scan"
+        assert expected in str(info.value)
+        # the group still works afterwards, packed or not
         x = torch.arange(1.0, 9.0).reshape(2, 4)
         out = psd.linear_scan(0.5, x[:, 2 * rank : 2 * rank + 2], -1)
         want = linear_loop(0.5, x.double(), -1)[0][:, 2 * rank : 2 * rank + 2]
         assert_matches(out, want, torch.float32)
+        out = psd.linear_scan(
+            0.5, x[:1, 2 * rank : 2 * rank + 2], -1, cu_seqlens=torch.tensor([0, 3, 4])
+        )
+        want = packed_loop(linear_loop, torch.tensor(0.5).double(), x[:1].double(), -1, [0, 3, 4])
+        assert_matches(out, want[0][:, 2 * rank : 2 * rank + 2], torch.float32)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -259,3 +334,132 @@ def _mismatch_worker(rank, world, init_file):
 def test_shards_that_disagree_raise_on_every_rank() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_mismatch_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
+# --- packed sequences (cu_seqlens): global offsets, sequences across ranks ----------------
+# (global shape with T in place of the time dim, dim, shard lengths of 3 ranks, cu_seqlens)
+_PACKED = [
+    # empty first, length 1, a boundary on rank 0's end (then empty), one next to it;
+    # rank 1 empty
+    (("T", 2), 0, [5, 0, 6], [0, 0, 1, 5, 5, 6, 11]),
+    # one sequence over every rank
+    ((1, "T", 3), 1, [4, 3, 5], [0, 12]),
+    # next to a shard boundary (3, 8), on one (4), across ranks 1 and 2, trailing empty
+    ((1, 2, "T"), -1, [4, 3, 5], [0, 3, 4, 8, 12, 12]),
+    # rank 1 covered by one sequence that runs on into rank 2
+    ((1, "T", 2), 1, [2, 6, 3], [0, 1, 9, 11]),
+    # random boundaries (seeded) over shards of 3, 5, 4 steps
+    (("T", 3), 0, [3, 5, 4], "random"),
+    # no steps anywhere: two empty sequences
+    ((1, "T", 2), 1, [0, 0, 0], [0, 0, 0]),
+]
+
+
+def _random_offsets(total: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, total + 1, (6,), generator=g).tolist()
+    return [0, *sorted(cuts), total]
+
+
+def _check_packed(
+    rank, world, case, dtype, reverse, with_initial, return_final, log, backend="auto"
+):
+    template, dim, lengths, cu = case
+    total = sum(lengths)
+    if cu == "random":
+        cu = _random_offsets(total, seed=len(template) + int(reverse) + 2 * int(log))
+    shape = tuple(total if n == "T" else n for n in template)
+    d = dim % len(shape)
+    nseq = len(cu) - 1
+    state = shape[:d] + shape[d + 1 :]
+    public = (nseq, *state[1:]) if d else (nseq, *state)  # num_seqs in place of the batch
+    make = _log_inputs if log else _inputs
+    gates, tokens, _ = make(shape, dim, dtype, seed=total + nseq)
+    g = torch.Generator().manual_seed(7 + nseq)
+    initial = torch.randn(public, generator=g, dtype=torch.float64).to(dtype)
+    if log:
+        initial = initial.log() if dtype.is_complex else initial.abs().log()
+    weights = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    final_weights = torch.randn((world, *public), generator=g, dtype=torch.float64).to(dtype)
+
+    # each sequence alone, one step at a time, over the whole (concatenated) data
+    leaves = [t.clone().requires_grad_() for t in (gates, tokens, initial)]
+    rows = [h.reshape(state) for h in leaves[2].unbind(0)] if with_initial else None
+    if log:
+        loops = [(linear_loop, lambda t: t.exp())]
+        if not dtype.is_complex:
+            loops.append((log_loop, lambda t: t))
+    else:
+        loops = [(linear_loop, lambda t: t)]
+    want = []
+    for loop, f in loops:
+        x, finals = packed_loop(
+            loop, f(leaves[0]), f(leaves[1]), dim, cu,
+            None if rows is None else [f(h) for h in rows], reverse,
+        )  # fmt: skip
+        want.append((x, finals.reshape(public)))
+    x, x_final = want[0]
+    loss = (x * weights).real.sum()
+    if return_final:
+        loss = loss + (x_final * final_weights.sum(0)).real.sum()
+    want_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    want_grads = [  # None: the loss does not read it (no steps, no final)
+        torch.zeros_like(t) if w is None else w for t, w in zip(leaves, want_grads, strict=True)
+    ]
+
+    start, n = sum(lengths[:rank]), lengths[rank]
+    mine = [gates.narrow(d, start, n), tokens.narrow(d, start, n), initial]
+    mine = [t.clone().requires_grad_() for t in mine]
+    shard_scan = psd.log_linear_scan if log else psd.linear_scan
+    result = shard_scan(
+        mine[0], mine[1], dim, initial=mine[2] if with_initial else None, reverse=reverse,
+        return_final=return_final, cu_seqlens=torch.tensor(cu), backend=backend,
+    )  # fmt: skip
+    got, got_final = result if return_final else (result, None)
+    if len(want) == 2:  # real logs: the log values themselves, -inf included
+        assert_matches(got, want[1][0].narrow(d, start, n), dtype)
+        if return_final:
+            assert_matches(got_final, want[1][1], dtype)
+    if log:
+        got = got.exp()
+        got_final = None if got_final is None else got_final.exp()
+    assert_matches(got, x.narrow(d, start, n), dtype)
+    local = (got * weights.narrow(d, start, n)).real.sum()
+    if return_final:
+        assert_matches(got_final, x_final, dtype)
+        local = local + (got_final * final_weights[rank]).real.sum()
+    grads = torch.autograd.grad(local, mine, allow_unused=True)
+    assert_matches(grads[0], want_grads[0].narrow(d, start, n), dtype)
+    assert_matches(grads[1], want_grads[1].narrow(d, start, n), dtype)
+    if with_initial:  # split over the ranks: their sum is the gradient
+        summed = grads[2].clone()
+        dist.all_reduce(summed)
+        assert_matches(summed, want_grads[2], dtype)
+    else:
+        assert grads[2] is None
+
+
+def _packed_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for case in _PACKED:  # (the work takes about a second: starting 3 processes dominates)
+            for reverse in (False, True):
+                for log in (False, True):
+                    for with_initial, return_final in ((False, True), (True, True), (True, False)):
+                        _check_packed(
+                            rank, world, case, torch.float64, reverse, with_initial,
+                            return_final, log,
+                        )  # fmt: skip
+        _check_packed(rank, world, _PACKED[2], torch.complex128, True, True, True, False)
+        _check_packed(rank, world, _PACKED[3], torch.complex128, False, True, True, True)
+        for backend in ("torch", "loop"):  # the local packed work on other backends
+            _check_packed(rank, world, _PACKED[2], torch.float64, True, True, True, False, backend)
+        _check_packed(rank, world, _PACKED[0], torch.float32, False, True, True, True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packed_sequences_across_ranks() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_packed_worker, args=(3, os.path.join(tmp, "init")), nprocs=3, join=True)

@@ -6,6 +6,7 @@ of the time dimension.
 
 api.py    linear_scan, log_linear_scan: a local scan, one all-gather of O(state) bytes, a fix-up;
           the backward the same in reverse
+packed.py ``cu_seqlens=``: packed sequences with global offsets, across ranks
 bench.py  ``python -m parascan.distributed.bench``: time and bytes per call
 """
 

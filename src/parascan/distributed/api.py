@@ -24,6 +24,9 @@ of rank r (lambda_r) obeys lambda_r = A_r^H lambda_{r+1} + mu_r, where mu_r is t
 local backward's gradient of the entering state with nothing arriving from later
 ranks; one all-gather of (mu_r, the final state's gradient) gives every rank its
 lambda_{r+1}, which enters its local backward as a gradient of its last state.
+
+With ``cu_seqlens`` (packed sequences with global offsets) the same scheme runs per
+sequence boundary: packed.py.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from parascan.first_order import log_linear_scan as local_log_linear_scan
 from parascan.first_order.arguments import Prepared, prepare
 from parascan.first_order.ops import backward_op
 from parascan.first_order.semiring import LINEAR, LOG, SEMIRINGS, Semiring, log_weight
+from parascan.first_order.varlen import packed_initial, public_state_shape, to_public
 
 __all__ = ["linear_scan", "log_linear_scan"]
 
@@ -99,7 +103,11 @@ def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
 
 
 _HEADER_DIMS = 16  # state dims spelled out in the header; more are folded into a hash
-_HEADER_FIELDS = ("op", "dims", "dim", "reverse", "initial given", "backward", "dtype", "device")
+_HEADER_FIELDS = (
+    "op", "dims", "dim", "reverse", "initial given", "backward", "dtype", "device",
+    "cu_seqlens", "num_seqs", "return_final", "length",
+)  # fmt: skip
+_LENGTH = _HEADER_FIELDS.index("length")  # the one field the ranks need not agree on
 _OPS = {ring.code: ring.op.removeprefix("parascan.") for ring in SEMIRINGS.values()}
 _DEVICE_TYPES = ("cpu", "cuda")
 _REJECTED = -1  # the op field of a rank that failed before its exchange (its own error)
@@ -111,11 +119,16 @@ _REJECTED = -1  # the op field of a rank that failed before its exchange (its ow
 _INLINE_BYTES = 16384
 
 
-def _header(sharded: _Sharded, p: Prepared, reverse: bool) -> Tensor:
+def _header(
+    sharded: _Sharded, p: Prepared, reverse: bool, cu: list[int] | None = None,
+    return_final: bool = False, initial: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """What every rank must agree on, as int64 (see _HEADER_FIELDS): the op, the
     number of dims, the (non-negative) time dim, reverse, whether initial is given,
     whether a backward will run (it has collectives of its own), the dtype, the
-    device type, and the shape without the time dim."""
+    device type, with packed sequences (``cu``: cu_seqlens' values) a CRC of the
+    offsets, their number and return_final (-1 each without), this rank's shard
+    length (not compared), and the shape without the time dim."""
     shape = p.tokens.shape
     dim = p.dim % len(shape)
     state = [*shape[:dim], *shape[dim + 1 :]]
@@ -123,12 +136,17 @@ def _header(sharded: _Sharded, p: Prepared, reverse: bool) -> Tensor:
         rest = ",".join(map(str, state[_HEADER_DIMS - 1 :])).encode()
         state = [*state[: _HEADER_DIMS - 1], zlib.crc32(rest)]
     device = p.tokens.device.type
-    operands = (p.gates, p.tokens, p.initial)
+    initial = p.initial if cu is None else initial
+    operands = (p.gates, p.tokens, initial)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
+    packed = [-1, -1, -1]
+    if cu is not None:
+        packed = [zlib.crc32(",".join(map(str, cu)).encode()), len(cu) - 1, int(return_final)]
     values = [
-        sharded.ring.code, len(shape), dim, int(reverse), int(p.initial is not None), int(backward),
+        sharded.ring.code, len(shape), dim, int(reverse), int(initial is not None), int(backward),
         FLOAT_DTYPES.index(p.tokens.dtype),
         _DEVICE_TYPES.index(device) if device in _DEVICE_TYPES else zlib.crc32(device.encode()),
+        *packed, shape[dim],
         *state, *[-1] * (_HEADER_DIMS - len(state)),
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.int64)
@@ -189,11 +207,17 @@ def _describe_header(row: list[int]) -> str:
         state[-1] = f"(more dims, crc {state[-1]})"
     dtype = FLOAT_DTYPES[f["dtype"]] if 0 <= f["dtype"] < len(FLOAT_DTYPES) else "?"
     device = _DEVICE_TYPES[f["device"]] if 0 <= f["device"] < len(_DEVICE_TYPES) else "other"
+    packed = "no cu_seqlens"
+    if f["num_seqs"] >= 0:
+        packed = (
+            f"cu_seqlens of {f['num_seqs']} sequences (crc {f['cu_seqlens']}), "
+            f"return_final={bool(f['return_final'])}"
+        )
     return (
         f"{_OPS.get(f['op'], '?')} along dim {f['dim']} of {f['dims']}, shape without it "
         f"({', '.join(map(str, state))}), {dtype}, {device}, reverse={bool(f['reverse'])}, initial "
         f"{'given' if f['initial given'] else 'not given'}, "
-        f"{'needs' if f['backward'] else 'no'} backward"
+        f"{'needs' if f['backward'] else 'no'} backward, {packed}"
     )
 
 
@@ -201,7 +225,8 @@ def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
     """Raise on every rank when the ranks' headers differ (every rank holds the same
     gathered headers, so every rank reaches the same verdict)."""
     rows = [h.tolist() for h in gathered]
-    if all(row == rows[0] for row in rows[1:]) and rows[0][0] != _REJECTED:
+    agreed = [[x for i, x in enumerate(row) if i != _LENGTH] for row in rows]
+    if all(row == agreed[0] for row in agreed[1:]) and rows[0][0] != _REJECTED:
         return
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(rows))
     rejected = [r for r, row in zip(ranks, rows, strict=True) if row[0] == _REJECTED]
@@ -216,7 +241,7 @@ def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
     raise RuntimeError(
         f"{name}: expected every rank's shard to agree in all but the length of the time "
         f"dim (op, shape, dtype, device type, dim, reverse, whether initial is given, whether "
-        f"a backward runs), but got {received}"
+        f"a backward runs, cu_seqlens and return_final), but got {received}"
     )
 
 
@@ -303,19 +328,31 @@ class _ShardScan(torch.autograd.Function):
 
 def _distributed(
     sharded: _Sharded, gates: object, tokens: object, dim: object, group: Any,
-    initial: object, reverse: bool, return_final: bool, backend: str,
+    initial: object, reverse: bool, return_final: bool, backend: str, cu_seqlens: object,
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    from parascan.distributed.packed import check_offsets, packed_scan
+
     name = sharded.name
     grouped = dist.is_available() and dist.is_initialized()
+    packed = cu_seqlens is not None
     try:
-        p = prepare(sharded.ring, gates, tokens, dim, initial, reverse, True, backend, name=name)
+        p = prepare(
+            sharded.ring, gates, tokens, dim, None if packed else initial, reverse, True, backend,
+            name=name,
+        )  # fmt: skip
         if p.scalar:
             raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
         if not isinstance(return_final, bool):
             raise TypeError(
                 f"{name}: expected return_final to be a bool, but got {describe(return_final)}"
             )
-        header = _header(sharded, p, reverse)
+        d = p.dim % p.tokens.dim()
+        cu, h = None, None
+        if packed:  # the checks a rank makes alone; the global length after the headers
+            cu = check_offsets(name, cu_seqlens, p.tokens.shape[d], p.tokens.device)
+            shape = public_state_shape(name, tuple(p.tokens.shape), d, len(cu) - 1)
+            h = None if initial is None else packed_initial(name, initial, p.tokens, shape, d)
+        header = _header(sharded, p, reverse, cu, return_final, h)
     except Exception:
         if grouped:  # the other ranks wait in the exchange: all of them raise
             _reject(group)
@@ -325,9 +362,11 @@ def _distributed(
             f"{name}: expected an initialized torch.distributed process group "
             "(torch.distributed.init_process_group), but there is none"
         )
+    if cu is not None:
+        out, final = packed_scan(sharded, p, h, cu, reverse, return_final, group, header)
+        return (out, to_public(final, d)) if return_final else out
     out, final = _ShardScan.apply(
-        sharded, p.gates, p.tokens, p.initial, p.dim % p.tokens.dim(), reverse, p.backend,
-        group, header,
+        sharded, p.gates, p.tokens, p.initial, d, reverse, p.backend, group, header,
     )  # type: ignore[no-untyped-call]  # fmt: skip
     if not return_final:
         return out  # type: ignore[no-any-return]
@@ -338,13 +377,13 @@ def _distributed(
 def linear_scan(
     gates: Tensor | float, tokens: Tensor, dim: int, *, group: Any = ...,
     initial: Tensor | float | None = ..., reverse: bool = ...,
-    return_final: Literal[False] = ..., backend: str = ...,
+    return_final: Literal[False] = ..., backend: str = ..., cu_seqlens: Tensor | None = ...,
 ) -> Tensor: ...  # fmt: skip
 @overload
 def linear_scan(
     gates: Tensor | float, tokens: Tensor, dim: int, *, group: Any = ...,
     initial: Tensor | float | None = ..., reverse: bool = ...,
-    return_final: Literal[True], backend: str = ...,
+    return_final: Literal[True], backend: str = ..., cu_seqlens: Tensor | None = ...,
 ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
 
@@ -358,6 +397,7 @@ def linear_scan(
     reverse: bool = False,
     return_final: bool = False,
     backend: str = "auto",
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     r""":func:`parascan.linear_scan` over a time dim sharded across ranks.
 
@@ -378,28 +418,49 @@ def linear_scan(
             that they agree); the others' values are not read.
         return_final: also return the global final state (the last state of the last
             rank, or the first of the first when reversed), on every rank.
+        cu_seqlens: packed variable-length sequences, as in
+            :func:`parascan.linear_scan`, with GLOBAL offsets: an int32/int64 tensor
+            (num_seqs + 1,) of offsets along the whole (concatenated) time dim, 0
+            first, the sum of the ranks' shard lengths last, non-decreasing, the same
+            on every rank (the ranks check it: a CRC of the values rides in their
+            first message, and every rank raises when they differ). Each sequence is
+            scanned alone (``reverse`` within it) and may span ranks, be empty, or
+            start or end on a shard boundary. The result's leading dim must be 1 (or
+            ``dim`` 0); ``initial`` is then (num_seqs, state...), given on every rank
+            (each rank reads the rows of the sequences whose first step it holds),
+            and the final states (num_seqs, state...) are returned on every rank.
 
     Returns:
         This rank's shard of ``x`` (and the global final state). Differentiable in
         gates, tokens and initial across ranks: as with DistributedDataParallel,
         every rank must run the backward (it exchanges one all-gather). Each call
         sends one all-gather of 2 states per rank forward and one backward,
-        whatever the length: O(state) bytes, not O(T).
+        whatever the length: O(state) bytes, not O(T). With ``cu_seqlens``: a
+        fixed-size header message, then one all-gather of 2 states per rank (plus,
+        with ``return_final``, the finals of the sequences ending in each shard,
+        padded to the most any shard holds) forward, and one of 2 states per rank
+        (plus, with ``return_final``, each rank's num_seqs gradients of the finals)
+        backward. The gradient of ``initial`` is then split over the ranks, whose
+        sum is the gradient: a sequence's row on the rank holding its first step,
+        an empty sequence's (its final is its initial state) on every rank from
+        that rank's own use of the final.
     """
-    return _distributed(_LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend)
+    return _distributed(
+        _LINEAR, gates, tokens, dim, group, initial, reverse, return_final, backend, cu_seqlens
+    )
 
 
 @overload
 def log_linear_scan(
     log_gates: Tensor | float, log_tokens: Tensor, dim: int, *, group: Any = ...,
     initial: Tensor | float | None = ..., reverse: bool = ...,
-    return_final: Literal[False] = ..., backend: str = ...,
+    return_final: Literal[False] = ..., backend: str = ..., cu_seqlens: Tensor | None = ...,
 ) -> Tensor: ...  # fmt: skip
 @overload
 def log_linear_scan(
     log_gates: Tensor | float, log_tokens: Tensor, dim: int, *, group: Any = ...,
     initial: Tensor | float | None = ..., reverse: bool = ...,
-    return_final: Literal[True], backend: str = ...,
+    return_final: Literal[True], backend: str = ..., cu_seqlens: Tensor | None = ...,
 ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
 
@@ -413,6 +474,7 @@ def log_linear_scan(
     reverse: bool = False,
     return_final: bool = False,
     backend: str = "auto",
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     r""":func:`parascan.log_linear_scan` over a time dim sharded across ranks.
 
@@ -420,8 +482,10 @@ def log_linear_scan(
     ``h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t])``, ``initial`` (log of
     the state before the first step, default ``-inf``) read on the first rank. A
     shard's map is ``h -> logaddexp(sum(log_gates) + h, F)``; the all-gathers carry
-    O(state) elements per rank, forward and backward.
+    O(state) elements per rank, forward and backward. ``cu_seqlens``: packed
+    sequences with global offsets, as in :func:`linear_scan` of this module (an empty
+    sequence's final is its ``initial`` row, ``-inf`` without one).
     """
     return _distributed(
-        _LOG, log_gates, log_tokens, dim, group, initial, reverse, return_final, backend
+        _LOG, log_gates, log_tokens, dim, group, initial, reverse, return_final, backend, cu_seqlens
     )

@@ -39,7 +39,14 @@ from parascan.first_order.arguments import Prepared, prepare
 from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
 
-__all__ = ["check_cu_seqlens", "scan", "to_internal", "to_public"]
+__all__ = [
+    "check_cu_seqlens",
+    "packed_initial",
+    "public_state_shape",
+    "scan",
+    "to_internal",
+    "to_public",
+]
 
 
 def check_cu_seqlens(name: str, cu_seqlens: object, steps: int, device: torch.device) -> Tensor:
@@ -356,7 +363,7 @@ def _differentiable_backward(
 # ---- the public path ----------------------------------------------------------------
 
 
-def _public_state_shape(name: str, shape: tuple[int, ...], dim: int, nseq: int) -> tuple[int, ...]:
+def public_state_shape(name: str, shape: tuple[int, ...], dim: int, nseq: int) -> tuple[int, ...]:
     if dim == 0:
         return (nseq, *shape[1:])
     if shape[0] != 1:
@@ -385,34 +392,38 @@ def scan(
     d = p.dim % len(out_shape)
     cu = check_cu_seqlens(name, cu_seqlens, out_shape[d], p.tokens.device)
     nseq = cu.numel() - 1
-    public_shape = _public_state_shape(name, out_shape, d, nseq)
-    h = None
-    if initial is not None:
-        h = as_operand(name, "initial", initial, allow_number=True, like=p.tokens)
-        check_dtype(name, "initial", h)
-        if h.device != p.tokens.device:
-            raise ValueError(
-                f"{name}: expected initial on {p.tokens.device}, but got it on {h.device}"
-            )
-        if h.is_complex() and not p.tokens.is_complex():
-            raise TypeError(
-                f"{name}: expected a real initial for a real result ({p.tokens.dtype}), "
-                f"but got {h.dtype}"
-            )
-        try:
-            h = h.to(p.tokens.dtype).expand(public_shape)
-        except RuntimeError:
-            raise ValueError(
-                f"{name}: expected initial broadcastable to (num_seqs, state...) = "
-                f"{public_shape} with cu_seqlens, but got {describe(initial)}"
-            ) from None
-        h = to_internal(h, d)
+    public_shape = public_state_shape(name, out_shape, d, nseq)
+    h = None if initial is None else packed_initial(name, initial, p.tokens, public_shape, d)
     rev = bool(reverse)  # validated by prepare
     out = _apply(ring.name, p.gates, p.tokens, h, d, cu, rev, p.backend)
     result = out.reshape(()) if p.scalar else out
     if not return_final:
         return result
     return result, to_public(_finals(ring, out, h, cu, d, rev), d)
+
+
+def packed_initial(
+    name: str, initial: object, like: Tensor, public_shape: tuple[int, ...], dim: int
+) -> Tensor:
+    """``initial`` validated for packed sequences of a result like ``like``: broadcast
+    to the public per-sequence shape (num_seqs leading), converted to ``like``'s
+    dtype, returned in the internal layout (to_internal, ``dim`` non-negative)."""
+    h = as_operand(name, "initial", initial, allow_number=True, like=like)
+    check_dtype(name, "initial", h)
+    if h.device != like.device:
+        raise ValueError(f"{name}: expected initial on {like.device}, but got it on {h.device}")
+    if h.is_complex() and not like.is_complex():
+        raise TypeError(
+            f"{name}: expected a real initial for a real result ({like.dtype}), but got {h.dtype}"
+        )
+    try:
+        h = h.to(like.dtype).expand(public_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: expected initial broadcastable to (num_seqs, state...) = "
+            f"{public_shape} with cu_seqlens, but got {describe(initial)}"
+        ) from None
+    return to_internal(h, dim)
 
 
 def _finals(
