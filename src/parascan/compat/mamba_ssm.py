@@ -502,11 +502,13 @@ def _conv_taps(x: Tensor, weight: Tensor, masks: list[Tensor | None], transpose:
         tap = weight[:, width - 1 - lag]
         mask = masks[lag]
         if transpose:  # out[t] += w * x[t + lag], masked by the mask of step t + lag
-            term = x[:, lag:] * tap
-            out[:, : length - lag] += term if mask is None else term * mask[:, lag:]
+            src, dst = x[:, lag:], out[:, : length - lag]
         else:  # out[t] += w * x[t - lag], masked by the mask of step t
-            term = x[:, : length - lag] * tap
-            out[:, lag:] += term if mask is None else term * mask[:, lag:]
+            src, dst = x[:, : length - lag], out[:, lag:]
+        if mask is None:
+            dst.addcmul_(src, tap)  # one pass, no temporary
+        else:
+            dst += src * tap * mask[:, lag:]
     return out
 
 
