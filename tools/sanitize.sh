@@ -20,7 +20,7 @@ lib="$PWD/$out/_kernels_sanitized.so"
 export out
 flags=(-std=c11 -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined
        -fno-sanitize-recover=all -ffp-contract=off -fno-trapping-math -fopenmp
-       -fvisibility=hidden -fPIC -Isrc/parascan/_native)
+       -fvisibility=hidden -Wno-psabi -fPIC -Isrc/parascan/_native)
 mapfile -t sources < <(find src/parascan -name '*.c' | sort)
 rm -f "$out"/*.o
 # One compiler per source, as many at once as cores (each path is an argument, never code).
