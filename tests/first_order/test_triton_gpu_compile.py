@@ -26,7 +26,7 @@ def _report(full: bool, packed: bool = False) -> list[dict]:
     done = subprocess.run(
         [sys.executable, str(HELPER), *(["--full"] if full else []),
          *(["--packed"] if packed else [])],
-        capture_output=True, text=True, env=env, timeout=1800,
+        capture_output=True, text=True, env=env, timeout=7200,  # the full set: 6720 compiles
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
