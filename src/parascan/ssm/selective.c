@@ -40,8 +40,8 @@
  *   baseline, PS_HOT) with the same operations in the same order; the x86-64-v3 build
  *   contracts multiply-adds into fused ones (the baseline has none), which takes a
  *   fifth off the scan's time (the vector exp is most of it), so the two builds agree
- *   to rounding, not bit for bit. Each build gives the same bits for any thread count,
- *   stride or chunk-walk order.
+ *   to rounding, not bit for bit. Within a build, the thread count, the strides and the
+ *   walk order give the same bits (tested on the build the machine runs).
  */
 #include "common.h"
 
