@@ -390,6 +390,21 @@ class _Family:
     expected: tuple[str, ...] = ()
 
 
+# Both families' modules carry the convolution's functions (patched where present).
+_CONVOLUTION = (
+    _Function(
+        "causal_conv1d_fn",
+        causal_conv1d,
+        ("hidden_states", "weight", "bias", "activation"),
+        required=False,
+    ),
+    _Function(
+        "causal_conv1d_update",
+        causal_conv1d_update,
+        ("hidden_states", "conv_state", "weight", "bias", "activation"),
+        required=False,
+    ),
+)
 _MAMBA1 = _Family(
     marker="mamba_selective_scan",
     functions=(
@@ -416,18 +431,7 @@ _MAMBA1 = _Family(
         ),
         # Only where the mixer has a fused training path (not zamba's).
         _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
-        _Function(
-            "causal_conv1d_fn",
-            causal_conv1d,
-            ("hidden_states", "weight", "bias", "activation"),
-            required=False,
-        ),
-        _Function(
-            "causal_conv1d_update",
-            causal_conv1d_update,
-            ("hidden_states", "conv_state", "weight", "bias", "activation"),
-            required=False,
-        ),
+        *_CONVOLUTION,
     ),
     expected=("mamba", "falcon_mamba"),
 )
@@ -482,18 +486,7 @@ _MAMBA2 = _Family(
             ),
             required=False,
         ),
-        _Function(
-            "causal_conv1d_fn",
-            causal_conv1d,
-            ("hidden_states", "weight", "bias", "activation"),
-            required=False,
-        ),
-        _Function(
-            "causal_conv1d_update",
-            causal_conv1d_update,
-            ("hidden_states", "conv_state", "weight", "bias", "activation"),
-            required=False,
-        ),
+        *_CONVOLUTION,
     ),
 )
 _FAMILIES = (_MAMBA1, _MAMBA2)
