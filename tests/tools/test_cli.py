@@ -286,6 +286,29 @@ def test_bench_packed_rows_compare_with_one_sequence_and_a_loop() -> None:
     assert packed["time_ms"] > 0 and packed["ratio"] > 0 and rows[1]["vs_one_sequence"] == 1.0
 
 
+@pytest.mark.parametrize("packed_cost", [1.0, 1.5])
+def test_bench_packed_ratio_is_fair_to_both_rows(monkeypatch, packed_cost) -> None:
+    """A call right after the limit (a large torch op) charged 2x: the packed row's ratio to
+    the single-sequence row is still the packed call's own cost, whatever the repeat."""
+    from parascan.tools import bench_packed
+
+    previous = [""]
+
+    def fake(fn, calls=1, device="cpu"):  # type: ignore[no-untyped-def]
+        name, previous[0] = previous[0], fn.__name__
+        if fn.__name__ != "<lambda>":  # the limit or the loop
+            return 1.0
+        packed = "cu_t" in fn.__code__.co_freevars  # the packed call's lambda holds the offsets
+        return (packed_cost if packed else 1.0) * (2.0 if name == "limit_fn" else 1.0)
+
+    monkeypatch.setattr(bench_packed, "_elapsed", fake)
+    for repeat in (1, 2, 5):
+        rows = bench_packed.run_packed(bench.QUICK_PACKED_CASES, repeat)
+        assert [r.impl for r in rows][:2] == ["cu_seqlens", "one sequence"]
+        assert rows[0].vs_one_sequence == pytest.approx(packed_cost)
+        assert rows[1].vs_one_sequence == 1.0
+
+
 def test_bench_never_reports_a_speed_for_a_wrong_packed_result(monkeypatch) -> None:
     from parascan.tools import bench_packed
 

@@ -3,13 +3,23 @@ batch of sequences of random lengths packed along time, against the same tokens 
 one sequence (what packing should cost: nothing more) and against scanning each
 sequence by itself in a Python loop (what users write without ``cu_seqlens``).
 
-Summary of method. Each repetition times, back to back and in an order that rotates
-from one repetition to the next, the limit (``torch.add`` over the case's tensors,
-scaled to the 3 a scan moves: read a and b, write x) and every implementation;
-medians are reported with their ratio to the limit and to the
-single-sequence row. Every packed result is first checked against a float64 scan of
+Summary of method. Every packed result is first checked against a float64 scan of
 each sequence alone on a few channels (the chunked torch backend in float64, itself
-tested against the loop); a wrong result gets no speed.
+tested against the loop); a wrong result gets no speed. The packed call (by that
+check) and the single-sequence call each run once untimed: the first call of a size
+in a process measured up to 5x slower here (its output lands on memory the process
+never had). Each repetition then times the limit (``torch.add`` over the case's
+tensors, scaled to the 3 a scan moves: read a and b, write x), the packed and the
+single-sequence calls, the limit again, the two calls in the other order, and the
+Python loop. A call right after a large torch op measured at times 1.2x to 1.9x slower
+here than one right after a scan, and the order used before (rotating over limit,
+packed, single, loop) put the packed call after the limit or the loop in every
+repetition and the single one after the packed call in most; now each of the two
+compared calls follows the limit once and the other call once. Times are medians over
+every call; the packed row's ratio to the single-sequence row is the median over
+repetitions of the ratio of the two calls' sums within one, which cancels what the
+machine's load does from one repetition to the next (the loop's ratio is that of the
+medians).
 """
 
 from __future__ import annotations
@@ -125,19 +135,29 @@ def _run_case(case: PackedCase, repeat: int, step: Callable[[str], None]) -> lis
 
     times: dict[str, list[float]] = {name: [] for name in impls}
     limits: list[float] = []
-    # The order rotates from one repetition to the next: a call right after a large
-    # torch op (the limit, the loop's copies) measured up to 2x slower here, and a
-    # fixed order charged that to whichever row came next.
-    order: list[str | None] = [None, *impls]  # None: the limit
-    for rep in range(repeat):
-        for name in order[rep % len(order) :] + order[: rep % len(order)]:
-            if name is None:
-                limits.append(_elapsed(limit_fn, 1, "cpu"))
-            elif name != "cu_seqlens" or correct:  # no speed for a wrong result
-                times[name].append(_elapsed(impls[name], 1, "cpu"))
+    paired: list[float] = []  # per repetition: packed / single, from calls side by side
+    pair = ["cu_seqlens", "one sequence"] if correct else ["one sequence"]
+    impls["one sequence"]()  # warm-up (the check above ran the packed call)
+    for _ in range(repeat):
+        # limit, A, B, limit, B, A: each of A and B follows the limit once, the other once
+        spent = dict.fromkeys(pair, 0.0)
+        for order in (pair, pair[::-1]):
+            limits.append(_elapsed(limit_fn, 1, "cpu"))
+            for name in order:
+                seconds = _elapsed(impls[name], 1, "cpu")
+                times[name].append(seconds)
+                spent[name] += seconds
+        times["python loop over sequences"].append(_elapsed(loop, 1, "cpu"))
+        if correct:
+            paired.append(spent["cu_seqlens"] / spent["one sequence"])
     limit = statistics.median(limits)
     medians = {n: statistics.median(t) if t else None for n, t in times.items()}
     one = medians["one sequence"]
+    vs_one: dict[str, float | None] = {
+        name: None if t is None or one is None else t / one for name, t in medians.items()
+    }
+    if paired:
+        vs_one["cu_seqlens"] = statistics.median(paired)
     rows = []
     for name in impls:
         step(f"{case.name} {name}")
@@ -146,7 +166,7 @@ def _run_case(case: PackedCase, repeat: int, step: Callable[[str], None]) -> lis
         rows.append(PackedRow(
             case.name, shape, case.sequences, torch.get_num_threads(), name,
             None if t is None else t * 1e3, limit * 1e3, None if t is None else t / limit,
-            None if t is None or one is None else t / one,
+            vs_one[name],
             error if ours else None, correct if ours else True,
         ))  # fmt: skip
     return rows
