@@ -288,19 +288,27 @@ def test_bench_packed_rows_compare_with_one_sequence_and_a_loop() -> None:
 
 @pytest.mark.parametrize("packed_cost", [1.0, 1.5])
 def test_bench_packed_ratio_is_fair_to_both_rows(monkeypatch, packed_cost) -> None:
-    """A call right after the limit (a large torch op) charged 2x: the packed row's ratio to
-    the single-sequence row is still the packed call's own cost, whatever the repeat."""
+    """A scan right after a large torch op (the limit, the loop) charged 2x: the packed
+    row's ratio to the single-sequence row is still the packed call's own cost."""
     from parascan.tools import bench_packed
 
-    previous = [""]
+    events: list[str] = []
+    real = bench_packed.linear_scan
+
+    def scan(*args, **kw):  # type: ignore[no-untyped-def]
+        events.append("scan")
+        return real(*args, **kw)
 
     def fake(fn, calls=1, device="cpu"):  # type: ignore[no-untyped-def]
-        name, previous[0] = previous[0], fn.__name__
+        after_big = bool(events) and events[-1] == "big"
+        fn()
         if fn.__name__ != "<lambda>":  # the limit or the loop
+            events.append("big")
             return 1.0
         packed = "cu_t" in fn.__code__.co_freevars  # the packed call's lambda holds the offsets
-        return (packed_cost if packed else 1.0) * (2.0 if name == "limit_fn" else 1.0)
+        return (packed_cost if packed else 1.0) * (2.0 if after_big else 1.0)
 
+    monkeypatch.setattr(bench_packed, "linear_scan", scan)
     monkeypatch.setattr(bench_packed, "_elapsed", fake)
     for repeat in (1, 2, 5):
         rows = bench_packed.run_packed(bench.QUICK_PACKED_CASES, repeat)
