@@ -288,8 +288,9 @@ def test_bench_packed_rows_compare_with_one_sequence_and_a_loop() -> None:
 
 @pytest.mark.parametrize("packed_cost", [1.0, 1.5])
 def test_bench_packed_ratio_is_fair_to_both_rows(monkeypatch, packed_cost) -> None:
-    """A scan right after a large torch op (the limit, the loop) charged 2x: the packed
-    row's ratio to the single-sequence row is still the packed call's own cost."""
+    """A scan right after a large torch op (the limit, the loop) charged 2x, and right after
+    a timed scan 1.3x: the packed row's ratio to the single-sequence row is still the
+    packed call's own cost, whatever the number of repetitions."""
     from parascan.tools import bench_packed
 
     events: list[str] = []
@@ -300,13 +301,14 @@ def test_bench_packed_ratio_is_fair_to_both_rows(monkeypatch, packed_cost) -> No
         return real(*args, **kw)
 
     def fake(fn, calls=1, device="cpu"):  # type: ignore[no-untyped-def]
-        after_big = bool(events) and events[-1] == "big"
+        before = events[-1] if events else ""
         fn()
         if fn.__name__ != "<lambda>":  # the limit or the loop
             events.append("big")
             return 1.0
+        events.append("timed")
         packed = "cu_t" in fn.__code__.co_freevars  # the packed call's lambda holds the offsets
-        return (packed_cost if packed else 1.0) * (2.0 if after_big else 1.0)
+        return (packed_cost if packed else 1.0) * {"big": 2.0, "timed": 1.3}.get(before, 1.0)
 
     monkeypatch.setattr(bench_packed, "linear_scan", scan)
     monkeypatch.setattr(bench_packed, "_elapsed", fake)

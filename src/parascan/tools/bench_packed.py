@@ -7,18 +7,20 @@ Summary of method. Every packed result is first checked against a float64 scan o
 each sequence alone on a few channels (the chunked torch backend in float64, itself
 tested against the loop); a wrong result gets no speed. Each repetition then times
 the limit (``torch.add`` over the case's tensors, scaled to the 3 a scan moves: read a
-and b, write x) and the Python loop, runs the single-sequence scan once untimed, and
-times the packed and the single-sequence calls back to back, the first of the two
-alternating. The untimed scan is there because a scan right after a large torch op
-measured up to 2x slower here than one right after another scan, packed or not alike
-(the kernel's time in page faults for its fresh 2 MiB pages, after the torch op has
-given back memory of small pages: 0.9 to 1.4 s against 0.25 to 0.4 s at 2^18 x 1024),
-and the order used before (rotating over limit, packed, single, loop) put the packed
-call after the limit or the loop in every repetition and the single one after the
-packed call in most: 1.9x to 4.8x where the calls cost the same. Times are medians;
-the packed row's ratio to the single-sequence row is the median over repetitions of
-the ratio of the two calls within one, which cancels what the machine's load does
-from one repetition to the next (the loop's ratio is that of the medians).
+and b, write x) and the Python loop, and then, twice, runs the single-sequence scan
+once untimed and times the packed and the single-sequence calls back to back, in one
+order and then in the other. Why: on this machine a scan right after a large torch op
+measured up to 2x slower than one right after another scan, packed or not alike (its
+time in page faults for fresh 2 MiB pages after the torch op has given back memory of
+small pages: 0.9 to 1.4 s against 0.25 to 0.4 s at 2^18 x 1024), and the second of two
+scans in a row often slower than the first; the order used before (rotating over
+limit, packed, single, loop) put the packed call after the limit or the loop in every
+repetition and the single one after the packed call in most, which read 1.1x to 4.8x
+where the two calls cost the same. Now each timed call follows a scan, and each of the
+two takes each place once per repetition. Times are medians; the packed row's ratio
+to the single-sequence row is the median over repetitions of the ratio of the two
+calls' sums within one, which cancels what the machine's load does from one
+repetition to the next (the loop's ratio is that of the medians).
 """
 
 from __future__ import annotations
@@ -134,18 +136,21 @@ def _run_case(case: PackedCase, repeat: int, step: Callable[[str], None]) -> lis
 
     times: dict[str, list[float]] = {name: [] for name in impls}
     limits: list[float] = []
-    paired: list[float] = []  # per repetition: packed / single, timed back to back
+    paired: list[float] = []  # per repetition: packed / single, from calls side by side
     pair = ["cu_seqlens", "one sequence"] if correct else ["one sequence"]
-    for rep in range(repeat):
+    for _ in range(repeat):
         limits.append(_elapsed(limit_fn, 1, "cpu"))
         times["python loop over sequences"].append(_elapsed(loop, 1, "cpu"))
-        impls["one sequence"]()  # untimed: the timed calls follow a scan
-        this = {name: _elapsed(impls[name], 1, "cpu") for name in
-                (pair if rep % 2 == 0 else pair[::-1])}  # fmt: skip
-        for name, seconds in this.items():
-            times[name].append(seconds)
+        # (scan) A B (scan) B A: each timed call follows a scan, first once and second once
+        spent = dict.fromkeys(pair, 0.0)
+        for order in (pair, pair[::-1]):
+            impls["one sequence"]()  # untimed (see the module docstring)
+            for name in order:
+                seconds = _elapsed(impls[name], 1, "cpu")
+                times[name].append(seconds)
+                spent[name] += seconds
         if correct:
-            paired.append(this["cu_seqlens"] / this["one sequence"])
+            paired.append(spent["cu_seqlens"] / spent["one sequence"])
     limit = statistics.median(limits)
     medians = {n: statistics.median(t) if t else None for n, t in times.items()}
     one = medians["one sequence"]
