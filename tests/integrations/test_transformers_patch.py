@@ -389,12 +389,19 @@ def test_extra_arguments_are_refused() -> None:
 
 def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
     """A Mamba-2 model calls parascan.ssd_scan (backend "auto") for every full-sequence
-    scan, in evaluation and in training (inside the fused layer), and the multi-head
-    decoding step for each generated token."""
+    scan in evaluation, the multi-head decoding step for each generated token, and in
+    training (float32 on the CPU) the fused layer of parascan.ssm.ssd_layer, whose scan
+    is ssd_scan's C kernel."""
     import parascan
+    from parascan.ssm import ssd_layer
 
     calls: dict[str, int] = {"scan": 0, "step": 0}
     scan, step = parascan.ssd_scan, integration.mamba_ssm.selective_state_update
+    layer = ssd_layer.split_conv_scan
+
+    def counted_layer(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["layer"] = calls.get("layer", 0) + 1
+        return layer(*args, **kwargs)
 
     def counted_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
         assert kwargs.get("backend", "auto") == "auto"
@@ -408,6 +415,7 @@ def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
 
     monkeypatch.setattr(parascan, "ssd_scan", counted_scan)
     monkeypatch.setattr(integration.mamba_ssm, "selective_state_update", counted_step)
+    monkeypatch.setattr(ssd_layer, "split_conv_scan", counted_layer)
     model = build("mamba2").eval()
     ids, _ = inputs(batch=1, length=5)
     integration.patch()
@@ -415,7 +423,7 @@ def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
     assert calls == {"scan": 2, "step": 2 * 2}  # 2 layers: one prefill, two decoding steps
     model.train()
     model(ids, labels=ids).loss.backward()
-    assert calls["scan"] == 4
+    assert calls == {"scan": 2, "step": 4, "layer": 2}
 
 
 @pytest.mark.parametrize("name", ["mamba2", "falcon_h1", "zamba2"])

@@ -15,11 +15,44 @@ def _guarded_calls() -> dict[str, Callable[[], Any]]:
     from parascan.first_order import cpu
     from parascan.first_order.semiring import LINEAR, LOG
     from parascan.matrix import cpu as matrix_cpu
+    from parascan.ssm import ssd_layer
 
     a, b = torch.rand(4, 9, 5), torch.rand(4, 9, 5)
     neg = torch.complex(torch.zeros_like(a), -a).conj().imag  # a lazy negative view
     w, bias = torch.rand(2, 6, 3, 3), torch.rand(2, 6, 3)
+    x, taps, y = torch.rand(2, 7, 6), torch.rand(6, 4), torch.rand(2, 7, 6)
+    pieces, rstd = (
+        (torch.rand(2, 7, 4), torch.rand(2, 7, 1), torch.rand(2, 7, 1)),
+        torch.rand(2, 7, 2),
+    )
     return {
+        "ssd conv fwd: weight of another dtype": lambda: ssd_layer.conv_forward(
+            x, taps.double(), None, True, (4, 1, 1)
+        ),
+        "ssd conv fwd: pieces not the channels": lambda: ssd_layer.conv_forward(
+            x, taps, None, True, (4, 1, 2)
+        ),
+        "ssd conv fwd: channels strided": lambda: ssd_layer.conv_forward(
+            x.transpose(1, 2).contiguous().transpose(1, 2), taps, None, True, (4, 1, 1)
+        ),
+        "ssd conv bwd: grad_x shorter": lambda: ssd_layer.conv_backward(
+            x, taps, None, True, pieces, x[:, :5]
+        ),
+        "ssd conv bwd: bias too long": lambda: ssd_layer.conv_backward(
+            x, taps, torch.rand(7), True, pieces, torch.empty_like(x)
+        ),
+        "ssd norm fwd: z shorter": lambda: ssd_layer.norm_forward(
+            y, y[:, :4], y[0, 0], 1e-6, 2, False
+        ),
+        "ssd norm fwd: groups not dividing": lambda: ssd_layer.norm_forward(
+            y, y, y[0, 0], 1e-6, 4, False
+        ),
+        "ssd norm bwd: rstd of another batch": lambda: ssd_layer.norm_backward(
+            y, y, y[0, 0], rstd[:1], y, False, torch.empty_like(y)
+        ),
+        "ssd norm bwd: grad_z of another dtype": lambda: ssd_layer.norm_backward(
+            y, y, y[0, 0], rstd, y, False, torch.empty_like(y).double()
+        ),
         "linear fwd: gates shorter": lambda: cpu.forward(LINEAR, a[:, :4], b, None, 1, False),
         "linear fwd: gates of another dtype": lambda: cpu.forward(
             LINEAR, a.half(), b, None, 1, False

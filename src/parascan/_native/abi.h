@@ -23,6 +23,8 @@
  *     every other real tensor is float32 for f32/c64, float64 for f64/c128)
  *   ps_selective_step_{f32,f64}                               (ps_selective_step_args)
  *   ps_ssd_fwd_{f32,f64}, ps_ssd_bwd_{f32,f64}                 (ps_ssd_args)
+ *   ps_ssd_conv_fwd_{f32,f64}, ps_ssd_conv_bwd_{f32,f64}       (ps_ssd_conv_args)
+ *   ps_ssd_norm_fwd_{f32,f64}, ps_ssd_norm_bwd_{f32,f64}       (ps_ssd_norm_args)
  *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
  *     vector exp, softplus, log1p, sigmoid one by one, for tests; ssm/selective_kernel.h)
  */
@@ -33,7 +35,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 10
+#define PS_ABI_VERSION 11
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -222,6 +224,60 @@ typedef struct {
     int64_t nthreads, simd, failed;
 } ps_ssd_args;
 
+/* The Mamba-2 layer's neighbours of the SSD scan (ssm/ssd_layer_kernel.h): the
+ * depthwise causal convolution before it and the gated RMS norm after it, forward and
+ * backward, float32 or float64 (every tensor of the entry's type).
+ *
+ * Convolution, for width K, per batch row and channel c:
+ *   pre[t, c] = bias[c] + sum_k weight[c, k] x[t - K + 1 + k, c]   (x before step 0: 0)
+ *   out[t, c] = silu(pre[t, c]) if silu else pre[t, c]
+ * x (batch, length, channels) with strides (x_stride[0], x_stride[1], 1); weight
+ * (channels, width) contiguous, width at most PS_SSD_CONV_MAX_WIDTH; bias (channels,)
+ * or NULL. out (and grad_out) come in three contiguous pieces, (batch, length,
+ * split[i]) with split[0] + split[1] + split[2] = channels (a piece may be empty and
+ * NULL): the channels [0, split[0]) in piece 0, the next split[1] in piece 1, the rest
+ * in piece 2 (Mamba-2 splits them into the scan's x, B and C). The backward reads x,
+ * weight, bias and grad_out and writes grad_x ((batch, length, channels) with strides
+ * (grad_x_stride[0], grad_x_stride[1], 1)), grad_weight (channels, width) and grad_bias
+ * (NULL when bias is); its sums over batch and time run in an order fixed by the
+ * shapes: the same bits for any number of threads. */
+enum { PS_SSD_CONV_MAX_WIDTH = 16 }; /* ssm/ssd_layer.py: CONV_MAX_WIDTH */
+typedef struct {
+    int64_t batch, length, channels, width;
+    const void *x; int64_t x_stride[2];
+    const void *weight, *bias;
+    int64_t silu;
+    int64_t split[3];
+    void *out[3];
+    const void *grad_out[3];
+    void *grad_x; int64_t grad_x_stride[2];
+    void *grad_weight, *grad_bias;
+    int64_t nthreads, simd, failed;
+} ps_ssd_conv_args;
+
+/* Gated RMS norm over groups of dim / groups channels, per (batch, step):
+ *   u = y silu(z) (before_gate == 0) or y (before_gate != 0)
+ *   rstd[g] = 1 / sqrt(mean over group g of u^2 + eps)
+ *   out = u rstd weight, times silu(z) when before_gate != 0
+ * y, out, grad_out, grad_y (batch, length, dim) contiguous; z (batch, length, dim) and
+ * grad_z with strides (*_stride[0], *_stride[1], 1); weight, grad_weight (dim,); rstd
+ * (batch, length, groups), written by the forward and read by the backward; eps_bits:
+ * the bits of eps as an IEEE double. The backward writes grad_y, grad_z and
+ * grad_weight, the last summed over batch and time in an order fixed by the shapes. */
+typedef struct {
+    int64_t batch, length, dim, groups;
+    const void *y;
+    const void *z; int64_t z_stride[2];
+    const void *weight;
+    int64_t eps_bits, before_gate;
+    void *out, *rstd;
+    const void *grad_out;
+    void *grad_y;
+    void *grad_z; int64_t grad_z_stride[2];
+    void *grad_weight;
+    int64_t nthreads, simd, failed;
+} ps_ssd_norm_args;
+
 /* What Python checks before anything else is called (abi.c). */
 PS_API int64_t ps_abi_version(void);
 PS_API int64_t ps_scan_fwd_args_size(void);
@@ -232,5 +288,7 @@ PS_API int64_t ps_matmul_args_size(void);
 PS_API int64_t ps_selective_fwd_args_size(void);
 PS_API int64_t ps_selective_bwd_args_size(void);
 PS_API int64_t ps_ssd_args_size(void);
+PS_API int64_t ps_ssd_conv_args_size(void);
+PS_API int64_t ps_ssd_norm_args_size(void);
 
 #endif

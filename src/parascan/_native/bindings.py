@@ -105,6 +105,17 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "grad_out", "grad_final", "grad_x", "grad_dt", "grad_A", "grad_B", "grad_C", "grad_D",
         "grad_z", "grad_initial", "nthreads", "simd", "failed",
     ),
+    "ssd_conv": (
+        "batch", "length", "channels", "width", *_tensor("x", 2), "weight", "bias", "silu",
+        "split[0]", "split[1]", "split[2]", "out[0]", "out[1]", "out[2]", "grad_out[0]",
+        "grad_out[1]", "grad_out[2]", *_tensor("grad_x", 2), "grad_weight", "grad_bias",
+        "nthreads", "simd", "failed",
+    ),
+    "ssd_norm": (
+        "batch", "length", "dim", "groups", "y", *_tensor("z", 2), "weight", "eps_bits",
+        "before_gate", "out", "rstd", "grad_out", "grad_y", *_tensor("grad_z", 2), "grad_weight",
+        "nthreads", "simd", "failed",
+    ),
 }  # fmt: skip
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()

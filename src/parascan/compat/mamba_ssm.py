@@ -62,6 +62,8 @@ from torch import Tensor
 import parascan as ps
 from parascan._checks import describe
 from parascan.first_order.varlen import check_cu_seqlens
+from parascan.ssm import ssd_layer
+from parascan.ssm.ssd_api import _limit
 
 __all__ = [
     "mamba_chunk_scan_combined",
@@ -708,7 +710,76 @@ def mamba_split_conv1d_scan_combined(
             f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
             f"{(batch, length)}, but got {describe(seq_idx)}"
         )
+    # On the CPU, the convolution, scan and gated norm fused (parascan.ssm.ssd_layer).
+    if (
+        rmsnorm_weight is not None
+        and seq_idx is None
+        and _fusable(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                     initial_states, nheads, headdim, ngroups, dstate)
+    ):  # fmt: skip
+        y, final = ssd_layer.split_conv_scan(
+            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states,
+            heads=nheads, headdim=headdim, groups=ngroups, nstate=dstate, offset=nonssm2,
+            silu=activation is not None, eps=rmsnorm_eps, before_gate=norm_before_gate,
+            dt_limit=_limit(dt_limit),
+        )  # fmt: skip
+        final = _state(final, zxbcdt, state_dtype)
+    else:
+        y, final = _split_conv_scan_unfused(
+            zxbcdt, z, xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+            initial_states, seq_idx, dt_limit, activation, rmsnorm_weight, rmsnorm_eps,
+            nheads, headdim, ngroups, dstate, norm_before_gate, state_dtype,
+        )  # fmt: skip
+    if d_nonssm:
+        left, right = zx0.split([d_nonssm, d_nonssm], dim=-1)
+        y = torch.cat([torch.nn.functional.silu(left) * right, y], dim=-1)
+    if outproj_weight is not None:
+        y = torch.nn.functional.linear(y, outproj_weight, outproj_bias)
+    elif outproj_bias is not None:
+        raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
+    return (y, final) if return_final_states else y
+
+
+def _fusable(
+    zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Tensor | None, dt_bias: Tensor,
+    A: Tensor, D: Tensor, rmsnorm_weight: Tensor, initial_states: Tensor | None, nheads: int,
+    headdim: int, ngroups: int, dstate: int,
+) -> bool:  # fmt: skip
+    """Whether the fused CPU layer (parascan.ssm.ssd_layer) takes these operands: its
+    devices, dtypes and filter width, and every shape as the layer expects it (any
+    other goes the unfused way, whose checks name what is wrong)."""
+    tensors = (conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states)
+    if not all(t is None or isinstance(t, Tensor) for t in tensors):
+        return False
+    dim, conv_dim = nheads * headdim, conv1d_weight.shape[0]
+    shapes_ok = (
+        (conv1d_bias is None or tuple(conv1d_bias.shape) == (conv_dim,))
+        and tuple(dt_bias.shape) == (nheads,)
+        and tuple(A.shape) == (nheads,)
+        and tuple(rmsnorm_weight.shape) == (dim,)
+        and dim % ngroups == 0
+        and (
+            initial_states is None
+            or tuple(initial_states.shape) == (zxbcdt.shape[0], nheads, headdim, dstate)
+        )
+    )
+    return shapes_ok and ssd_layer.usable(
+        zxbcdt, conv1d_weight, *tensors, width=conv1d_weight.shape[1]
+    )
+
+
+def _split_conv_scan_unfused(
+    zxbcdt: Tensor, z: Tensor, xBC: Tensor, dt: Tensor, conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None, dt_bias: Tensor, A: Tensor, D: Tensor, chunk_size: int,
+    initial_states: Tensor | None, seq_idx: Tensor | None, dt_limit: tuple[float, float],
+    activation: str | None, rmsnorm_weight: Tensor | None, rmsnorm_eps: float, nheads: int,
+    headdim: int, ngroups: int, dstate: int, norm_before_gate: bool,
+    state_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The layer from the convolution to the gated norm in torch ops and
+    :func:`parascan.ssd_scan` (any device, dtype and ``seq_idx``): ``(y, final)``."""
     xBC = _causal_conv1d_silu(xBC, conv1d_weight, conv1d_bias, seq_idx, activation is not None)
+    dim = nheads * headdim
     x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
     gate = z.unflatten(-1, (nheads, headdim))
     result = mamba_chunk_scan_combined(
@@ -723,11 +794,4 @@ def mamba_split_conv1d_scan_combined(
     if rmsnorm_weight is not None:
         y = _gated_rms_norm(y, z, rmsnorm_weight, rmsnorm_eps, ngroups, norm_before_gate)
         y = y.to(zxbcdt.dtype)
-    if d_nonssm:
-        left, right = zx0.split([d_nonssm, d_nonssm], dim=-1)
-        y = torch.cat([torch.nn.functional.silu(left) * right, y], dim=-1)
-    if outproj_weight is not None:
-        y = torch.nn.functional.linear(y, outproj_weight, outproj_bias)
-    elif outproj_bias is not None:
-        raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
-    return (y, final) if return_final_states else y
+    return y, final

@@ -145,6 +145,7 @@ typedef uint32_t ps_ssd_v16iu __attribute__((vector_size(64)));
 #define ATTR PS_SSD_V4
 #define F(name) name##_f32_v4
 #include "ssd_kernel.h"
+#include "ssd_layer_kernel.h"
 #undef V
 #undef VI
 #undef VU
@@ -163,6 +164,7 @@ typedef uint32_t ps_ssd_v8iu __attribute__((vector_size(32)));
 #define ATTR PS_SSD_V3
 #define F(name) name##_f32_v3
 #include "ssd_kernel.h"
+#include "ssd_layer_kernel.h"
 #undef V
 #undef VI
 #undef VU
@@ -182,6 +184,7 @@ typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
 #define ATTR
 #define F(name) name##_f32_base
 #include "ssd_kernel.h"
+#include "ssd_layer_kernel.h"
 #undef V
 #undef VI
 #undef VU
@@ -235,6 +238,7 @@ typedef uint64_t ps_ssd_v8lu __attribute__((vector_size(64)));
 #define ATTR PS_SSD_V4
 #define F(name) name##_f64_v4
 #include "ssd_kernel.h"
+#include "ssd_layer_kernel.h"
 #undef V
 #undef VI
 #undef VU
@@ -253,6 +257,7 @@ typedef uint64_t ps_ssd_v4lu __attribute__((vector_size(32)));
 #define ATTR PS_SSD_V3
 #define F(name) name##_f64_v3
 #include "ssd_kernel.h"
+#include "ssd_layer_kernel.h"
 #undef V
 #undef VI
 #undef VU
@@ -272,6 +277,7 @@ typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
 #define ATTR
 #define F(name) name##_f64_base
 #include "ssd_kernel.h"
+#include "ssd_layer_kernel.h"
 #undef V
 #undef VI
 #undef VU
@@ -294,18 +300,19 @@ typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
 
 /* ---- entry points ----------------------------------------------------------------- */
 
-/* 2: x86-64-v4, 1: x86-64-v3, 0: the baseline. */
-static int ps_ssd_isa(const ps_ssd_args *a) {
+/* 2: x86-64-v4, 1: x86-64-v3, 0: the baseline (always when simd is 0). */
+static int ps_ssd_isa_of(int64_t simd) {
 #if PS_SSD_X86
-    if (!a->simd) return 0;
+    if (!simd) return 0;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("x86-64-v4")) return 2;
     if (__builtin_cpu_supports("x86-64-v3")) return 1;
 #else
-    (void)a;
+    (void)simd;
 #endif
     return 0;
 }
+#define ps_ssd_isa(a) ps_ssd_isa_of((a)->simd)
 
 #if PS_SSD_X86
 #define PS_SSD_DISPATCH(fn, sfx, a)                                     \
@@ -338,3 +345,47 @@ PS_API int ps_ssd_bwd_f64(ps_ssd_args *a) {
     a->failed = 0;
     PS_SSD_DISPATCH(ps_ssd_bwd, f64, a)
 }
+
+/* The layer's convolution and gated norm (ssd_layer_kernel.h). */
+static int ps_ssd_conv_check(const ps_ssd_conv_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->channels < 0 || a->width < 1 ||
+        a->width > PS_SSD_CONV_MAX_WIDTH || a->split[0] < 0 || a->split[1] < 0 ||
+        a->split[2] < 0 || a->split[0] + a->split[1] + a->split[2] != a->channels)
+        return -1;
+    const int64_t rows = a->batch * a->length;
+    if (rows * a->channels != 0 && !a->x) return -1;
+    if (a->channels && !a->weight) return -1;
+    for (int p = 0; p < 3; ++p)
+        if (rows * a->split[p] != 0 && !(backward ? a->grad_out[p] : a->out[p])) return -1;
+    if (backward && ((rows * a->channels != 0 && !a->grad_x) || (a->channels && !a->grad_weight) ||
+                     (a->channels && a->bias && !a->grad_bias)))
+        return -1;
+    return 0;
+}
+
+static int ps_ssd_norm_check(const ps_ssd_norm_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->dim < 0 || a->groups < 1 || a->dim % a->groups)
+        return -1;
+    const int64_t elems = a->batch * a->length * a->dim;
+    if (elems && (!a->y || !a->z || !a->rstd)) return -1;
+    if (a->dim && !a->weight) return -1;
+    if (!backward) return elems && !a->out ? -1 : 0;
+    return (elems && (!a->grad_out || !a->grad_y || !a->grad_z)) || (a->dim && !a->grad_weight)
+               ? -1
+               : 0;
+}
+
+#define PS_SSD_LAYER_ENTRY(name, check, backward, sfx, args_t)  \
+    PS_API int name##_##sfx(args_t *a) {                          \
+        if (check(a, backward)) return -1;                        \
+        a->failed = 0;                                            \
+        PS_SSD_DISPATCH(name, sfx, a)                             \
+    }
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f32, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f64, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f32, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f64, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f32, ps_ssd_norm_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f64, ps_ssd_norm_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f32, ps_ssd_norm_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f64, ps_ssd_norm_args)
