@@ -263,10 +263,16 @@ def test_layer_equals_the_unfused_path(monkeypatch, length, dtype) -> None:  # t
     got = _call(ops, **kw)
     monkeypatch.setattr(ssd_layer, "usable", lambda *a, **k: False)
     want = _call(ops, **kw)
-    tol = dict(rtol=1e-10, atol=1e-10) if dtype == F64 else dict(rtol=3e-5, atol=3e-5)
+
+    def tol(t: torch.Tensor) -> dict[str, float]:
+        """float32: rounding of sums over up to 2 L terms, relative to their scale."""
+        if dtype == F64:
+            return dict(rtol=1e-10, atol=1e-10)
+        return dict(rtol=1e-4, atol=1e-4 * max(1.0, t.abs().max().item() if t.numel() else 0))
+
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype
-        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a, b, **tol(b))
     gen = torch.Generator().manual_seed(6)
     grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in got]
     used = list(ops.values())
@@ -276,7 +282,7 @@ def test_layer_equals_the_unfused_path(monkeypatch, length, dtype) -> None:  # t
         if b is None:
             assert a is None or not a.abs().sum(), name
             continue
-        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(a, b, **tol(b), msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_who_takes_the_fused_path(monkeypatch) -> None:
