@@ -638,8 +638,13 @@ def mamba_split_conv1d_scan_combined(
     ``act`` is silu for ``activation`` ``"silu"`` or ``"swish"``, the identity for None.
     The convolution is causal (zeros before the first step) and, with ``seq_idx``
     ``(batch, seqlen)``, reads nothing across a change of id, where the scan restarts
-    too. The convolution is K shifted multiply-adds (K the filter width), forward and
-    backward; the scan is :func:`parascan.ssd_scan` (backend ``"auto"``).
+    too. On the CPU, in float32 or float64 with a norm and no ``seq_idx`` (eager, not
+    under torch.compile or a torch.func transform), the convolution, scan and gated
+    norm run fused (:mod:`parascan.ssm.ssd_layer`: C kernels for the convolution and the
+    norm, the scan's C kernel, and a backward that writes ``zxbcdt``'s gradient in one
+    buffer); otherwise the convolution is K shifted multiply-adds (K the filter width),
+    forward and backward, and the scan is :func:`parascan.ssd_scan` (backend
+    ``"auto"``). Both give the same results to rounding.
 
     Args:
         zxbcdt: ``(batch, seqlen, 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads)``.

@@ -49,8 +49,10 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
 ``mamba2_split_conv1d_scan_combined``
     the fused training path (a mixer in training mode without a cache: convolution,
     scan, gated norm, output projection) becomes
-    :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined`, whose causal
-    convolution is a few shifted multiply-adds (forward and backward) and whose scan is
+    :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined`: on the CPU in
+    float32 (or float64) the convolution, scan and gated norm fused (C kernels, one
+    gradient buffer for the input projection; :mod:`parascan.ssm.ssd_layer`), elsewhere
+    a causal convolution of a few shifted multiply-adds (forward and backward) and
     :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
     mixer runs its unfused torch path.
 

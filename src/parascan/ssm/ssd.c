@@ -16,8 +16,10 @@
  *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
  *   per step and head (the decay) is all that is left scalar. Work units are (batch
  *   row, head) pairs (split further along headdim when
- *   there are fewer pairs than threads: rows of the state never interact). The state
- *   entering every K-th step is stored as its checkpoint. Packed sequences are walked
+ *   there are fewer pairs than threads: rows of the state never interact); the
+ *   backward hands its units to threads one at a time, since a unit's cost grows with
+ *   its decays. The state entering every K-th step is stored as its checkpoint.
+ *   Packed sequences are walked
  *   one after the other inside a unit: the state is reloaded from that sequence's
  *   initial state (or zeros) at its first step and stored as its final state after
  *   its last, so none crosses a boundary.

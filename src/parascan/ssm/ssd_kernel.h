@@ -345,6 +345,7 @@ typedef struct {
     T *gA, *gD;                       /* (units,), (units, pv W): partial sums */
     T *pB, *pC;                       /* (units, span steps, N): per-head grad_B, grad_C */
     int64_t span_steps;
+    int64_t next; /* the next unit of the span to take (ps_ssd_bwd_task) */
 } F(ps_ssd_bwd_ctx);
 
 /* The packed sequence holding step t: the last s with cu[s] <= t. */
@@ -559,7 +560,15 @@ ATTR static void F(ps_ssd_bwd_task)(const void *vp, int64_t begin, int64_t end) 
     buf.decay = (T *)(buf.sq + K);
     buf.live = buf.decay + K;
     buf.keep = (char *)(buf.live + K);
-    for (int64_t unit = begin; unit < end; ++unit)
+    /* Units taken one at a time as threads free up: their costs differ (a strong
+     * decay's step keeps its state, ps_ssd_bwd_chunk), and in Mamba-2 the decay rates
+     * grow with the head index, so fixed ranges would leave one thread the heavy half.
+     * Every unit writes only its own sums: the same bits whichever thread runs it. */
+    (void)begin;
+    (void)end;
+    const int64_t units = a->batch * a->heads;
+    F(ps_ssd_bwd_ctx) *shared = (F(ps_ssd_bwd_ctx) *)ctx;
+    for (int64_t unit; (unit = __atomic_fetch_add(&shared->next, 1, __ATOMIC_RELAXED)) < units;)
         for (int64_t c = ctx->span_hi - 1; c >= ctx->span_lo; --c)
             F(ps_ssd_bwd_chunk)(ctx, unit / a->heads, unit % a->heads, c, &buf);
     free(mem);
@@ -607,13 +616,14 @@ ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
     int rc = 0;
     if (!gstate || !carry || !gA || !gD || !pB) { rc = -1; goto done; }
     F(ps_ssd_bwd_ctx) ctx = {a, pv, nc, 0, 0, gstate, carry, gA, gD, pB,
-                             pB + units * span_steps * N, span_steps};
+                             pB + units * span_steps * N, span_steps, 0};
     const int64_t threads =
         ps_threads_for(a->batch * L * H * P * (N + 1) / 16, a->nthreads);
     for (int64_t hi = nc; hi > 0; hi -= span_chunks) {
         ctx.span_hi = hi;
         ctx.span_lo = hi - span_chunks > 0 ? hi - span_chunks : 0;
-        ps_parallel_for(units, threads, F(ps_ssd_bwd_task), &ctx);
+        ctx.next = 0; /* each of the (at most) `threads` tasks takes units until none is left */
+        ps_parallel_for(units < threads ? units : threads, threads, F(ps_ssd_bwd_task), &ctx);
         const int64_t span = (hi * K < L ? hi * K : L) - ctx.span_lo * K;
         ps_parallel_for(a->batch * span, threads, F(ps_ssd_bc_task), &ctx);
     }
