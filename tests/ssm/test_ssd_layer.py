@@ -259,10 +259,24 @@ def test_layer_equals_the_unfused_path(monkeypatch, length, dtype) -> None:  # t
     gradients of every input, with and without the extra gated channels."""
     extra = 2 if length % 2 else 0
     ops = _layer(length, dtype, seed=5, extra=extra)
-    kw = dict(norm_before_gate=bool(length % 3), outproj_weight=None)
+    if length % 2 == 0:  # D per channel, (nheads, headdim)
+        ops["D"] = torch.randn(HEADS, HEADDIM, dtype=F64).to(dtype).requires_grad_()
+    # some lengths with a dt_limit that clamps steps at both ends
+    limit = (0.5, 0.9) if length % 4 < 2 else (0.0, math.inf)
+    kw = dict(norm_before_gate=bool(length % 3), outproj_weight=None, dt_limit=limit)
+    calls = [0]
+    fused = ssd_layer.split_conv_scan
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(ssd_layer, "split_conv_scan", counted)
     got = _call(ops, **kw)
+    assert calls == [1]  # the fused path did run
     monkeypatch.setattr(ssd_layer, "usable", lambda *a, **k: False)
     want = _call(ops, **kw)
+    assert calls == [1]
 
     def tol(t: torch.Tensor) -> dict[str, float]:
         """float32: rounding of sums over up to 2 L terms, relative to their scale."""
@@ -309,3 +323,49 @@ def test_who_takes_the_fused_path(monkeypatch) -> None:
     with torch.no_grad():
         compiled(ops)
     assert calls == [1]
+
+
+def test_layer_refuses_second_derivatives_and_keeps_first_ones() -> None:
+    """create_graph: the first derivatives as without it; differentiating them again is
+    a clear error (the C kernels build no graph), never silently wrong."""
+    ops = _layer(9, seed=7)
+    out, final = _call(ops)
+    used = list(ops.values())
+    plain = torch.autograd.grad((out.sum() + final.sum()), used, retain_graph=True)
+    graphed = torch.autograd.grad((out.sum() + final.sum()), used, create_graph=True)
+    for a, b in zip(plain, graphed, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="mamba_split_conv1d_scan_combined: second deriv"):
+        torch.autograd.grad(graphed[0].square().sum(), used[0])
+
+
+def test_layer_without_dt_bias(monkeypatch) -> None:
+    """dt_bias=None (mamba_ssm accepts it): the unfused path, against dt_bias zeros."""
+    ops = _layer(6, seed=8)
+    got = _call(dict(ops, dt_bias=None))
+    want = _call(dict(ops, dt_bias=torch.zeros(HEADS, dtype=F64)))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(chunk_size=0), "chunk_size to be a positive int"),
+        (dict(chunk_size=None), "chunk_size to be a positive int"),
+        (dict(norm_before_gate=None), "norm_before_gate to be a bool"),
+        (dict(rmsnorm_eps=-1.0), "rmsnorm_eps to be a finite number"),
+        (dict(rmsnorm_eps="1e-5"), "rmsnorm_eps to be a finite number"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_options_are_checked_on_both_paths(kw, match, dtype) -> None:  # type: ignore[no-untyped-def]
+    ops = {k: v.detach().to(dtype) for k, v in _layer(3).items()}
+    args = dict(chunk_size=64, norm_before_gate=True, rmsnorm_eps=1e-6) | kw
+    with pytest.raises(ValueError, match=f"mamba_split_conv1d_scan_combined: expected {match}"):
+        mamba_ssm.mamba_split_conv1d_scan_combined(
+            ops["zxbcdt"], ops["conv1d_weight"], ops["conv1d_bias"], ops["dt_bias"], ops["A"],
+            ops["D"], args["chunk_size"], initial_states=ops["initial_states"],
+            rmsnorm_weight=ops["rmsnorm_weight"], rmsnorm_eps=args["rmsnorm_eps"],
+            norm_before_gate=args["norm_before_gate"], headdim=HEADDIM, ngroups=GROUPS,
+        )  # fmt: skip

@@ -280,6 +280,14 @@ def selective_state_update(
 _CHUNK = "parascan.compat.mamba_ssm.mamba_chunk_scan_combined"
 
 
+def _check_chunk_size(fn: str, chunk_size: object) -> None:
+    """mamba_ssm's block length: not used here, but a positive int as there."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"{fn}: expected chunk_size to be a positive int, but got {describe(chunk_size)}"
+        )
+
+
 def _sequence_starts(fn: str, seq_idx: Tensor | None, batch: int, length: int) -> list[int]:
     """Where the scan's sequences start in the (batch * L) flattened steps: each row's
     first step, and with ``seq_idx`` every step whose id differs from the step before
@@ -374,10 +382,7 @@ def mamba_chunk_scan_combined(
         tensor([1.0000, 1.5000, 1.7500])
     """
     fn = _CHUNK
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(
-            f"{fn}: expected chunk_size to be a positive int, but got {describe(chunk_size)}"
-        )
+    _check_chunk_size(fn, chunk_size)
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(
             f"{fn}: expected x of shape (batch, seqlen, nheads, headdim), but got {describe(x)}"
@@ -675,6 +680,17 @@ def mamba_split_conv1d_scan_combined(
         raise ValueError(
             f"{fn}: expected activation None, 'silu' or 'swish', but got {activation!r}"
         )
+    _check_chunk_size(fn, chunk_size)
+    if not isinstance(norm_before_gate, bool):
+        raise ValueError(f"{fn}: expected norm_before_gate to be a bool, but got "
+                         f"{describe(norm_before_gate)}")  # fmt: skip
+    if (
+        isinstance(rmsnorm_eps, bool)
+        or not isinstance(rmsnorm_eps, (int, float))
+        or not 0 <= rmsnorm_eps < math.inf
+    ):
+        raise ValueError(f"{fn}: expected rmsnorm_eps to be a finite number >= 0, but got "
+                         f"{describe(rmsnorm_eps)}")  # fmt: skip
     if not isinstance(D, Tensor) or D.dim() not in (1, 2):
         raise ValueError(f"{fn}: expected D of shape (nheads,) or (nheads, headdim), but got "
                          f"{describe(D)}")  # fmt: skip
@@ -754,7 +770,7 @@ def _fusable(
     devices, dtypes and filter width, and every shape as the layer expects it (any
     other goes the unfused way, whose checks name what is wrong)."""
     tensors = (conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states)
-    if not all(t is None or isinstance(t, Tensor) for t in tensors):
+    if dt_bias is None or not all(t is None or isinstance(t, Tensor) for t in tensors):
         return False
     dim, conv_dim = nheads * headdim, conv1d_weight.shape[0]
     shapes_ok = (

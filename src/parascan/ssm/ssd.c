@@ -366,8 +366,8 @@ static int ps_ssd_conv_check(const ps_ssd_conv_args *a, int backward) {
 }
 
 static int ps_ssd_norm_check(const ps_ssd_norm_args *a, int backward) {
-    if (a->batch < 0 || a->length < 0 || a->dim < 0 || a->groups < 1 || a->dim % a->groups)
-        return -1;
+    if (a->batch < 0 || a->length < 0 || a->dim < 1 || a->groups < 1 || a->dim % a->groups)
+        return -1; /* dim 0: no norm (its rows' rstd would be 0 / 0) */
     const int64_t elems = a->batch * a->length * a->dim;
     if (elems && (!a->y || !a->z || !a->rstd)) return -1;
     if (a->dim && !a->weight) return -1;

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from parascan._native import kernel_library_error
 from parascan._native.bindings import ARG_FIELDS, ARG_STRUCTS, check_operands, kernel
-from parascan._op_utils import plain_eager
+from parascan._op_utils import plain_eager, refuse_second_derivatives
 from parascan.ssm import ssd_cpu
 
 __all__ = [
@@ -93,6 +93,14 @@ def _rows(entry: str, t: Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
+def _width(entry: str, width: int) -> None:
+    if not 1 <= width <= CONV_MAX_WIDTH:
+        raise RuntimeError(
+            f"parascan: internal error: the {entry} CPU kernel takes filters of 1 to "
+            f"{CONV_MAX_WIDTH} taps, but got {width}"
+        )
+
+
 def _split(entry: str, split: list[int], channels: int) -> None:
     if len(split) != 3 or min(split) < 0 or sum(split) != channels:
         raise RuntimeError(
@@ -109,6 +117,7 @@ def conv_forward(
     CONV_MAX_WIDTH``: its channels in three new contiguous pieces of widths ``split``."""
     batch, length, channels = x.shape
     width = weight.shape[1]
+    _width("ssd_conv_fwd", width)
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     check_operands("ssd_conv_fwd", x.dtype, (x, (batch, length, channels)),
@@ -138,6 +147,7 @@ def conv_backward(
     and the gradients of ``weight`` and ``bias`` (None without one) returned."""
     batch, length, channels = x.shape
     width = weight.shape[1]
+    _width("ssd_conv_bwd", width)
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     pieces = [g.contiguous() for g in grads]
@@ -247,12 +257,38 @@ def usable(zxbcdt: Tensor, *tensors: Opt, width: int) -> bool:
         dtype in _DTYPES
         and 1 <= width <= CONV_MAX_WIDTH
         and all(
-            t is None or (type(t) in _PLAIN and t.device.type == "cpu" and t.dtype == dtype)
+            t is None
+            or (
+                type(t) in _PLAIN
+                and t.layout == torch.strided
+                and not t.is_neg()
+                and not t.is_conj()
+                and t.device.type == "cpu"
+                and t.dtype == dtype
+            )
             for t in (zxbcdt, *tensors)
         )
         and plain_eager()
         and kernel_library_error() is None
     )
+
+
+class _FirstDerivativesOnly(torch.autograd.Function):
+    """The gradients of :class:`_SplitConvScan` under ``create_graph``: passed on as
+    they are, and a clear error if anything differentiates through them."""
+
+    @staticmethod
+    def forward(anchor: Tensor, *grads: Tensor) -> tuple[Tensor, ...]:
+        # ``anchor``: an input of the layer that requires grad, so that the outputs do.
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        refuse_second_derivatives("parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined")
 
 
 class _SplitConvScan(torch.autograd.Function):
@@ -285,11 +321,26 @@ class _SplitConvScan(torch.autograd.Function):
                               B4, C4, v, step, y, rstd, checkpoints)  # fmt: skip
         ctx.meta = meta
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(checkpoints)
         return out, final
 
     @staticmethod
     def backward(ctx: Any, grad_out: Opt, grad_final: Opt) -> tuple[Opt, ...]:
+        # The C kernels build no graph: with create_graph the gradients pass through
+        # _FirstDerivativesOnly, whose own backward refuses (as the unfused path's ops do).
+        twice = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _SplitConvScan._backward(ctx, grad_out, grad_final)
+        if not twice:
+            return grads
+        present = [g for g in grads if g is not None]
+        anchor = next((t for t in ctx.saved_tensors if t.requires_grad), None)
+        if anchor is None:  # only unsaved inputs (dt_bias) differentiable: nothing to tie to
+            return grads
+        passed = iter(_FirstDerivativesOnly.apply(anchor, *present))  # type: ignore[no-untyped-call]
+        return tuple(None if g is None else next(passed) for g in grads)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Opt, grad_final: Opt) -> tuple[Opt, ...]:
         (zxbcdt, conv_weight, conv_bias, A, D, norm_weight, initial, x4, B4, C4, v, step, y,
          rstd, checkpoints) = ctx.saved_tensors  # fmt: skip
         heads, headdim, groups, nstate, offset, silu, _eps, before_gate, limit = ctx.meta

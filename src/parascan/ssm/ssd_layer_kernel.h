@@ -165,6 +165,7 @@ ATTR static void F(ps_conv_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
     V gp[ROWS * NV]; /* the gradient of pre for steps t0 .. te - 1 */
     V gw[PS_SSD_CONV_MAX_WIDTH * NV], gb[NV];
     V grow[NV];
+    for (int64_t j = 0; j < NV; ++j) grow[j] = (V){0}; /* lanes past the channels stay 0 */
     for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / (ntb * ncb), tb = i / ncb % ntb, cb = i % ncb;
         const int64_t c0 = cb * PS_SSD_CONV_CHANNELS;
