@@ -199,3 +199,45 @@ def test_decay_gradient_keeps_its_accuracy_under_strong_decays() -> None:
         i = 2 + NAMES.index(name)
         err = (got[i].double() - want[i]).abs().max().item()
         assert err <= 1e-5 * want[i].abs().max().item(), f"{name}: error {err:.3g}"
+
+
+@pytest.mark.parametrize("initial", [True, False], ids=["initial", "zeros"])
+@pytest.mark.parametrize("cu", [None, [0, 0, 5, 70, 71, 71, 140]], ids=["rows", "packed"])
+@pytest.mark.parametrize("backend", ["cpu", "portable", "torch", "loop"])
+def test_without_the_final_state(backend: str, cu: list[int] | None, initial: bool) -> None:
+    """return_final=False: the kernel stores no final state and reads no grad_final
+    (zeros), and out and every gradient still match the float64 loop's (an empty
+    sequence's initial state then gets zero gradient)."""
+    batch, length = (2, 140) if cu is None else (1, cu[-1])
+    states = None if cu is None else len(cu) - 1
+    p = _problem(9, batch, length, 3, 20, 1, 8, states=states)
+    if not initial:
+        del p["initial"]
+    names = [k for k in NAMES if k in p]
+    cu_t = None if cu is None else torch.tensor(cu)
+    w = torch.randn(p["x"].shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+
+    def run(dtype: torch.dtype, name: str | None) -> list[torch.Tensor]:
+        leaves = {k: p[k].to(dtype, copy=True).requires_grad_() for k in names}
+        if name is None:
+            out, _ = ssd_loop(**leaves, cu_seqlens=cu)
+        else:
+            with _simd(name != "portable"):
+                out = ps.ssd_scan(**leaves, cu_seqlens=cu_t,
+                                  backend="cpu" if name == "portable" else name)  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        (out * w.to(dtype)).sum().backward()
+        return [out.detach(), *(leaves[k].grad for k in names)]  # type: ignore[misc]
+
+    want = run(F64, None)
+    got = run(torch.float32, backend)
+    for name, w_, o in zip(("out", *names), want, got, strict=True):
+        scale = max(w_.abs().max().item(), 1.0)
+        err = (o.double() - w_).abs().max().item()
+        assert err <= 3e-5 * scale, f"{name}: error {err:.3g} (scale {scale:.3g})"
+    if initial and cu is not None:  # the empty sequences' initial states: zero gradient
+        assert got[-1][0].abs().max() == 0 and got[-1][4].abs().max() == 0
+    args = [p[k].float() for k in ("x", "dt", "A", "B", "C")]
+    out, final, _ = ssd_cpu.forward(*args, None, None, None, cu_t, want_final=False)
+    assert final.shape[0] == 0
+    assert_matches(out, ssd_cpu.forward(*args, None, None, None, cu_t)[0], torch.float32)

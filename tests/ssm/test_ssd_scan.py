@@ -335,18 +335,21 @@ def test_no_state_per_step_is_allocated(gen):
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_opcheck(where, gen, packed):
+@pytest.mark.parametrize("want_final", [True, False], ids=["final", "no_final"])
+def test_opcheck(where, gen, packed, want_final):
     """The raw ops: schema, fake kernel and AOT dispatch of the forward (opcheck); the
     backward's fake kernel against its real results. (opcheck cannot run the backward
     op itself: its checkers are dispatch modes, under which the torch.func.vjp inside
-    the kernel cannot run.)"""
+    the kernel cannot run.) Without want_final the final state has no rows, and so
+    has grad_final (zeros)."""
     cu = [0, 10, 10, 70] if packed else None
     p = _cast(_problem(gen, batch=1, length=70, states=3 if packed else None), torch.float32)
     d = p["D"]
     args = (p["x"], p["dt"], p["A"], p["B"], p["C"], d, p["z"], p["initial"],
-            None if cu is None else torch.tensor(cu), where.backend)  # fmt: skip
+            None if cu is None else torch.tensor(cu), want_final, where.backend)  # fmt: skip
     torch.library.opcheck(ssd_ops._forward_op, args)
     out, final, checkpoints = ssd_ops._forward_op(*args)
+    assert final.shape[0] == ((3 if packed else 1) if want_final else 0)
     backward_args = (*args[:9], checkpoints, torch.ones_like(out), torch.ones_like(final),
                      where.backend)  # fmt: skip
     real = ssd_ops._backward_op(*backward_args)

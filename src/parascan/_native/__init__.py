@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["kernel_library", "kernel_library_error", "kernel_library_path"]
 
 _STEM = "_kernels"
-ABI_VERSION = 11  # abi.h: PS_ABI_VERSION
+ABI_VERSION = 12  # abi.h: PS_ABI_VERSION
 
 
 @functools.cache

@@ -35,7 +35,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 11
+#define PS_ABI_VERSION 12
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -210,7 +210,8 @@ typedef struct {
  * grad_initial (S, heads, headdim, nstate) with S = nseq when packed, else batch;
  * checkpoints (batch, ceil(length / chunk), heads, headdim, nstate). cu_seqlens
  * (nseq + 1 offsets, batch 1) or NULL: packed sequences. D, z, initial (zeros) and
- * grad_initial may be NULL; grad_D, grad_z must be given with D, z. The forward
+ * grad_initial may be NULL; so may final (no final state stored) and grad_final
+ * (zeros); grad_D, grad_z must be given with D, z. The forward
  * writes out, final and checkpoints and reads none of the backward's members; the
  * backward reads checkpoints, grad_out and grad_final and writes every gradient.
  * simd = 0 runs the portable build; failed is set by the kernel (out of memory). */

@@ -398,18 +398,24 @@ def mamba_chunk_scan_combined(
 
     def scan(
         x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Tensor | None, initial: Tensor | None,
-        cu_seqlens: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        cu_seqlens: Tensor | None, finals: bool,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         result = ps.ssd_scan(
             x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-            dt_limit=dt_limit, initial=initial, return_final=True, cu_seqlens=cu_seqlens,
+            dt_limit=dt_limit, initial=initial, return_final=finals, cu_seqlens=cu_seqlens,
         )  # fmt: skip
-        assert isinstance(result, tuple)
-        return result
+        if finals:  # only when asked: the scan then stores a state per sequence
+            assert isinstance(result, tuple)
+            return result
+        assert isinstance(result, Tensor)
+        return result, None
 
     if seq_idx is None and not return_varlen_states:
-        out, final = scan(x, dt, B, C, z, initial_states, None)
-        return (out, _state(final, C, state_dtype)) if return_final_states else out
+        out, final = scan(x, dt, B, C, z, initial_states, None, return_final_states)
+        if not return_final_states:
+            return out
+        assert final is not None
+        return out, _state(final, C, state_dtype)
     if return_varlen_states:
         if cu_seqlens is None:
             raise ValueError(f"{fn}: return_varlen_states=True needs cu_seqlens, but got None")
@@ -442,14 +448,15 @@ def mamba_chunk_scan_combined(
         initial = initial_states.new_zeros(len(starts), *initial_states.shape[1:])
         initial = initial.index_copy(0, torch.tensor(firsts, device=initial.device), initial_states)
     out, finals = scan(flat(x), flat(dt), flat(B), flat(C), None if z is None else flat(z),
-                       initial, cu)  # fmt: skip
+                       initial, cu, return_final_states or return_varlen_states)  # fmt: skip
     out = out.reshape(batch, length, heads, headdim)
     results: list[Tensor] = [out]
     if return_final_states:
+        assert finals is not None
         rows = torch.tensor(lasts, device=finals.device)
         results.append(_state(finals.index_select(0, rows), C, state_dtype))
     if return_varlen_states:
-        assert cu_seqlens is not None
+        assert cu_seqlens is not None and finals is not None
         offsets = check_cu_seqlens(fn, cu_seqlens, length, x.device).tolist()
         inside = [o for o in offsets if 0 < o < length and o not in starts]
         if inside:

@@ -91,17 +91,15 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
     }
     const int64_t steps = a->batch * a->length * a->heads;
     const int64_t elems = steps * a->headdim;
-    const int64_t states = (a->cu_seqlens ? a->nseq : a->batch) * a->heads * a->headdim * a->nstate;
     const int64_t bc = a->batch * a->length * a->groups * a->nstate;
     if ((elems && !a->x) || (steps && !a->dt) || (a->heads && !a->A) || (bc && (!a->B || !a->C)))
         return -1;
     if (!backward)
-        return (elems && !a->out) || (states && !a->final) ||
-                       (steps * a->nstate * a->headdim != 0 && !a->checkpoints)
+        return (elems && !a->out) || (steps * a->nstate * a->headdim != 0 && !a->checkpoints)
                    ? -1
                    : 0;
     return (elems && (!a->grad_out || !a->grad_x || (a->z && !a->grad_z))) ||
-                   (states && !a->grad_final) || (steps && !a->grad_dt) ||
+                   (steps && !a->grad_dt) ||
                    (a->heads && !a->grad_A) || (bc && (!a->grad_B || !a->grad_C)) ||
                    (a->D && a->heads * a->headdim != 0 && !a->grad_D) ||
                    (steps * a->nstate * a->headdim != 0 && !a->checkpoints)

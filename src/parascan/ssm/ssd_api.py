@@ -197,7 +197,7 @@ def ssd_scan(
     out, final = ssd_ops.apply(
         x.to(cd), step, A.to(cd), B.to(cd), C.to(cd), d, None if z is None else z.to(cd),
         None if initial is None else initial.to(cd),
-        None if cu_seqlens is None else cu_seqlens.to(torch.int64), name,
+        None if cu_seqlens is None else cu_seqlens.to(torch.int64), name, return_final,
     )  # fmt: skip
     out = out.to(x.dtype)
     return (out, final) if return_final else out

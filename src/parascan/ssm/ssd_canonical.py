@@ -50,7 +50,10 @@ forward(x, dt, A, B, C, D, z, initial, cu_seqlens) -> (out, final, checkpoints)
 backward(x, dt, A, B, C, D, z, initial, cu_seqlens, checkpoints, grad_out,
          grad_final) -> 8 gradients
     grad_out (batch, L, heads, headdim) cd; grad_final (S, heads, headdim, N) cd;
-    both always given (zeros when unused). Returns the gradients of x, dt, A, B, C,
+    both always given (zeros when unused). The cpu backend alone also takes
+    ``want_final=False`` in forward (``final`` then has no rows and the kernel stores
+    none) and a grad_final with no rows for zeros; ssd_ops.py hands the others
+    zeros and drops their finals. Returns the gradients of x, dt, A, B, C,
     D, z, initial, each with its operand's shape and dtype (A and D summed over the
     batch and time, B and C over the heads of each group). An operand that is None
     gets an empty tensor (``EMPTY``) in its place.

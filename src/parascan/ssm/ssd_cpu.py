@@ -9,6 +9,8 @@ the same bits with any count.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -42,16 +44,17 @@ def _ptr(t: Opt) -> int:
 
 
 def _cu(cu_seqlens: Opt, length: int) -> Opt:
-    """``cu_seqlens`` as the kernel reads it (a contiguous int64 CPU vector), checked."""
+    """``cu_seqlens`` as the kernel reads it (a contiguous int64 CPU vector), checked
+    (in Python on its values: a handful of tensor ops cost more than the list here)."""
     if cu_seqlens is None:
         return None
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    values = cu.tolist() if cu.dim() == 1 else []
     if (
-        cu.dim() != 1
-        or cu.numel() == 0
-        or int(cu[0]) != 0
-        or int(cu[-1]) != length
-        or bool((cu[1:] < cu[:-1]).any())
+        not values
+        or values[0] != 0
+        or values[-1] != length
+        or any(hi < lo for lo, hi in itertools.pairwise(values))
     ):
         raise ValueError(
             f"{_FN}: expected cu_seqlens to be non-decreasing offsets from 0 to L = {length}, "
@@ -129,13 +132,15 @@ class _Operands:
 
 def forward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
-    cu_seqlens: Opt,
+    cu_seqlens: Opt, want_final: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The SSD scan of canonical operands (ssd_canonical.py): ``(out, final,
-    checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps."""
+    checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps. Without
+    ``want_final`` the kernel stores no final state and ``final`` has no rows."""
     ops = _Operands("ssd_fwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
     out = torch.empty(ops.x.shape, dtype=ops.dtype)
-    final = torch.empty(ops.state_shape, dtype=ops.dtype)
+    rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
+    final = torch.empty(rows, dtype=ops.dtype)
     checkpoints = torch.empty(ops.checkpoint_shape, dtype=ops.dtype)
     ops.run("ssd_fwd", ops.args(out=out, final=final, checkpoints=checkpoints))
     return out, final, checkpoints
@@ -147,12 +152,13 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The gradients of ``x, dt, A, B, C, D, z, initial`` (ssd_canonical.py; EMPTY for
     an absent operand) from the forward's ``checkpoints``, ``grad_out`` and
-    ``grad_final``."""
+    ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
     ops = _Operands("ssd_bwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
     checkpoints, grad_out, grad_final = (_dense(t) for t in (checkpoints, grad_out, grad_final))
+    finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
     check_operands(
         "ssd_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),
-        (grad_out, tuple(ops.x.shape)), (grad_final, ops.state_shape),
+        (grad_out, tuple(ops.x.shape)), (grad_final, finals),
     )  # fmt: skip
     grads = {
         "grad_x": torch.empty_like(ops.x),

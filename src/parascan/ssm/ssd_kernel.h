@@ -313,7 +313,7 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                 }
                 F(ps_ssd_store)(ot, y, P, j0, nj);
             }
-            F(ps_ssd_store_state)(final + (sidx * H + h) * P * N, st, P, N, j0, nj);
+            if (final) F(ps_ssd_store_state)(final + (sidx * H + h) * P * N, st, P, N, j0, nj);
         }
     }
     free(st);
@@ -422,8 +422,10 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         T slope;
         decay[i] = F(ps_ssd_decay)(dtv, A[h], &slope);
         live[i] = slope != 0 ? (T)1 : (T)0;
-        keep[i] = i == 0 || t == cu[s] || (slope != 0 && decay[i] < (T)PS_SSD_EXACT_BELOW);
-        if (keep[i]) memcpy(saved + i * ss, st, sizeof(V) * (size_t)ss);
+        /* 2: h[t-1] is zeros (a sequence's start without an initial state): q[t] = 0 */
+        keep[i] = t == cu[s] && !init ? 2
+                  : i == 0 || t == cu[s] || (slope != 0 && decay[i] < (T)PS_SSD_EXACT_BELOW);
+        if (keep[i] == 1) memcpy(saved + i * ss, st, sizeof(V) * (size_t)ss);
         const T *xt = x + (bt * H + h) * P, *gt = go + (bt * H + h) * P;
         const T *zt = z ? z + (bt * H + h) * P : NULL;
         if (t + PS_SSD_AHEAD < L) {
@@ -464,8 +466,8 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         }
         F(ps_ssd_sums)(sc, N, pC + i * N);
         cdot[i] = F(ps_ssd_dot)(Ct, pC + i * N, N);
-        if (t == cu[s + 1] - 1) qend[i] = F(ps_ssd_state_dot)(st, gfin + (sidx * H + h) * P * N,
-                                                              P, N, pv);
+        if (t == cu[s + 1] - 1)
+            qend[i] = gfin ? F(ps_ssd_state_dot)(st, gfin + (sidx * H + h) * P * N, P, N, pv) : 0;
         if (z) { /* grad_z = grad_out (y + D x) sigmoid(z) (1 + z (1 - sigmoid(z))) */
             F(ps_ssd_load)(gxv, gt, P, 0, pv);
             const V one = (T)1 - (V){0};
@@ -487,7 +489,7 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         s = sq[i];
         const int64_t sidx = a->cu_seqlens ? s : b;
         const int last = t == cu[s + 1] - 1;
-        if (last) F(ps_ssd_load_state)(gst, gfin + (sidx * H + h) * P * N, P, N, 0, pv);
+        if (last) F(ps_ssd_load_state)(gst, gfin ? gfin + (sidx * H + h) * P * N : NULL, P, N, 0, pv);
         const T *Bt = B + (bt * G + g) * N, *Ct = C + (bt * G + g) * N;
         V *uu = u + i * pv, *gg = gy + i * pv;
         int64_t j = 0;
@@ -509,8 +511,9 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         }
         F(ps_ssd_sums)(sc, N, pB + i * N);
         /* q[t] = <G[t], h[t]> - bdot[t]; exact at the chunk's first step */
-        q = keep[i] ? F(ps_ssd_vdot)(gst, saved + i * ss, ss)
-                    : (last ? qend[i] : q) + cdot[i] - F(ps_ssd_dot)(Bt, pB + i * N, N);
+        q = keep[i] == 2 ? 0
+            : keep[i]    ? F(ps_ssd_vdot)(gst, saved + i * ss, ss)
+                         : (last ? qend[i] : q) + cdot[i] - F(ps_ssd_dot)(Bt, pB + i * N, N);
         const T gq = (T)q * live[i];
         const T dtv = dt[bt * H + h];
         T *gx = (T *)a->grad_x + (bt * H + h) * P;
@@ -651,8 +654,11 @@ ATTR static int F(ps_ssd_bwd)(ps_ssd_args *a) {
             for (int64_t s = 0; s < nseq; ++s)
                 if (cu[s] == cu[s + 1]) {
                     const int64_t idx = a->cu_seqlens ? s : r;
-                    memcpy((T *)a->grad_initial + idx * state,
-                           (const T *)a->grad_final + idx * state, sizeof(T) * (size_t)state);
+                    T *gi = (T *)a->grad_initial + idx * state;
+                    if (a->grad_final)
+                        memcpy(gi, (const T *)a->grad_final + idx * state, sizeof(T) * (size_t)state);
+                    else
+                        memset(gi, 0, sizeof(T) * (size_t)state);
                 }
     }
 done:

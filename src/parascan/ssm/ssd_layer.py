@@ -362,9 +362,8 @@ class _SplitConvScan(torch.autograd.Function):
             z = zxbcdt.narrow(2, offset, dim)
             grad_y, grad_norm = norm_backward(y3, z, norm_weight, rstd, grad_out, before_gate,
                                               grad_z)  # fmt: skip
-        if grad_final is None:
-            grad_final = y.new_zeros(initial.shape if initial is not None else
-                                     (batch, heads, headdim, nstate))  # fmt: skip
+        if grad_final is None:  # no rows: zeros, which the kernel then never reads
+            grad_final = y.new_empty(0, heads, headdim, nstate)
         d = D.reshape(heads, -1).expand(heads, headdim)
         gx, gstep, gA, gB, gC, gD, _, ginit = ssd_cpu.backward(
             x4, step, A, B4, C4, d, None, initial, None, checkpoints,

@@ -50,12 +50,16 @@ def _resolved_all(*ts: Opt) -> list[Opt]:
 @torch.library.custom_op("parascan::ssd_scan", mutates_args=())
 def _forward_op(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
-    cu_seqlens: Opt, backend: str,
+    cu_seqlens: Opt, want_final: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(out, final, checkpoints) of canonical operands; see ssd_canonical.py."""
+    """(out, final, checkpoints) of canonical operands; see ssd_canonical.py. Without
+    ``want_final``, ``final`` has no rows (the C kernel then stores none: with many
+    packed sequences that was a state's write per sequence nobody read)."""
     args = _resolved_all(x, dt, A, B, C, D, z, initial)
+    if backend == "cpu":
+        return ssd_cpu.forward(*args, cu_seqlens, want_final=want_final)
     out, final, checkpoints = ROW.backends[backend].forward(*args, cu_seqlens)
-    return out, final, checkpoints
+    return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
 
 
 def _states(x: Tensor, cu_seqlens: Opt) -> int:
@@ -66,13 +70,13 @@ def _states(x: Tensor, cu_seqlens: Opt) -> int:
 @_forward_op.register_fake
 def _(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
-    cu_seqlens: Opt, backend: str,
+    cu_seqlens: Opt, want_final: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     batch, length, heads, headdim = x.shape
     n = B.shape[-1]
     return (
         x.new_empty(batch, length, heads, headdim),
-        x.new_empty(_states(x, cu_seqlens), heads, headdim, n),
+        x.new_empty(_states(x, cu_seqlens) if want_final else 0, heads, headdim, n),
         x.new_empty(batch, n_chunks(length, backend), heads, headdim, n),
     )
 
@@ -82,11 +86,15 @@ def _backward_op(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
     cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor, backend: str,
 ) -> list[Tensor]:  # fmt: skip
-    """The 8 gradients of ssd_canonical.py's backward (empty for absent operands)."""
+    """The 8 gradients of ssd_canonical.py's backward (empty for absent operands).
+    ``grad_final`` with no rows stands for zeros (the C kernel then reads none)."""
     args = _resolved_all(x, dt, A, B, C, D, z, initial)
     backward = ROW.backends[backend].backward
     assert backward is not None
-    grads = backward(*args, cu_seqlens, checkpoints, resolved(grad_out), resolved(grad_final))
+    grad_final = resolved(grad_final)
+    if backend != "cpu" and grad_final.shape[0] != _states(x, cu_seqlens):
+        grad_final = grad_final.new_zeros(_states(x, cu_seqlens), *grad_final.shape[1:])
+    grads = backward(*args, cu_seqlens, checkpoints, resolved(grad_out), grad_final)
     return list(grads)
 
 
@@ -150,16 +158,16 @@ class _SSDScan(torch.autograd.Function):
     @staticmethod
     def forward(
         x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
-        cu_seqlens: Opt, backend: str,
+        cu_seqlens: Opt, want_final: bool, backend: str,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         result: tuple[Tensor, Tensor, Tensor] = _forward_op(
-            x, dt, A, B, C, D, z, initial, cu_seqlens, backend
+            x, dt, A, B, C, D, z, initial, cu_seqlens, want_final, backend
         )
         return result
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        *tensors, backend = inputs
+        *tensors, _want_final, backend = inputs
         ctx.save_for_backward(*tensors, output[2])
         ctx.backend = backend
         ctx.mark_non_differentiable(output[2])
@@ -167,12 +175,12 @@ class _SSDScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
         *tensors, checkpoints = ctx.saved_tensors
-        x, B, cu_seqlens = tensors[0], tensors[3], tensors[8]
+        x, B = tensors[0], tensors[3]
         _batch, _length, heads, headdim = x.shape
         if grad_out is None:
             grad_out = torch.zeros_like(x)
-        if grad_final is None:
-            grad_final = x.new_zeros(_states(x, cu_seqlens), heads, headdim, B.shape[-1])
+        if grad_final is None:  # no rows: zeros (_backward_op)
+            grad_final = x.new_empty(0, heads, headdim, B.shape[-1])
         grads = _SSDScanBackward.apply(  # type: ignore[no-untyped-call]
             *tensors, checkpoints, grad_out, grad_final, ctx.backend
         )
@@ -180,16 +188,18 @@ class _SSDScan(torch.autograd.Function):
         return (
             *(g if need[i] and tensors[i] is not None else None for i, g in enumerate(grads)),
             None,  # cu_seqlens
+            None,  # want_final
             None,  # backend
         )
 
 
 def apply(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
-    cu_seqlens: Opt, backend: str,
+    cu_seqlens: Opt, backend: str, want_final: bool = True,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out, final) of canonical operands on a concrete backend, differentiable."""
+    """(out, final) of canonical operands on a concrete backend, differentiable;
+    ``final`` has no rows without ``want_final``."""
     out, final, _ = _SSDScan.apply(  # type: ignore[no-untyped-call]
-        x, dt, A, B, C, D, z, initial, cu_seqlens, backend
+        x, dt, A, B, C, D, z, initial, cu_seqlens, want_final, backend
     )
     return out, final
