@@ -241,3 +241,65 @@ def test_without_the_final_state(backend: str, cu: list[int] | None, initial: bo
     out, final, _ = ssd_cpu.forward(*args, None, None, None, cu_t, want_final=False)
     assert final.shape[0] == 0
     assert_matches(out, ssd_cpu.forward(*args, None, None, None, cu_t)[0], torch.float32)
+
+
+def _states_at(p: dict[str, torch.Tensor], cu: list[int], steps: list[int]) -> torch.Tensor:
+    """The loop's state entering each of ``steps`` (a packed problem): h[t - 1] of the
+    sequence holding t, or that sequence's initial state where t starts it."""
+    states = []
+    for t in steps:
+        s = max(i for i in range(len(cu) - 1) if cu[i] <= t)
+        init = p["initial"][s : s + 1]
+        if t == cu[s]:
+            states.append(init)
+            continue
+        part = {k: p[k][:, cu[s] : t] for k in ("x", "dt", "B", "C")}
+        states.append(ssd_loop(**part, A=p["A"], initial=init)[1])
+    return torch.stack(states, 1)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_forward_keeps_the_decays_in_a_scale(dtype: torch.dtype, simd: bool) -> None:
+    """The forward keeps the decays out of the state in a scale (ssd_kernel.h,
+    ps_ssd_fwd_task) and folds them back before checkpoints, at sequence ends, and
+    where 1 / scale would overflow or vanish. Per head, against the float64 loop: steps
+    of dt 0 (decay 1), mild, strong (exp(-60), exp(-200): the kernel's floor), a head
+    whose decays are 0 in the loop (dt A = -1e4 .. -1e6), and one that grows for 32
+    steps past the dtype's range (e^96 in float32, e^800 in float64: from a tiny
+    state), then decays as much; packed sequences of 5, 65, 1, 129 and 133 steps
+    (boundaries off and on the checkpoint interval 64). Outputs, final states and
+    checkpoints (the backward's true states) within each head's own scale; then every
+    gradient, without the growing head."""
+    cu = [0, 5, 70, 71, 200, 333]
+    p = _problem(21, 1, cu[-1], 5, 40, 1, 16, states=len(cu) - 1)
+    g = torch.Generator().manual_seed(22)
+    levels = torch.tensor([0.0, 0.01, 0.3, 1.0], dtype=F64)
+    p["dt"] = levels[torch.randint(0, 4, (1, cu[-1], 5), generator=g)]
+    growth, tiny = (3.0, 1e-30) if dtype == torch.float32 else (25.0, 1e-300)
+    p["dt"][0, :, 4] = torch.where(torch.arange(cu[-1]) % 64 < 32, 1.0, -1.0)
+    p["A"] = torch.tensor([-0.5, -4.0, -200.0, -1e6, growth], dtype=F64)
+    p["x"][:, :, 4] *= tiny
+    p["initial"][:, 4] *= tiny
+    cast = {k: v.to(dtype) for k, v in p.items()}
+    with _simd(simd):
+        out, final, ckpt = ssd_cpu.forward(
+            *(cast[k] for k in NAMES), torch.tensor(cu)
+        )  # fmt: skip
+    want_out, want_final = ssd_loop(**p, cu_seqlens=cu)
+    want_ckpt = _states_at(p, cu, list(range(0, cu[-1], ssd_cpu._K)))
+    tol = 1e-10 if dtype == F64 else 3e-5
+    for name, got, want, head_dim in (
+        ("out", out, want_out, 2), ("final", final, want_final, 1),
+        ("checkpoints", ckpt, want_ckpt, 2),
+    ):  # fmt: skip
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        for h in range(5):
+            w, o = want.select(head_dim, h), got.select(head_dim, h).double()
+            scale = max(w.abs().max().item(), 1.0)
+            err = (o - w).abs().max().item()
+            assert err <= tol * scale, f"{name}, head {h}: error {err:.3g} (scale {scale:.3g})"
+    heads = {"x": 2, "dt": 2, "A": 0, "B": None, "C": None, "D": 0, "z": 2, "initial": 1}
+    bounded = {k: v if heads[k] is None else v.narrow(heads[k], 0, 4) for k, v in p.items()}
+    with _simd(simd):
+        _check(bounded, dtype, cu, key="scale")

@@ -9,10 +9,16 @@
  *   transposed (hT[n][p]) so that every operation of a step is a vector over headdim
  *   times a broadcast scalar of B[t] or C[t]:
  *       hT[n] = a hT[n] + (dt x) B[t, n],   y += hT[n] C[t, n]     for n < N
- *   one pass over the state per step, one multiply and two fused multiply-adds per
- *   state element, with up to PB vectors of dt x and y kept in registers and no lane
- *   sums. The rest of a step (dt x, D x, the silu(z) gate, and in the backward the
- *   rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector code too,
+ *   The forward keeps the decays out of the state where it can (the state held as
+ *   h / scale, scale the product of the decays since it was last true, ssd_kernel.h,
+ *   ps_ssd_fwd_task): a step is then hT[n] += (dt x / scale) B[t, n] and y is scale
+ *   times the sum, two fused multiply-adds per state element instead of a multiply
+ *   and two, and steps go two in one pass over the state; the scale is folded back
+ *   (a full step) before each checkpoint, at each sequence's end and wherever it
+ *   would leave [SCALE_LO, SCALE_HI]. Vectors of dt x and y are kept in registers,
+ *   no lane sums. The rest of a step (dt x, D x, the silu(z) gate, and in the
+ *   backward the rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector
+ *   code too,
  *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
  *   per step and head (the decay) is all that is left scalar. Work units are (batch
  *   row, head) pairs (split further along headdim when
@@ -119,6 +125,8 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
 #define T float
 #define EXP expf
 #define LO (-80.0f)
+#define SCALE_LO 0x1p-30f /* the forward's scaled state (ssd_kernel.h, ps_ssd_fwd_task) */
+#define SCALE_HI 0x1p30f
 #define SFX f32
 /* the vector exp's constants (see ps_ssd_vexp): results of at least 2^-125 */
 #define PS_SSD_EXP_LO -86.9f
@@ -195,6 +203,8 @@ typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
 #undef T
 #undef EXP
 #undef LO
+#undef SCALE_LO
+#undef SCALE_HI
 #undef SFX
 #undef PS_SSD_EXP_LO
 #undef PS_SSD_EXP_HI
@@ -209,6 +219,8 @@ typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
 #define T double
 #define EXP exp
 #define LO (-700.0)
+#define SCALE_LO 0x1p-200
+#define SCALE_HI 0x1p200
 #define SFX f64
 /* the vector exp's constants: results of at least 2^-1021 */
 #define PS_SSD_EXP_LO -708.0
@@ -288,6 +300,8 @@ typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
 #undef T
 #undef EXP
 #undef LO
+#undef SCALE_LO
+#undef SCALE_HI
 #undef SFX
 #undef PS_SSD_EXP_LO
 #undef PS_SSD_EXP_HI
