@@ -59,31 +59,69 @@ ATTR static void F(ps_ssd_sums)(const V *v, int64_t n, T *dst) {
     for (int64_t i = 0; i < n; i += W) F(ps_ssd_lane_sums)(v + i, n - i < W ? n - i : W, dst + i);
 }
 
+/* Lane i of v[r] as lane r of v[i], r, i < W, in place: log2 W levels, each swapping
+ * the off-diagonal s x s blocks of every 2s x 2s block of the tile (a lane's bit s
+ * exchanged with its row's), two two-vector shuffles per pair of rows. */
+#define TR_LO(s, i) ((i) & (s) ? W + (i) - (s) : (i))
+#define TR_HI(s, i) ((i) & (s) ? W + (i) : (i) + (s))
+#define TR_LEVEL(v, s)                                                          \
+    for (int r = 0; r < W; ++r)                                                 \
+        if (!(r & (s))) {                                                       \
+            const V lo_ = __builtin_shuffle(v[r], v[r + (s)], (VI){LANES(TR_LO, s)}); \
+            v[r + (s)] = __builtin_shuffle(v[r], v[r + (s)], (VI){LANES(TR_HI, s)}); \
+            v[r] = lo_;                                                         \
+        }
+ATTR static inline __attribute__((always_inline)) void F(ps_ssd_transpose)(V *v) {
+    TR_LEVEL(v, 1)
+#if W >= 4
+    TR_LEVEL(v, 2)
+#endif
+#if W >= 8
+    TR_LEVEL(v, 4)
+#endif
+#if W >= 16
+    TR_LEVEL(v, 8)
+#endif
+}
+
 /* A (headdim, N) state at src (NULL: zeros) into hT lanes [j0 W, j1 W) (nj = j1 - j0
- * vectors a row), and back: a row p of the state at a time, read or written in order
- * (packed sequences load and store a state per sequence: short ones many). */
+ * vectors a row), and back: W x W tiles transposed in registers (a checkpoint per K
+ * steps and head, a state per packed sequence), the columns past the last whole tile
+ * and lanes past headdim one at a time. */
 ATTR static void F(ps_ssd_load_state)(V *st, const T *src, int64_t P, int64_t N, int64_t j0,
                                      int64_t nj) {
     for (int64_t i = 0; i < N * nj; ++i) st[i] = (V){0};
     if (!src) return;
-    for (int64_t j = 0; j < nj; ++j)
-        for (int l = 0; l < W; ++l) {
-            const int64_t p = (j0 + j) * W + l;
-            if (p >= P) break;
-            const T *row = src + p * N;
-            for (int64_t n = 0; n < N; ++n) st[n * nj + j][l] = row[n];
-        }
+    for (int64_t j = 0; j < nj; ++j) {
+        const int64_t p0 = (j0 + j) * W, lanes = P - p0 < W ? P - p0 : W;
+        int64_t n0 = 0;
+        if (lanes == W)
+            for (; n0 + W <= N; n0 += W) {
+                V v[W];
+                for (int l = 0; l < W; ++l) memcpy(&v[l], src + (p0 + l) * N + n0, sizeof(V));
+                F(ps_ssd_transpose)(v);
+                for (int i = 0; i < W; ++i) st[(n0 + i) * nj + j] = v[i];
+            }
+        for (int64_t l = 0; l < lanes; ++l)
+            for (int64_t n = n0; n < N; ++n) st[n * nj + j][l] = src[(p0 + l) * N + n];
+    }
 }
 
 ATTR static void F(ps_ssd_store_state)(T *dst, const V *st, int64_t P, int64_t N, int64_t j0,
                                       int64_t nj) {
-    for (int64_t j = 0; j < nj; ++j)
-        for (int l = 0; l < W; ++l) {
-            const int64_t p = (j0 + j) * W + l;
-            if (p >= P) break;
-            T *row = dst + p * N;
-            for (int64_t n = 0; n < N; ++n) row[n] = st[n * nj + j][l];
-        }
+    for (int64_t j = 0; j < nj; ++j) {
+        const int64_t p0 = (j0 + j) * W, lanes = P - p0 < W ? P - p0 : W;
+        int64_t n0 = 0;
+        if (lanes == W)
+            for (; n0 + W <= N; n0 += W) {
+                V v[W];
+                for (int i = 0; i < W; ++i) v[i] = st[(n0 + i) * nj + j];
+                F(ps_ssd_transpose)(v);
+                for (int l = 0; l < W; ++l) memcpy(dst + (p0 + l) * N + n0, &v[l], sizeof(V));
+            }
+        for (int64_t l = 0; l < lanes; ++l)
+            for (int64_t n = n0; n < N; ++n) dst[(p0 + l) * N + n] = st[n * nj + j][l];
+    }
 }
 
 /* row[j] = src[p] over lanes [j0 W, (j0 + nj) W), zero past P (one copy: the rows
@@ -795,6 +833,9 @@ done:
 #undef LANE_HI
 #undef LANES
 #undef LEVEL
+#undef TR_LO
+#undef TR_HI
+#undef TR_LEVEL
 #undef PS_SSD_AHEAD
 #undef PS_SSD_BLOCKS
 #undef PS_SSD_EXACT_BELOW
