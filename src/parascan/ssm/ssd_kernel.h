@@ -328,13 +328,13 @@ typedef struct {
     int64_t pv, split; /* vectors of headdim; units per head */
 } F(ps_ssd_fwd_ctx);
 
-/* Step bt's rows of one head, lanes [j0 W, (j0 + nj) W): x into xv and dt x into u;
- * the rows PS_SSD_AHEAD steps on asked for. */
-ATTR static inline void F(ps_ssd_fwd_in)(const ps_ssd_args *a, int64_t bt, int64_t h, T dtv,
-                                        int64_t j0, int64_t nj, V *xv, V *u) {
-    const int64_t H = a->heads, P = a->headdim;
+/* Step t of batch row b, its rows of one head, lanes [j0 W, (j0 + nj) W): x into xv
+ * and dt x into u; the rows PS_SSD_AHEAD steps on asked for. */
+ATTR static inline void F(ps_ssd_fwd_in)(const ps_ssd_args *a, int64_t b, int64_t t, int64_t h,
+                                        T dtv, int64_t j0, int64_t nj, V *xv, V *u) {
+    const int64_t H = a->heads, P = a->headdim, bt = b * a->length + t;
     const T *xt = (const T *)a->x + (bt * H + h) * P;
-    if (bt % a->length + PS_SSD_AHEAD < a->length) {
+    if (t + PS_SSD_AHEAD < a->length) {
         const int64_t ahead = PS_SSD_AHEAD * H * P;
         F(ps_ssd_prefetch)(xt + ahead, P, 0);
         F(ps_ssd_prefetch)((T *)a->out + (bt * H + h) * P + ahead, P, 1);
@@ -419,7 +419,7 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                 T slope;
                 T sc0 = scale * F(ps_ssd_decay)(dt0, A[h], &slope);
                 const T *B0 = B + (bt * G + g) * N, *C0 = C + (bt * G + g) * N;
-                F(ps_ssd_fwd_in)(a, bt, h, dt0, j0, nj, x0, u0);
+                F(ps_ssd_fwd_in)(a, b, t, h, dt0, j0, nj, x0, u0);
                 if (t + 1 == stop || (t + 1) % K == 0) { /* alone, in full */
 #define PS_SSD_ONE(j, nb) \
     F(ps_ssd_fwd_block)(st + (j), nj, u0 + (j), y0 + (j), B0, C0, sc0, N, nb)
@@ -442,7 +442,7 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
                 const T dt1 = dt[(bt + 1) * H + h];
                 T sc1 = sc0 * F(ps_ssd_decay)(dt1, A[h], &slope);
                 const T *B1 = B0 + G * N, *C1 = C0 + G * N;
-                F(ps_ssd_fwd_in)(a, bt + 1, h, dt1, j0, nj, x1, u1);
+                F(ps_ssd_fwd_in)(a, b, t + 1, h, dt1, j0, nj, x1, u1);
                 const int full1 = t + 2 == stop || (t + 2) % K == 0 || !F(ps_ssd_scale_ok)(sc1);
                 const T d1 = sc1;
                 if (full1) sc1 = 1;
