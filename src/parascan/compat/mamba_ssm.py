@@ -539,10 +539,10 @@ class _CausalConv1d(torch.autograd.Function):
         silu: bool,
     ) -> Tensor:  # fmt: skip
         masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
-        x = x.contiguous()
-        pre = _conv_taps(x, weight.to(x.dtype), masks, transpose=False)
+        pre = _conv_taps(x.contiguous(), weight.to(x.dtype), masks, transpose=False)
         if bias is not None:
             pre += bias.to(x.dtype)
+        # x as given (a copy made here would have no graph for create_graph)
         ctx.save_for_backward(x, weight, bias, pre if silu else None)
         ctx.masks = masks
         ctx.silu = silu
@@ -552,8 +552,14 @@ class _CausalConv1d(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias, pre = ctx.saved_tensors
         masks: list[Tensor | None] = ctx.masks
-        grad = grad.contiguous()
+        x, grad = x.contiguous(), grad.contiguous()
         if ctx.silu:
+            if torch.is_grad_enabled():
+                # create_graph: the saved pre-activation has no graph back to x, weight
+                # and bias (forward runs without grad), so recompute it with one.
+                pre = _conv_taps(x, weight.to(x.dtype), masks, transpose=False)
+                if bias is not None:
+                    pre = pre + bias.to(x.dtype)
             sig = torch.sigmoid(pre)
             grad = grad * sig * (1 + pre * (1 - sig))
         width, length = weight.shape[1], x.shape[1]
@@ -577,13 +583,60 @@ class _CausalConv1d(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+class _NativeCausalConv1d(torch.autograd.Function):
+    """:class:`_CausalConv1d` without ``seq_idx`` by the C kernels of Mamba-2's layer
+    (ssm/ssd_layer.py, one piece of the split): one pass each way over ``x`` read
+    through its strides (the mixers pass a slice of a projection), where the torch
+    version copies it and makes a pass per tap and one for silu."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool) -> Tensor:
+        out = ssd_layer.conv_forward(x, weight, bias, silu, (x.shape[2], 0, 0))[0]
+        ctx.save_for_backward(x, weight, bias)
+        ctx.silu = silu
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph: gradients that can be differentiated again, from the torch
+            # version's graph (the C backward is not differentiable).
+            inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+            with torch.enable_grad():
+                out = _CausalConv1d.apply(x, weight, bias, None, ctx.silu)
+            found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
+            grads = [
+                next(found) if t is not None and t.requires_grad else None
+                for t in (x, weight, bias)
+            ]
+            return grads[0], grads[1], grads[2], None
+        empty = grad.new_empty(x.shape[0], x.shape[1], 0)
+        grad_x = torch.empty(x.shape, dtype=x.dtype)
+        grad_w, grad_b = ssd_layer.conv_backward(
+            x, weight, bias, ctx.silu, (grad, empty, empty), grad_x
+        )
+        return grad_x, grad_w, grad_b, None
+
+
 def _causal_conv1d_silu(
     x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
 ) -> Tensor:
     """``out[t] = act(bias + sum_k weight[:, k] * x[t - (K-1) + k])`` for ``x`` ``(batch,
     L, c)`` and ``weight`` ``(c, K)``: zeros before the first step and, with
-    ``seq_idx``, before each sequence's first step; ``act`` silu or identity."""
-    out: Tensor = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)  # type: ignore[no-untyped-call]
+    ``seq_idx``, before each sequence's first step; ``act`` silu or identity. The C
+    kernel where it can run these operands (ssd_layer.usable, channels of stride 1, no
+    ``seq_idx``), else shifted multiply-adds in torch."""
+    out: Tensor
+    if (
+        seq_idx is None
+        and x.dim() == 3
+        and (x.stride(2) == 1 or x.shape[2] <= 1)
+        and ssd_layer.usable(x, weight, bias, width=weight.shape[1])
+    ):
+        out = _NativeCausalConv1d.apply(x, weight, bias, silu)  # type: ignore[no-untyped-call]
+        return out
+    out = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)  # type: ignore[no-untyped-call]
     return out
 
 
