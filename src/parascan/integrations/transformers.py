@@ -18,7 +18,7 @@ modeling module of a Mamba mixer, the module-level functions the mixers call, as
 Kernel's ``apply_liger_kernel_to_*`` do for other models.
 
 Mamba-1 (``mamba``, ``falcon_mamba`` and the hybrids whose modules carry the same
-functions, ``jamba`` and ``zamba`` in transformers 5.23):
+functions, ``jamba`` and ``zamba`` in transformers 5.23 and 5.24):
 
 ``mamba_selective_scan``
     the full-sequence scan (prefill, training, evaluation) becomes
@@ -34,7 +34,8 @@ functions, ``jamba`` and ``zamba`` in transformers 5.23):
     training runs the mixer's unfused path, whose scan is parascan's.
 
 Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``bamba``,
-``falcon_h1``, ``granitemoehybrid``, ``nemotron_h`` and ``zamba2`` in transformers 5.23):
+``falcon_h1``, ``granitemoehybrid``, ``nemotron_h`` and ``zamba2`` in transformers 5.23 and
+5.24):
 
 ``mamba2_chunk_scan``
     the full-sequence scan becomes
@@ -75,8 +76,8 @@ zero state, as unpatched). In float32 the logits, gradients, caches and greedy g
 unpatched ones to rounding; in half precision parascan takes the step in float32 where
 transformers' Mamba-1 loop rounds it to the model's dtype first.
 
-Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0 and 5.23.0 for
-Mamba-1, 5.23.0 for Mamba-2): from 5.15 on, these mixers call the scan through those
+Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0, 5.23.0 and 5.24.0
+for Mamba-1, 5.23.0 and 5.24.0 for Mamba-2): from 5.15 on, these mixers call the scan through those
 module functions. ``patch()`` checks the installed version, that each module defines
 the functions with the expected parameters, and that a mixer's ``forward`` calls them;
 otherwise it raises :class:`UnsupportedVersionError`, naming the version and what is
@@ -107,7 +108,7 @@ from parascan.compat import mamba_ssm
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
 
 MIN_VERSION = "5.15.0"
-TESTED_VERSIONS = "5.15.0, 5.20.0 and 5.23.0"
+TESTED_VERSIONS = "5.15.0, 5.20.0, 5.23.0 and 5.24.0"
 _FN = "parascan.integrations.transformers.patch"
 
 
