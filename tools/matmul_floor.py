@@ -1,0 +1,119 @@
+"""How fast patching can make a transformers Mamba model at most, on this machine.
+
+    python tools/matmul_floor.py [--repeat R]
+
+For the bench's models (parascan.tools.bench_transformers: hidden 768, 4 layers,
+vocabulary 1024, 512 tokens, 2 threads), the time of the workloads unpatched and
+patched (alternated in one process, min of R, as the bench measures them), and the
+time of the model's own linear layers alone: each nn.Linear the model runs, timed on
+inputs of the shapes it saw (forward; for the training step forward and backward, with
+the gradients of input, weight and bias). parascan.integrations.transformers.patch()
+replaces the scans and convolutions, never these projections, so
+
+    bound = unpatched time / time of the linear layers
+
+is the largest speed-up patching could give, were everything else free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from parascan.tools import bench_transformers as bt
+
+
+def _min_time(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _linear_shapes(model: Any, run: Callable[[], object]) -> list[tuple[torch.Size, Any]]:
+    """The (input shape, module) of every nn.Linear call of one run."""
+    seen: list[tuple[torch.Size, Any]] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: seen.append((args[0].shape, mod)))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _linear_time(shapes: list[tuple[torch.Size, Any]], train: bool, repeat: int) -> float:
+    inputs = [
+        (
+            torch.randn(shape, requires_grad=train),
+            mod.weight.detach().clone().requires_grad_(train),
+            None if mod.bias is None else mod.bias.detach().clone().requires_grad_(train),
+        )
+        for shape, mod in shapes
+    ]
+
+    def run() -> None:
+        for x, w, b in inputs:
+            out = torch.nn.functional.linear(x, w, b)
+            if train:
+                out.backward(torch.ones_like(out))
+
+    with torch.set_grad_enabled(train):
+        return _min_time(run, repeat)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'model':8s} {'workload':10s} {'unpatched s':>11s} {'patched s':>9s} {'speed-up':>8s}"
+          f" {'linear s':>8s} {'bound':>6s}")  # fmt: skip
+    for name in ("mamba", "mamba2"):
+        torch.manual_seed(0)
+        model = bt._model(name, 768, 4, None, 1024, False)
+        ids = torch.randint(0, 1024, (1, 512))
+
+        def forward(model: Any = model, ids: torch.Tensor = ids) -> None:
+            model.eval()
+            with torch.no_grad():
+                model(ids, use_cache=False)
+
+        def train_step(model: Any = model, ids: torch.Tensor = ids) -> None:
+            model.train()
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+
+        workloads = [("forward", forward, False)]
+        if name == "mamba2":  # Mamba-1's unpatched step takes a minute: 195x in the bench
+            workloads.append(("train step", train_step, True))
+        for label, fn, train in workloads:
+            best = {False: float("inf"), True: float("inf")}
+            for on in (False, True):
+                with bt._patched(on):
+                    fn()
+            for _ in range(args.repeat):
+                for on in (False, True):
+                    with bt._patched(on):
+                        best[on] = min(best[on], _min_time(fn, 1))
+            with bt._patched(True):
+                linear = _linear_time(_linear_shapes(model, fn), train, args.repeat)
+            print(f"{name:8s} {label:10s} {best[False]:11.3f} {best[True]:9.3f} "
+                  f"{best[False] / best[True]:7.2f}x {linear:8.3f} "
+                  f"{best[False] / linear:5.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
