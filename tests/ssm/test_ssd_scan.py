@@ -184,15 +184,18 @@ def test_non_contiguous_inputs(where, gen):
     assert_matches(final, want_final, torch.float32)
 
 
-def _grads(p: dict, fn) -> dict[str, torch.Tensor]:
+def _grads(p: dict, fn, use: tuple[str, ...] = ("out", "final")) -> dict[str, torch.Tensor]:
+    """The gradients of a weighted sum of the outputs named in ``use``."""
     leaves = {k: v.detach().clone().requires_grad_() for k, v in p.items()
               if isinstance(v, torch.Tensor)}  # fmt: skip
     out, final = fn({**p, **leaves})
     gen = torch.Generator().manual_seed(7)
     w_out = torch.randn(out.shape, generator=gen, dtype=F64).to(out.dtype)
     w_fin = torch.randn(final.shape, generator=gen, dtype=F64).to(final.dtype)
-    ((out * w_out).sum() + (final * w_fin).sum()).backward()
-    return {k: v.grad for k, v in leaves.items()}
+    loss = sum((t * w).sum() for name, t, w in (("out", out, w_out), ("final", final, w_fin))
+               if name in use)  # fmt: skip
+    loss.backward()
+    return {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in leaves.items()}
 
 
 GRADIENT_CASES = {
@@ -216,6 +219,18 @@ def test_gradients_against_loop(where, gen, case):
     assert set(got) == set(want)
     for k in want:
         assert got[k] is not None, k
+        assert_matches(got[k], want[k], torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("use", ["out", "final"])
+def test_gradients_of_one_output_alone(where, gen, use):
+    """A loss of only out, or only the final state: the other output's gradient never
+    arrives (no zeros are materialized for it) and the gradients still match the loop's."""
+    p = _problem(gen, length=70)
+    want = _grads(p, lambda q: ssd_loop(**q), (use,))
+    got = _grads(_cast(p, torch.float32), lambda q: _run(q, where.backend), (use,))
+    for k in want:
         assert_matches(got[k], want[k], torch.float32)
 
 

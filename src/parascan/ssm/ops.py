@@ -165,6 +165,10 @@ class _SelectiveScan(torch.autograd.Function):
         checkpoints = output[2]
         ctx.save_for_backward(*tensors, checkpoints)
         ctx.softplus, ctx.backend = softplus, backend
+        ctx.mark_non_differentiable(checkpoints)
+        # an unused output's gradient arrives as None, not as a tensor of zeros to fill
+        # (the checkpoints': (batch, dim, chunks, N)); backward makes what it needs
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
