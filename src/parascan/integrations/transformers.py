@@ -77,11 +77,11 @@ unpatched ones to rounding; in half precision parascan takes the step in float32
 transformers' Mamba-1 loop rounds it to the model's dtype first.
 
 Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0, 5.23.0 and 5.24.0
-for Mamba-1, 5.23.0 and 5.24.0 for Mamba-2): from 5.15 on, these mixers call the scan through those
-module functions. ``patch()`` checks the installed version, that each module defines
-the functions with the expected parameters, and that a mixer's ``forward`` calls them;
-otherwise it raises :class:`UnsupportedVersionError`, naming the version and what is
-missing, and patches nothing. The Mamba-2 modules are patched where they define
+for Mamba-1, 5.23.0 and 5.24.0 for Mamba-2): from 5.15 on, these mixers call the scan
+through those module functions. ``patch()`` checks the installed version, that each
+module defines the functions with the expected parameters, and that a mixer's
+``forward`` calls them; otherwise it raises :class:`UnsupportedVersionError`, naming the
+version and what is missing, and patches nothing. The Mamba-2 modules are patched where they define
 ``mamba2_chunk_scan`` (a transformers whose Mamba-2 modules compute the scan elsewhere
 keeps them unpatched, and its Mamba-1 models are still patched).
 """
