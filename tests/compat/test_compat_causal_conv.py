@@ -89,7 +89,7 @@ def test_second_derivatives(silu, with_bias, path) -> None:
             assert type(out.grad_fn).__name__ == "_NativeCausalConv1dBackward"
             return out
         return mamba_ssm._CausalConv1d.apply(x, w, b, seq_idx if path == "torch_seq_idx" else None,
-                                             silu)  # fmt: skip
+                                             silu)[0]  # fmt: skip
 
     inputs = (x, weight, bias) if with_bias else (x, weight)
     assert torch.autograd.gradcheck(f, inputs)
@@ -110,3 +110,38 @@ def test_other_dtypes_take_the_torch_path() -> None:
                                         bias.bfloat16(), None, True)  # fmt: skip
     assert type(low.grad_fn).__name__ == "_CausalConv1dBackward"
     torch.testing.assert_close(low.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _func_checks(x, weight, bias, seq_idx) -> None:  # type: ignore[no-untyped-def]
+    from torch.func import grad, jacrev, vmap
+
+    def loss(x, w):  # type: ignore[no-untyped-def]
+        return mamba_ssm._causal_conv1d_silu(x, w, bias, seq_idx, True).square().sum()
+
+    got = grad(loss, argnums=(0, 1))(x, weight)
+    xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = torch.autograd.grad(loss(xs, ws), (xs, ws))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    jac = jacrev(lambda w: mamba_ssm._causal_conv1d_silu(x, w, bias, seq_idx, True))(weight)
+    want_jac = torch.autograd.functional.jacobian(
+        lambda w: mamba_ssm._causal_conv1d_silu(x, w, bias, seq_idx, True), weight
+    )
+    torch.testing.assert_close(jac, want_jac)
+    if seq_idx is None:  # one row at a time, as a batch of one
+        per_row = vmap(lambda xi: loss(xi[None], weight))(x)
+        torch.testing.assert_close(per_row.sum(), loss(x, weight))
+
+
+def test_torch_func_transforms() -> None:
+    """torch.func.grad, vmap and jacrev run the convolution (its torch path: the C
+    kernels do not see functorch's tensors) and agree with autograd, seq_idx included."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 7, 5, generator=gen, dtype=torch.float64)
+    weight = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    bias = torch.randn(5, generator=gen, dtype=torch.float64)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]])
+    _func_checks(x, weight, bias, None)
+    _func_checks(x, weight, bias, seq_idx)
+    want = conv_loop(x, weight, bias, seq_idx, True)
+    torch.testing.assert_close(mamba_ssm._causal_conv1d_silu(x, weight, bias, seq_idx, True), want)

@@ -498,9 +498,8 @@ def _shift_masks(seq_idx: Tensor | None, width: int, length: int) -> list[Tensor
         return [None] * width
     masks: list[Tensor | None] = [None]
     for lag in range(1, width):
-        same = torch.zeros(seq_idx.shape, dtype=torch.bool, device=seq_idx.device)
-        if lag < length:
-            same[:, lag:] = seq_idx[:, lag:] == seq_idx[:, :-lag]
+        before = torch.zeros_like(seq_idx[:, : min(lag, length)], dtype=torch.bool)
+        same = torch.cat([before, seq_idx[:, lag:] == seq_idx[:, : max(length - lag, 0)]], 1)
         masks.append(same[..., None])
     return masks
 
@@ -527,31 +526,45 @@ def _conv_taps(x: Tensor, weight: Tensor, masks: list[Tensor | None], transpose:
 
 
 class _CausalConv1d(torch.autograd.Function):
-    """Depthwise causal convolution (+ bias, + silu) along dim 1 of ``(batch, L, c)``.
+    """Depthwise causal convolution (+ bias, + silu) along dim 1 of ``(batch, L, c)``:
+    ``(out, pre)``, ``pre`` the pre-activation the backward reads (not differentiable;
+    empty without silu).
 
     A width-K filter is K shifted multiply-adds, forward and backward (the weight's
     gradient is K products summed over batch and time), cheaper on a CPU than a
-    general grouped convolution's backward for the small widths (2 to 4) of Mamba."""
+    general grouped convolution's backward for the small widths (2 to 4) of Mamba.
+    Written with setup_context so that torch.func transforms (grad, vmap, jacrev) run
+    it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None,
-        silu: bool,
-    ) -> Tensor:  # fmt: skip
+        x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
+    ) -> tuple[Tensor, Tensor]:
         masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
         pre = _conv_taps(x.contiguous(), weight.to(x.dtype), masks, transpose=False)
         if bias is not None:
-            pre += bias.to(x.dtype)
-        # x as given (a copy made here would have no graph for create_graph)
-        ctx.save_for_backward(x, weight, bias, pre if silu else None)
-        ctx.masks = masks
-        ctx.silu = silu
-        return torch.nn.functional.silu(pre) if silu else pre
+            pre = pre + bias.to(x.dtype)
+        if not silu:
+            return pre, pre.new_empty(0)
+        return torch.nn.functional.silu(pre), pre
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias, pre = ctx.saved_tensors
-        masks: list[Tensor | None] = ctx.masks
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        x, weight, bias, seq_idx, silu = inputs
+        # x as given (a copy made in forward would have no graph for create_graph)
+        ctx.save_for_backward(x, weight, bias, seq_idx, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        ctx.silu = silu
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, weight, bias, seq_idx, pre = ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None, None
+        masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
         x, grad = x.contiguous(), grad.contiguous()
         if ctx.silu:
             if torch.is_grad_enabled():
@@ -604,7 +617,7 @@ class _NativeCausalConv1d(torch.autograd.Function):
             # version's graph (the C backward is not differentiable).
             inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
             with torch.enable_grad():
-                out = _CausalConv1d.apply(x, weight, bias, None, ctx.silu)
+                out = _CausalConv1d.apply(x, weight, bias, None, ctx.silu)[0]
             found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
             grads = [
                 next(found) if t is not None and t.requires_grad else None
@@ -636,7 +649,7 @@ def _causal_conv1d_silu(
     ):
         out = _NativeCausalConv1d.apply(x, weight, bias, silu)  # type: ignore[no-untyped-call]
         return out
-    out = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)  # type: ignore[no-untyped-call]
+    out = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)[0]  # type: ignore[no-untyped-call]
     return out
 
 
