@@ -5,9 +5,11 @@
 For the bench's models (parascan.tools.bench_transformers: hidden 768, 4 layers,
 vocabulary 1024, 512 tokens, 2 threads), the time of the workloads unpatched and
 patched (alternated in one process, min of R, as the bench measures them), and the
-time of the model's own linear layers alone: each nn.Linear the model runs, timed on
-inputs of the shapes it saw (forward; for the training step forward and backward, with
-the gradients of input, weight and bias). parascan.integrations.transformers.patch()
+time of the model's own linear layers alone: every linear projection the model runs
+(each torch.nn.functional.linear call: the nn.Linear modules, and the out projection
+that Mamba-2's fused layer applies to the weight it is handed), timed on inputs of the
+shapes it saw (forward; for the training step forward and backward, with the gradients
+of input, weight and bias). parascan.integrations.transformers.patch()
 replaces the scans and convolutions, never these projections, so
 
     bound = unpatched time / time of the linear layers
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from parascan.tools import bench_transformers as bt
 
@@ -37,30 +40,38 @@ def _min_time(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def _linear_shapes(model: Any, run: Callable[[], object]) -> list[tuple[torch.Size, Any]]:
-    """The (input shape, module) of every nn.Linear call of one run."""
-    seen: list[tuple[torch.Size, Any]] = []
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out: seen.append((args[0].shape, mod)))
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear)
-    ]
-    try:
+class _LinearCalls(TorchFunctionMode):
+    """Records the (input shape, weight, bias) of every torch.nn.functional.linear call:
+    nn.Linear modules, and the projections a fused layer applies to weights it is
+    handed (Mamba-2's out projection inside mamba_split_conv1d_scan_combined)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            self.seen.append((args[0].shape, args[1], bias))
+        return func(*args, **kwargs)
+
+
+def _linear_shapes(run: Callable[[], object]) -> list[tuple[torch.Size, Any, Any]]:
+    """The (input shape, weight, bias) of every linear projection of one run."""
+    with _LinearCalls() as calls:
         run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
+    return calls.seen
 
 
-def _linear_time(shapes: list[tuple[torch.Size, Any]], train: bool, repeat: int) -> float:
+def _linear_time(shapes: list[tuple[torch.Size, Any, Any]], train: bool, repeat: int) -> float:
     inputs = [
         (
             torch.randn(shape, requires_grad=train),
-            mod.weight.detach().clone().requires_grad_(train),
-            None if mod.bias is None else mod.bias.detach().clone().requires_grad_(train),
+            weight.detach().clone().requires_grad_(train),
+            None if bias is None else bias.detach().clone().requires_grad_(train),
         )
-        for shape, mod in shapes
+        for shape, weight, bias in shapes
     ]
 
     def run() -> None:
@@ -109,7 +120,7 @@ def main() -> None:
                     with bt._patched(on):
                         best[on] = min(best[on], _min_time(fn, 1))
             with bt._patched(True):
-                linear = _linear_time(_linear_shapes(model, fn), train, args.repeat)
+                linear = _linear_time(_linear_shapes(fn), train, args.repeat)
             print(f"{name:8s} {label:10s} {best[False]:11.3f} {best[True]:9.3f} "
                   f"{best[False] / best[True]:7.2f}x {linear:8.3f} "
                   f"{best[False] / linear:5.2f}x")  # fmt: skip
