@@ -202,6 +202,26 @@ def test_gradients_of_one_output_alone(where, gen, use):
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("complex_a", [False, True])
+def test_gradients_of_an_empty_scan(where, gen, complex_a):
+    """L = 0 with an initial state: the final state is the initial one, so d(initial) is
+    the final state's gradient and every other gradient is zero. Before, the loop and
+    torch backends handed that gradient back as d(initial) itself, an output aliasing
+    an input, which torch.library refuses: backward raised."""
+    p = _problem(gen, length=0, b_form="grouped", c_form="shared", complex_a=complex_a)
+    q = _cast(p, torch.float32, where.device)
+    leaves = {k: v.requires_grad_() for k, v in q.items() if isinstance(v, torch.Tensor)}
+    out, final = _run(q, where.backend)
+    assert out.shape == q["u"].shape
+    torch.testing.assert_close(final, q["initial"].detach())
+    seed = torch.randn(final.shape, generator=gen, dtype=torch.float64).to(final.dtype)
+    grads = torch.autograd.grad(final, list(leaves.values()), seed, allow_unused=True)
+    for (k, v), g in zip(leaves.items(), grads, strict=True):
+        want = seed if k == "initial" else torch.zeros_like(v)
+        torch.testing.assert_close(torch.zeros_like(v) if g is None else g, want.to(v.device))
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_gradcheck_float64(where, gen):
     p = _problem(gen, batch=1, dim=3, n=2, length=CHUNKS[0] + 2, b_form="grouped",
                  c_form="invariant")  # fmt: skip
@@ -496,11 +516,51 @@ def test_state_update_with_autograd_takes_the_torch_path(gen):
     torch.testing.assert_close(s2, s1, rtol=1e-6, atol=1e-6)
 
 
-def test_state_update_refuses_an_overlapping_state(gen):
+@pytest.mark.parametrize("grad", [False, True])
+def test_state_update_refuses_an_overlapping_state(gen, grad):
     """A state whose elements share memory (an expanded tensor) cannot be updated in
-    place: the same error as torch's copy_, never a race in the kernel."""
+    place: a parascan error naming the strides before anything runs, never a race in
+    the kernel, with or without autograd."""
     state = torch.zeros(1, 1, 4).expand(3, 6, 4)
-    x = torch.randn(3, 6, generator=gen)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="single memory location"):
+    x = torch.randn(3, 6, generator=gen, requires_grad=grad)
+    with (
+        torch.set_grad_enabled(grad),
+        pytest.raises(ValueError, match=r"parascan.selective_state_update: .*strides \(0, 0, 1\)"),
+    ):
         ps.selective_state_update(state, x, x, -torch.rand(6, 4), torch.randn(3, 4),
                                   torch.randn(3, 4))  # fmt: skip
+    assert not state.any()
+
+
+@pytest.mark.parametrize("heads_layout", [False, True])
+def test_state_update_gradcheck(gen, heads_layout):
+    """The differentiable step (every operand but the cache needing gradients, the
+    cache a plain tensor as in decoding) in float64: its output and the new state.
+    Before, the product with the old state saved the state itself, which the in-place
+    write then bumped: backward raised autograd's version error whenever dt (or A)
+    needed a gradient."""
+    f64 = torch.float64
+    batch, n = 2, 3
+    lead = (2, 3) if heads_layout else (4,)
+    state = torch.randn(batch, *lead, n, generator=gen, dtype=f64)
+    ops_ = {
+        "x": torch.randn(batch, *lead, generator=gen, dtype=f64),
+        "dt": torch.rand(batch, *lead, generator=gen, dtype=f64),
+        "A": -torch.rand(*lead, n, generator=gen, dtype=f64),
+        "B": torch.randn(batch, 1, n, generator=gen, dtype=f64),
+        "C": torch.randn(batch, 2, n, generator=gen, dtype=f64),
+        "D": torch.randn(*lead, generator=gen, dtype=f64),
+        "z": torch.randn(batch, *lead, generator=gen, dtype=f64),
+        "dt_bias": torch.randn(*lead, generator=gen, dtype=f64),
+    }
+    if heads_layout:  # one state decay per head, as Mamba-2's A
+        ops_["A"] = ops_["A"][:, :1, :1].expand(*lead, n).contiguous()
+    names = list(ops_)
+
+    def step(*ts):
+        s = state.clone()
+        y = ps.selective_state_update(s, **dict(zip(names, ts, strict=True)), dt_softplus=True)
+        return y, s
+
+    inputs = tuple(t.requires_grad_() for t in ops_.values())
+    assert torch.autograd.gradcheck(step, inputs)

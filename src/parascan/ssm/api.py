@@ -209,6 +209,12 @@ def selective_state_update(
             f"{fn}: expected state of shape (batch, dim, N) or (batch, heads, headdim, N), "
             f"but got {describe(state)}"
         )
+    if any(size > 1 and st == 0 for size, st in zip(state.shape, state.stride(), strict=True)):
+        raise ValueError(
+            f"{fn}: expected a state whose elements do not share memory (it is updated in "
+            f"place), but got {describe(state)} with strides {tuple(state.stride())}: more than "
+            "one element refers to a single memory location (an expanded tensor); clone() it"
+        )
     heads_layout = state.dim() == 4
     batch, n = state.shape[0], state.shape[-1]
     lead = tuple(state.shape[1:-1])  # (dim,) or (heads, headdim)
@@ -269,7 +275,7 @@ def selective_state_update(
         state.device.type == "cpu"
         and state.dtype == cd
         and _eager_no_grad(tensors)
-        and _no_overlap(state)  # else copy_ below raises torch's error
+        and _no_overlap(state)  # the kernel writes each element once
         and not state.is_neg()  # written in place: never through a copy
     ):
         return _step_kernel(state, x, dt, A, mats, extras, dt_softplus, heads_layout)
@@ -292,7 +298,9 @@ def selective_state_update(
 
     b_row, c_row = per_unit(mats[0]), per_unit(mats[1])
     xc = x.to(cd)
-    new = torch.addcmul(decay * state.to(decay.dtype), (step * xc)[..., None], b_row)
+    # a copy of the old state: autograd keeps it for decay's gradient, and copy_ below
+    # overwrites the state itself
+    new = torch.addcmul(decay * state.to(decay.dtype, copy=True), (step * xc)[..., None], b_row)
     y = (c_row * new).sum(-1)
     y = 2 * y.real if y.is_complex() else y
     if "D" in extras:

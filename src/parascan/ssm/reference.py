@@ -146,7 +146,8 @@ def _backward(
         shared["B"], shared_grads["B"] = B, grad_b
     if C.dim() == 2:
         shared["C"], shared_grads["C"] = C, grad_c
-    carry = grad_final.to(state_dtype(A, u))
+    # a copy: with no steps it becomes d(initial), which may not alias an input of the op
+    carry = grad_final.to(state_dtype(A, u), copy=True)
     for chunk in reversed(range(math.ceil(steps / k) if steps else 0)):
         start, stop = chunk * k, min(chunk * k + k, steps)
         primals = {n: t for n, t in shared.items() if t is not None}
