@@ -690,5 +690,41 @@ __all__ = [
     "Layout",
     "OpSpec",
     "check",
+    "forward_mode_checks",
     "grid",
 ]
+
+
+def forward_mode_checks(
+    fn: Callable, oracle: Callable, p: dict, x_name: str, public: str, gen: torch.Generator
+) -> None:
+    """Forward-mode AD of ``fn`` (the scan on a float64 problem ``p``) against the
+    oracle's, through torch.func.jvp and torch.autograd.forward_ad, every tensor input
+    moving; jacfwd against jacrev in ``x_name``; and a hessian's clear refusal."""
+    names = [k for k, v in p.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    primals = tuple(p[k] for k in names)
+    tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in primals)
+
+    def at(f):
+        return lambda *ts: f({**p, **dict(zip(names, ts, strict=True))})
+
+    _, want = torch.func.jvp(at(oracle), primals, tangents)
+    _, got = torch.func.jvp(at(fn), primals, tangents)
+    with torch.autograd.forward_ad.dual_level():
+        duals = [
+            torch.autograd.forward_ad.make_dual(a, t)
+            for a, t in zip(primals, tangents, strict=True)
+        ]
+        dual_out = at(fn)(*duals)
+        got_dual = [torch.autograd.forward_ad.unpack_dual(o).tangent for o in dual_out]
+    for g, d, w in zip(got, got_dual, want, strict=True):
+        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(d, w)
+
+    def first(v):
+        return fn({**p, x_name: v})[0]
+
+    x = p[x_name]
+    torch.testing.assert_close(torch.func.jacfwd(first)(x), torch.func.jacrev(first)(x))
+    with pytest.raises(RuntimeError, match=rf"{public}: second derivatives"):
+        torch.func.hessian(lambda v: first(v).sum())(x)

@@ -113,3 +113,46 @@ def refuse_second_derivatives(public: str) -> NoReturn:
         f"{public}: second derivatives (double backward, hessians) are not implemented; "
         "the first derivatives of every input are"
     )
+
+
+def jvp_through(
+    forward: Callable[..., tuple[Tensor, ...]],
+    primals: tuple[Tensor | None, ...],
+    tangents: tuple[Tensor | None, ...],
+) -> tuple[Tensor, ...]:
+    """The tangents of ``forward(*primals)``'s outputs: forward-mode AD (torch.func.jvp)
+    through ``forward``, a function of differentiable torch ops (a ``torch`` backend's
+    chunked forward). For the ``jvp`` of an autograd.Function whose own kernels have no
+    forward mode. Absent operands stay None; operands that are not floating point (packed
+    sequences' offsets) are held fixed; an operand without a tangent gets zeros."""
+    moving = [
+        i
+        for i, p in enumerate(primals)
+        if p is not None and (p.is_floating_point() or p.is_complex())
+    ]
+
+    def partial(*values: Tensor) -> tuple[Tensor, ...]:
+        args = list(primals)
+        for i, v in zip(moving, values, strict=True):
+            args[i] = v
+        return forward(*args)
+
+    directions = tuple(
+        torch.zeros_like(primals[i]) if tangents[i] is None else tangents[i].contiguous()  # type: ignore[arg-type,union-attr]
+        for i in moving
+    )
+    # contiguous: a dual's tangent is laid out as its primal, which cannot be an
+    # expanded operand (canonical forms broadcast D, for one)
+    values = tuple(primals[i].contiguous() for i in moving)  # type: ignore[union-attr]
+    if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level < 0:
+        # torch.func.jvp, jacfwd: functorch's transforms nest
+        _, out_tangents = torch.func.jvp(partial, values, directions)  # type: ignore[arg-type]
+        return tuple(out_tangents)
+    # torch.autograd.forward_ad's dual level is open (and cannot be nested): duals at it
+    # (autograd runs a Function's jvp with forward grad off: on again for the duals)
+    with forward_ad._set_fwd_grad_enabled(True):
+        duals = [
+            forward_ad.make_dual(forward_ad.unpack_dual(v).primal, d)  # type: ignore[arg-type]
+            for v, d in zip(values, directions, strict=True)
+        ]
+        return tuple(forward_ad.unpack_dual(o).tangent for o in partial(*duals))

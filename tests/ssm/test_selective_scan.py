@@ -13,6 +13,7 @@ from parascan.ssm import ops
 from parascan.ssm.canonical import CHECKPOINT_STEPS
 
 from conftest import DTYPES, assert_matches, targets
+from harness import forward_mode_checks
 from oracles import selective_loop
 
 # The backends of the selective scan's row that run here (the Triton interpreter on
@@ -254,6 +255,20 @@ def test_vmap_and_grad(where, gen):
     torch.testing.assert_close(grad, A0.grad)
     per = torch.vmap(torch.func.grad(lambda u, A: f(u, A).sum()))(us, As)
     assert per.shape == us.shape
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("complex_a", [False, True])
+def test_forward_mode_against_loop(where, gen, complex_a):
+    """torch.func.jvp, jacfwd and torch.autograd.forward_ad (the kernels have no
+    forward mode: the tangents come from the torch backend's forward under forward-mode
+    AD) against the float64 loop's, across a checkpoint boundary."""
+    p = _problem(gen, batch=2, dim=3, n=2, length=CHUNKS[0] + 3, b_form="grouped",
+                 c_form="shared", complex_a=complex_a)  # fmt: skip
+    forward_mode_checks(
+        lambda q: _run(q, where.backend), lambda q: selective_loop(**q), p, "u",
+        r"parascan\.selective_scan", gen,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)

@@ -18,6 +18,7 @@ from parascan.ssm import ssd_api, ssd_ops
 from parascan.ssm.ssd_canonical import CHECKPOINT_STEPS
 
 from conftest import DTYPES, assert_matches, targets
+from harness import forward_mode_checks
 from oracles import ssd_loop
 
 TARGETS = [t for t in targets(interpreter=False) if t.backend in ssd_ops.ROW.backends]
@@ -246,6 +247,22 @@ def test_gradcheck_float64(where, gen):
         return _run({**p, **dict(zip(names, ts, strict=True))}, where.backend, cu)
 
     assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_forward_mode_against_loop(where, gen, packed):
+    """torch.func.jvp, jacfwd and torch.autograd.forward_ad against the float64 loop's
+    (the kernels have no forward mode: the tangents come from the torch backend's
+    forward under forward-mode AD), packed sequences (an empty one among them) too."""
+    cu = [0, 30, 30, CHECKPOINT_STEPS[where.backend] + 3] if packed else None
+    p = _problem(gen, batch=1 if packed else 2, length=70 if cu is None else cu[-1],
+                 heads=2, headdim=2, groups=1, n=2, states=3 if packed else None,
+                 limit=(0.05, 2.0))  # fmt: skip
+    forward_mode_checks(
+        lambda q: _run(q, where.backend, cu), lambda q: ssd_loop(**q, cu_seqlens=cu), p, "x",
+        r"parascan\.ssd_scan", gen,
+    )  # fmt: skip
 
 
 def test_second_derivatives_raise(gen):

@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
-from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
+from parascan._op_utils import (
+    jvp_through,
+    loop_vmap,
+    refuse_second_derivatives,
+    resolved,
+    resolved_optional,
+)
 from parascan.ssm import cpu, reference, triton
 from parascan.ssm.canonical import n_chunks, state_dtype
 
@@ -146,6 +152,15 @@ class _SelectiveScanBackward(torch.autograd.Function):
         refuse_second_derivatives("parascan.selective_scan")
 
 
+class _SelectiveScanBackwardForwardMode(_SelectiveScanBackward):
+    """Forward mode over the backward (jacfwd of jacrev: hessians) raises the same error
+    as differentiating the backward; apart, as dynamo cannot trace a Function with jvp."""
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        refuse_second_derivatives("parascan.selective_scan")
+
+
 class _SelectiveScan(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -164,6 +179,7 @@ class _SelectiveScan(torch.autograd.Function):
         *tensors, softplus, backend = inputs
         checkpoints = output[2]
         ctx.save_for_backward(*tensors, checkpoints)
+        ctx.save_for_forward(*tensors)
         ctx.softplus, ctx.backend = softplus, backend
         ctx.mark_non_differentiable(checkpoints)
         # an unused output's gradient arrives as None, not as a tensor of zeros to fill
@@ -179,7 +195,12 @@ class _SelectiveScan(torch.autograd.Function):
             grad_out = torch.zeros_like(u)
         if grad_final is None:
             grad_final = u.new_zeros(batch, dim, A.shape[-1], dtype=state_dtype(A, u))
-        grads = _SelectiveScanBackward.apply(  # type: ignore[no-untyped-call]
+        fn = (
+            _SelectiveScanBackward
+            if torch.compiler.is_compiling()
+            else _SelectiveScanBackwardForwardMode
+        )
+        grads = fn.apply(  # type: ignore[no-untyped-call]
             *tensors, ctx.softplus, ctx.backend, checkpoints, grad_out, grad_final
         )
         need = ctx.needs_input_grad
@@ -190,12 +211,30 @@ class _SelectiveScan(torch.autograd.Function):
         )
 
 
+class _SelectiveScanForwardMode(_SelectiveScan):
+    """_SelectiveScan with forward-mode AD (torch.func.jvp, jacfwd). Kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Opt) -> tuple[Opt, ...]:
+        # The kernels have no forward mode: the tangents come from forward-mode AD
+        # through the torch backend's chunked forward (one chunk's states at a time),
+        # at the primal point the scan ran at.
+        def forward(*ops: Opt) -> tuple[Tensor, Tensor]:
+            out, final, _ = reference.forward_torch(*ops, ctx.softplus)
+            return out, final
+
+        t_out, t_final = jvp_through(forward, ctx.saved_tensors, tangents[:9])
+        return t_out, t_final, None
+
+
 def apply(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
     delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out, final) of canonical operands on a concrete backend, differentiable."""
-    out, final, _ = _SelectiveScan.apply(  # type: ignore[no-untyped-call]
+    fn = _SelectiveScan if torch.compiler.is_compiling() else _SelectiveScanForwardMode
+    out, final, _ = fn.apply(  # type: ignore[no-untyped-call]
         u, delta, A, B, C, D, z, delta_bias, initial, softplus, backend
     )
     return out, final

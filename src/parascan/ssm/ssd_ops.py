@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
-from parascan._op_utils import loop_vmap, refuse_second_derivatives, resolved, resolved_optional
+from parascan._op_utils import (
+    jvp_through,
+    loop_vmap,
+    refuse_second_derivatives,
+    resolved,
+    resolved_optional,
+)
 from parascan.ssm import ssd_cpu, ssd_triton
 from parascan.ssm import ssd_reference as reference
 from parascan.ssm.ssd_canonical import n_chunks
@@ -152,6 +158,15 @@ class _SSDScanBackward(torch.autograd.Function):
         refuse_second_derivatives("parascan.ssd_scan")
 
 
+class _SSDScanBackwardForwardMode(_SSDScanBackward):
+    """Forward mode over the backward (jacfwd of jacrev: hessians) raises the same error
+    as differentiating the backward; apart, as dynamo cannot trace a Function with jvp."""
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        refuse_second_derivatives("parascan.ssd_scan")
+
+
 class _SSDScan(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -167,9 +182,10 @@ class _SSDScan(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        *tensors, _want_final, backend = inputs
+        *tensors, want_final, backend = inputs
         ctx.save_for_backward(*tensors, output[2])
-        ctx.backend = backend
+        ctx.save_for_forward(*tensors)
+        ctx.backend, ctx.want_final = backend, want_final
         ctx.mark_non_differentiable(output[2])
         # an unused output's gradient arrives as None, not as a tensor of zeros to fill
         # (the checkpoints': 3 MiB at (1, 512, 24, 64, 64)); backward makes what it needs
@@ -184,7 +200,8 @@ class _SSDScan(torch.autograd.Function):
             grad_out = torch.zeros_like(x)
         if grad_final is None:  # no rows: zeros (_backward_op)
             grad_final = x.new_empty(0, heads, headdim, B.shape[-1])
-        grads = _SSDScanBackward.apply(  # type: ignore[no-untyped-call]
+        fn = _SSDScanBackward if torch.compiler.is_compiling() else _SSDScanBackwardForwardMode
+        grads = fn.apply(  # type: ignore[no-untyped-call]
             *tensors, checkpoints, grad_out, grad_final, ctx.backend
         )
         need = ctx.needs_input_grad
@@ -196,13 +213,31 @@ class _SSDScan(torch.autograd.Function):
         )
 
 
+class _SSDScanForwardMode(_SSDScan):
+    """_SSDScan with forward-mode AD (torch.func.jvp, jacfwd). Kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Opt) -> tuple[Opt, ...]:
+        # The kernels have no forward mode: the tangents come from forward-mode AD
+        # through the torch backend's forward (the dual form a chunk at a time), at the
+        # primal point the scan ran at.
+        def forward(*ops: Opt) -> tuple[Tensor, Tensor]:
+            out, final, _ = reference.forward_torch(*ops)
+            return out, final
+
+        t_out, t_final = jvp_through(forward, ctx.saved_tensors, tangents[:9])
+        return t_out, t_final if ctx.want_final else t_final[:0], None
+
+
 def apply(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
     cu_seqlens: Opt, backend: str, want_final: bool = True,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out, final) of canonical operands on a concrete backend, differentiable;
     ``final`` has no rows without ``want_final``."""
-    out, final, _ = _SSDScan.apply(  # type: ignore[no-untyped-call]
+    fn = _SSDScan if torch.compiler.is_compiling() else _SSDScanForwardMode
+    out, final, _ = fn.apply(  # type: ignore[no-untyped-call]
         x, dt, A, B, C, D, z, initial, cu_seqlens, want_final, backend
     )
     return out, final
