@@ -100,7 +100,13 @@ def backends(device: str | torch.device = "cpu") -> list[str]:
     >>> backends("cpu")[-2:]
     ['torch', 'loop']
     """
-    dev = _device(device)
+    try:
+        dev = _device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"parascan.backends: expected a device (a string such as 'cpu' or 'cuda:0', or a "
+            f"torch.device), but got {device!r} ({err})"
+        ) from None
     return [
         b
         for b in BACKENDS

@@ -102,3 +102,8 @@ def test_the_table_has_a_row_for_every_op_with_a_backend_argument():
         "parascan.selective_scan",
         "parascan.ssd_scan",
     }
+
+
+def test_backends_of_a_bad_device_names_the_function():
+    with pytest.raises(ValueError, match=r"parascan\.backends: expected a device .* 'foo'"):
+        ps.backends("foo")

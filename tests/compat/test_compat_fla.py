@@ -100,3 +100,16 @@ def test_bad_input_raises_naming_the_function(fn) -> None:
         fn(x[:1], x[:1], initial_state=torch.zeros(1, 3), cu_seqlens=torch.tensor([0, 1, 4]))
     with pytest.raises(ValueError, match=f"{name}: expected cu_seqlens to be non-decreasing"):
         fn(x[:1], x[:1], cu_seqlens=torch.tensor([0, 3]))
+    # integer or bool inputs: before, an integer x was scanned in float32 and the result
+    # cast back to x's dtype (ones with gate 0.5 gave 1, 1, 1 for 1, 1.5, 1.75)
+    ones = torch.ones(1, 4, 1, dtype=torch.int64)
+    with pytest.raises(TypeError, match=f"{name}: expected x to have a floating"):
+        fn(ones, torch.full((1, 4, 1), 0.5).log())
+    with pytest.raises(TypeError, match=f"{name}: expected x to have a floating"):
+        fn(ones.bool(), torch.zeros(1, 4, 1))
+    with pytest.raises(TypeError, match=f"{name}: expected g to have a floating"):
+        fn(torch.ones(1, 4, 1), torch.zeros(1, 4, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=f"{name}: expected all tensors on one device"):
+        fn(x, x, initial_state=torch.zeros(2, 3, device="meta"))
+    with pytest.raises(TypeError, match=f"{name}: expected a real initial_state"):
+        fn(x, x, initial_state=torch.zeros(2, 3, dtype=torch.complex64))

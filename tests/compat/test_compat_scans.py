@@ -42,6 +42,8 @@ def test_accelerated_scan_errors() -> None:
         accelerated_scan.scan(x[0], x[0])
     with pytest.raises(ValueError, match=r"one shape.*\(2, 3, 4\).*\(2, 3, 3\)"):
         accelerated_scan.scan(x, x[..., :3])
+    with pytest.raises(TypeError, match=r"accelerated_scan\.scan: expected gates to have a float"):
+        accelerated_scan.scan(x.long(), x)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from parascan._checks import describe
+from parascan._checks import check_dtype, describe
 from parascan.first_order import linear_scan
 
 __all__ = ["scan"]
@@ -43,4 +43,6 @@ def scan(gates: Tensor, tokens: Tensor) -> Tensor:
             f"{fn}: expected gates and tokens of one shape (B, C, T), but got gates "
             f"{tuple(gates.shape)} and tokens {tuple(tokens.shape)}"
         )
+    check_dtype(fn, "gates", gates)
+    check_dtype(fn, "tokens", tokens)
     return linear_scan(gates, tokens, -1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import describe
+from parascan._checks import check_dtype, check_same_device, describe
 from parascan.first_order import linear_scan
 from parascan.first_order.varlen import check_cu_seqlens
 
@@ -55,6 +55,16 @@ def _hgrn(
         raise ValueError(
             f"{fn}: expected initial_state of shape (N, D) = {(n, width)} (N: the batch, or the "
             f"number of sequences with cu_seqlens), but got {describe(initial_state)}"
+        )
+    named = [("x", x), ("g", g)] + (
+        [] if initial_state is None else [("initial_state", initial_state)]
+    )
+    for name, t in named:
+        check_dtype(fn, name, t)  # an integer x came back truncated to its dtype before
+    check_same_device(fn, named)
+    if initial_state is not None and initial_state.is_complex() and not x.is_complex():
+        raise TypeError(
+            f"{fn}: expected a real initial_state with a real x, but got {describe(initial_state)}"
         )
     wide = torch.promote_types(x.dtype, torch.float32)
     gates = g.to(wide).exp()  # the gate's exp in (at least) float32, as the originals
