@@ -124,6 +124,30 @@ def test_compile_fullgraph(dim) -> None:
 # --- errors ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("reduce", [False, True])
+def test_dicts_match_by_keys_not_insertion_order(reduce) -> None:
+    """A combine_fn may build its dicts in any key order (JAX's pytrees sort keys):
+    the leaves are matched by key. Before, a reordered dict was refused; the leaves
+    must not be swapped either (a first-order recurrence, where swapping is wrong)."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.rand(7, 2, generator=gen), torch.randn(7, 2, generator=gen)
+
+    def combine(p, q):  # returns its keys in the other order, one dict nested
+        return ({"a": p[0]["a"] * q[0]["a"], "b": q[0]["a"] * p[0]["b"] + q[0]["b"]}, p[1] + q[1])
+
+    elems = ({"b": b, "a": a}, b)
+    want_x, h = [], torch.zeros(2)
+    for t in range(7):
+        h = a[t] * h + b[t]
+        want_x.append(h)
+    fn = ps.associative_reduce if reduce else ps.associative_scan
+    got = fn(combine, elems, 0)
+    assert list(got[0]) == ["b", "a"]
+    want = torch.stack(want_x)
+    torch.testing.assert_close(got[0]["b"], want[-1] if reduce else want)
+    torch.testing.assert_close(got[1], b.sum(0) if reduce else b.cumsum(0))
+
+
 def test_errors_name_the_function_and_what_was_received() -> None:
     x = torch.randn(5, 3)
     with pytest.raises(TypeError, match=r"parascan\.associative_scan: expected combine_fn"):

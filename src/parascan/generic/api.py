@@ -28,8 +28,9 @@ class _Combine:
             leaves = [self.combine_fn(lhs[0], rhs[0])]
         else:
             unflatten = pytree.tree_unflatten
-            out = self.combine_fn(unflatten(lhs, self.spec), unflatten(rhs, self.spec))
-            leaves, spec = pytree.tree_flatten(out)
+            like = unflatten(lhs, self.spec)
+            out = self.combine_fn(like, unflatten(rhs, self.spec))
+            leaves, spec = pytree.tree_flatten(_keys_in_order_of(out, like))
             if spec != self.spec and _loose_spec(spec) != _loose_spec(self.spec):
                 raise TypeError(
                     f"{self.fn}: expected combine_fn to return the structure of its inputs "
@@ -42,6 +43,27 @@ class _Combine:
                     f"inputs, {tuple(like.shape)} for this leaf, but got {describe(leaf)}"
                 )
         return leaves
+
+
+def _keys_in_order_of(tree: Any, like: Any) -> Any:
+    """``tree`` with each dict's keys in the order of ``like``'s matching dict: dicts are
+    matched by keys, not insertion order (as JAX's pytrees, which sort them), so a
+    combine_fn may build its result's dicts in any order."""
+    if isinstance(tree, dict) and isinstance(like, dict) and tree.keys() == like.keys():
+        return {k: _keys_in_order_of(tree[k], like[k]) for k in like}
+    if (
+        isinstance(tree, (list, tuple))
+        and isinstance(like, (list, tuple))
+        and len(tree) == len(like)
+    ):
+        items = [_keys_in_order_of(t, u) for t, u in zip(tree, like, strict=True)]
+        return items if type(tree) is list else _same_tuple_type(tree, items)
+    return tree
+
+
+def _same_tuple_type(tree: tuple, items: list) -> tuple:
+    """A tuple of ``tree``'s type (a namedtuple takes its fields) holding ``items``."""
+    return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
 
 
 def _as_tuples(tree: Any) -> Any:
