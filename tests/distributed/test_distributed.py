@@ -463,3 +463,77 @@ def _packed_worker(rank, world, init_file):
 def test_packed_sequences_across_ranks() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_packed_worker, args=(3, os.path.join(tmp, "init")), nprocs=3, join=True)
+
+
+def _precision_worker(rank, world, init_file):
+    """Three cases that went wrong, each against the float64 loop of the whole
+    sequence: half types (the shards' gate products and log-gate sums, and the states
+    crossing ranks, were kept in the half type: float16 finals 11% off, a bfloat16
+    log final a factor e^1.5 off), and float32 gates whose product overflows where
+    the scan does not (inf * 0 made NaN of every later rank's output)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        steps = 700
+        d = 1
+        g = torch.Generator().manual_seed(5)
+        # float16, linear: gates 0.999 (their product over a shard, 0.50, came out 0.53)
+        gates = torch.full((1, world * steps, 3), 0.999, dtype=torch.float64)
+        tokens = torch.rand(1, world * steps, 3, generator=g, dtype=torch.float64) * 1e-3
+        gates, tokens = gates.half().double(), tokens.half().double()  # the inputs it sees
+        x, x_final = linear_loop(gates, tokens, d, None, False)
+        mine = [t.narrow(d, rank * steps, steps).half().requires_grad_() for t in (gates, tokens)]
+        got, got_final = psd.linear_scan(*mine, d, return_final=True)
+        assert got.dtype == got_final.dtype == torch.float16
+        assert_matches(got, x.narrow(d, rank * steps, steps), torch.float16)
+        assert_matches(got_final, x_final, torch.float16)
+        # its gradients against autograd through the loop (a loss of the final state,
+        # counted on rank 0: every rank's final-state gradient reaches every shard)
+        leaves = [t.clone().requires_grad_() for t in (gates, tokens)]
+        want = torch.autograd.grad(linear_loop(*leaves, d, None, False)[1].sum(), leaves)
+        grads = torch.autograd.grad(got_final.sum() * (rank == 0), mine)
+        for grad, w in zip(grads, want, strict=True):
+            assert grad.dtype == torch.float16
+            assert_matches(grad, w.narrow(d, rank * steps, steps), torch.float16)
+        # bfloat16, log space: log gates summing to -705 per shard (-704 in bfloat16)
+        log_gates = torch.full((1, world * steps, 2), -1.0078, dtype=torch.float64)
+        log_tokens = torch.full((1, world * steps, 2), -20.0, dtype=torch.float64)
+        log_tokens[:, 0] = 2120.0
+        log_gates, log_tokens = log_gates.bfloat16().double(), log_tokens.bfloat16().double()
+        logs, log_final = log_loop(log_gates, log_tokens, d, None, False)
+        got, got_final = psd.log_linear_scan(
+            log_gates.narrow(d, rank * steps, steps).bfloat16(),
+            log_tokens.narrow(d, rank * steps, steps).bfloat16(), d, return_final=True,
+        )  # fmt: skip
+        assert_matches(got, logs.narrow(d, rank * steps, steps), torch.bfloat16)
+        assert_matches(got_final, log_final, torch.bfloat16)
+        # float32 gates 2 on rank 0 (product 2^700 = inf), zero tokens there
+        gates = torch.where(torch.arange(world * steps) < steps, 2.0, 0.99).to(torch.float64)
+        tokens = torch.zeros(world * steps, dtype=torch.float64)
+        tokens[steps] = 1.0
+        x, _ = linear_loop(gates, tokens, 0, None, False)
+        got = psd.linear_scan(
+            gates.narrow(0, rank * steps, steps).float(),
+            tokens.narrow(0, rank * steps, steps).float(), 0,
+        )  # fmt: skip
+        assert not got.isnan().any()
+        assert_matches(got, x.narrow(0, rank * steps, steps), torch.float32)
+        # gates 1e20, 1e-20, ... on rank 0: torch.prod's lanes overflow, the running
+        # product stays 1
+        gates = torch.full((world * steps,), 0.5, dtype=torch.float64)
+        gates[:steps:2], gates[1:steps:2] = 1e20, 1e-20
+        tokens = torch.ones(world * steps, dtype=torch.float64)
+        x, x_final = linear_loop(gates, tokens, 0, None, False)
+        got, got_final = psd.linear_scan(
+            gates.narrow(0, rank * steps, steps).float(),
+            tokens.narrow(0, rank * steps, steps).float(), 0, return_final=True,
+        )  # fmt: skip
+        assert_matches(got, x.narrow(0, rank * steps, steps), torch.float32)
+        assert_matches(got_final, x_final, torch.float32)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_half_types_and_overflowing_products_across_ranks() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_precision_worker, args=(3, os.path.join(tmp, "init")), nprocs=3, join=True)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._op_utils import conj, state_shape
+from parascan._op_utils import state_shape
 from parascan.distributed.api import (
     _LENGTH,
     _all_gather_stacked,
@@ -62,6 +62,8 @@ from parascan.distributed.api import (
     _real_view,
     _Sharded,
     _wire_device,
+    apply_map,
+    carry_back,
 )
 from parascan.first_order.arguments import Prepared
 from parascan.first_order.varlen import _OPS, _finals, check_cu_seqlens
@@ -247,7 +249,7 @@ class _PackedShardScan(torch.autograd.Function):
         for q in _scan_order(shards, reverse):
             carries[q] = h
             x, y = gathered[q, 0], gathered[q, 1]
-            h = ring.step(x, h, y) if shards[q].covered else y
+            h = apply_map(ring, x, h, y) if shards[q].covered else y
         final = zero.new_zeros(0)
         if return_final:
             base = initial
@@ -258,7 +260,7 @@ class _PackedShardScan(torch.autograd.Function):
                 for i, s in enumerate(shard.ending):
                     row = gathered[q, 2 + i]
                     if shard.carried and s == shard.first:
-                        row = ring.step(gathered[q, 0], carries[q], row)
+                        row = apply_map(ring, gathered[q, 0], carries[q], row)
                     each[s] = row
             final = torch.stack(each, dim) if each else base.clone()
         # 4. the carried sequence's steps from its carry
@@ -311,11 +313,11 @@ class _PackedShardScan(torch.autograd.Function):
             shard = shards[q]
             leaving[q] = nxt
             lam = gathered[q, 0]
-            mq = conj(gathered[q, 1])
+            mq = gathered[q, 1]
             if ctx.return_final and shard.carried and shard.first in shard.ending:
-                lam = lam + mq * (summed[shard.first] - gathered[q, 2 + shard.first])
+                lam = carry_back(mq, summed[shard.first] - gathered[q, 2 + shard.first], lam)
             if shard.covered:
-                lam = lam + mq * nxt
+                lam = carry_back(mq, nxt, lam)
             nxt = lam if shard.carried else torch.zeros_like(carry)
         grad_gates, grad_tokens = torch.zeros_like(gates), torch.zeros_like(tokens)
         grad_start = None

@@ -178,6 +178,15 @@ def _log_step_(a: Tensor, s: Tensor, b: Tensor, out: Tensor) -> Tensor:
     return out.copy_(logaddexp(a + s, b))
 
 
+def _ordered_product(gates: Tensor, dim: int) -> Tensor:
+    """The gates' product along ``dim`` in their order, as the scan multiplies them:
+    torch.prod's vectorized reduction groups the factors by lanes, whose partial
+    products can overflow where the running product does not (1e20, 1e-20, ...)."""
+    if gates.shape[dim] == 0:
+        return torch.prod(gates, dim)  # ones
+    return torch.cumprod(gates, dim).select(dim, -1)
+
+
 LINEAR = Semiring(
     name="linear",
     code=0,
@@ -188,7 +197,7 @@ LINEAR = Semiring(
     step=lambda a, s, b: a * s + b,
     step_=lambda a, s, b, out: torch.addcmul(b, a, s, out=out),
     compose_=lambda p, a, out: torch.mul(p, a, out=out),
-    total=torch.prod,
+    total=_ordered_product,
     backward_reads_tokens=False,
     partials=_linear_partials,
 )
