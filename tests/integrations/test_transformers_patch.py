@@ -442,8 +442,43 @@ def test_mamba2_training_runs_the_fused_layer(monkeypatch, name) -> None:
     model = build(name).train()
     ids, mask = inputs()
     integration.patch()
-    model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    model(ids, attention_mask=torch.ones_like(mask), labels=ids, use_cache=False).loss.backward()
     assert calls[0] == 2  # 2 Mamba-2 layers
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    assert calls[0] == 4
+    # a padded batch declines the fused layer: the unfused path masks again after the
+    # convolution (test_mamba2_training_with_left_padding)
+    model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    assert calls[0] == 4
+
+
+@pytest.mark.parametrize("name", ["mamba2", "bamba"])
+def test_mamba2_training_with_left_padding(name) -> None:
+    """Training on a left-padded batch with a convolution bias (zero at initialization,
+    not after training): logits, loss and every gradient equal unpatched. Before, the
+    fused layer (as mamba_ssm's kernel) let the bias at the padded steps into the state:
+    the padded row's logits differed by 5e-3 and some gradients by 1%."""
+    model = build(name).train()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Conv1d) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen))
+    ids, mask = inputs()
+
+    def run():  # type: ignore[no-untyped-def]
+        model.zero_grad(set_to_none=True)
+        out = model(ids, attention_mask=mask, labels=ids, use_cache=False)
+        out.loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return out.logits.detach(), out.loss.detach(), grads
+
+    (got_logits, got_loss, got), (want_logits, want_loss, want) = both(run)
+    close(got_logits, want_logits, "logits")
+    close(got_loss, want_loss, "loss")
+    assert got.keys() == want.keys()
+    for k in want:
+        close(got[k], want[k], k)
 
 
 def test_mamba2_packed_sequences_stay_apart() -> None:

@@ -56,6 +56,12 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
     a causal convolution of a few shifted multiply-adds (forward and backward) and
     :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
     mixer runs its unfused torch path.
+``apply_mask_to_padding_states``
+    unchanged in what it computes; it notes whether the attention mask pads any step,
+    and after a padded mask the fused training path declines: the mixer's unfused path
+    (patched) zeroes the convolution's output at the padded steps again, as unpatched,
+    where the fused path (mamba_ssm's kernel too) lets a convolution bias there reach the
+    state.
 
 Both families, where their modules define them:
 
@@ -94,6 +100,7 @@ import inspect
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,7 +249,15 @@ def split_conv_scan(
     ``seq_idx`` (batch, L) or ``cu_seqlens`` (batch 1) among the other keywords mark
     packed sequences (neither the convolution nor the scan crosses a boundary); the
     rest (the model's attention keywords) are dropped. ``rmsnorm_eps`` None (a mixer
-    without the norm) is not read."""
+    without the norm) is not read.
+
+    After a padded attention mask (see :func:`mask_padding`) it declines (returns None),
+    and the mixer runs its unfused path, patched: that path zeroes the convolution's
+    output at the padded steps again before the scan, which this fused path, as
+    mamba_ssm's kernel, does not (with a convolution bias, left padding then reaches
+    the scan's state and the real tokens' outputs)."""
+    if _take_padded():
+        return None  # type: ignore[return-value]
     seq_idx = kwargs.get("seq_idx")
     cu_seqlens = kwargs.get("cu_seqlens")
     if seq_idx is None and cu_seqlens is not None:
@@ -255,6 +270,33 @@ def split_conv_scan(
         outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim,
         ngroups=ngroups, norm_before_gate=norm_before_gate,
     )  # fmt: skip
+
+
+_PADDING = threading.local()
+
+
+def _take_padded() -> bool:
+    """Whether the last :func:`mask_padding` call (this thread's) masked padded steps;
+    read once."""
+    padded = getattr(_PADDING, "padded", False)
+    _PADDING.padded = False
+    return bool(padded)
+
+
+def mask_padding(hidden_states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """Replaces transformers' ``apply_mask_to_padding_states`` (same parameters and
+    result: the original's), noting whether the mask pads any step. The Mamba-2 mixers
+    call it on their input just before their fused training path, which then declines
+    for a padded batch (:func:`split_conv_scan`)."""
+    _PADDING.padded = (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and attention_mask.shape[0] > 1
+        and attention_mask.shape[1] > 1
+        and not bool(attention_mask.all())
+    )
+    result: Tensor = _conv_original("apply_mask_to_padding_states")(hidden_states, attention_mask)
+    return result
 
 
 def _seq_idx_from_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> Tensor:
@@ -487,6 +529,13 @@ _MAMBA2 = _Family(
                 "ngroups",
                 "norm_before_gate",
             ),
+            required=False,
+        ),
+        # Where the fused path is there: it declines after a padded mask.
+        _Function(
+            "apply_mask_to_padding_states",
+            mask_padding,
+            ("hidden_states", "attention_mask"),
             required=False,
         ),
         *_CONVOLUTION,
