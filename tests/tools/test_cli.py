@@ -185,6 +185,23 @@ def test_bench_backend_times_only_that_backend() -> None:
     assert [(r["case"], r["impl"]) for r in rows] == [("any", "torch")]
 
 
+@pytest.mark.parametrize(("only", "left_out"), [("loop", "cpu"), ("cpu", "loop")])
+def test_bench_backend_filters_the_generic_table(only, left_out) -> None:
+    """The generic table's implementations that run one parascan backend follow
+    --backend too (it once timed matrix_linear_scan's cpu backend under --backend
+    loop); those without a backend choice stay."""
+    from parascan.tools.bench_generic import GenericCase
+
+    out = io.StringIO()
+    status = bench.run_bench(
+        cases=[], generic_cases=[GenericCase("m", "matrix", (16, 4), peers=False)],
+        backend_names=[only], repeat=1, as_json=True, out=out,
+    )  # fmt: skip
+    assert status == 0
+    impls = [r["impl"] for r in json.loads(out.getvalue())["generic_rows"]]
+    assert impls == [f"matrix_linear_scan {only}"], impls
+
+
 def test_bench_never_reports_a_speed_for_a_wrong_result(monkeypatch) -> None:
     from dataclasses import replace
 

@@ -497,6 +497,7 @@ def run_bench(
             for c in cases
         ]
         cases = [c for c in cases if c.backends]
+        generic = [replace(c, backends=tuple(backend_names)) for c in generic]
     steps = sum(len(_implementations(c)) for c in cases)
     if plot_path:
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))

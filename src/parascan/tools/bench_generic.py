@@ -46,6 +46,8 @@ class GenericCase:
     kind: str  # "cumprod", "reduce", "matrix" or "first-order"
     shape: tuple[int, ...]
     peers: bool = True
+    # parascan's backends to time where an implementation names one (None: all)
+    backends: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -160,8 +162,17 @@ _IMPLS = {
 }
 
 
+# The implementations that run one parascan backend (the others have no backend choice).
+_BACKEND_OF = {"matrix_linear_scan cpu": "cpu", "matrix_linear_scan loop": "loop"}
+
+
 def implementation_names(case: GenericCase) -> list[str]:
-    return [name for name, source in _IMPLS[case.kind] if case.peers or source == "parascan"]
+    return [
+        name
+        for name, source in _IMPLS[case.kind]
+        if (case.peers or source == "parascan")
+        and (case.backends is None or _BACKEND_OF.get(name) in (None, *case.backends))
+    ]
 
 
 def _setup(case: GenericCase) -> tuple[list[Impl], Callable[[], object], torch.Tensor]:
