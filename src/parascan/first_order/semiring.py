@@ -179,12 +179,15 @@ def _log_step_(a: Tensor, s: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 
 def _ordered_product(gates: Tensor, dim: int) -> Tensor:
-    """The gates' product along ``dim`` in their order, as the scan multiplies them:
-    torch.prod's vectorized reduction groups the factors by lanes, whose partial
-    products can overflow where the running product does not (1e20, 1e-20, ...)."""
-    if gates.shape[dim] == 0:
-        return torch.prod(gates, dim)  # ones
-    return torch.cumprod(gates, dim).select(dim, -1)
+    """The gates' product along ``dim`` as the scan multiplies them, in order, where it
+    matters: torch.prod's vectorized reduction groups the factors by lanes, whose
+    partial products can overflow where the running product does not (1e20, 1e-20,
+    ...). Where its result is not finite, the running product (cumprod's last; a
+    temporary the size of ``gates``, so not by default) decides."""
+    total = torch.prod(gates, dim)
+    if gates.shape[dim] and not bool(torch.isfinite(total).all()):
+        total = torch.cumprod(gates, dim).select(dim, -1)
+    return total
 
 
 LINEAR = Semiring(
