@@ -701,7 +701,11 @@ def forward_mode_checks(
     """Forward-mode AD of ``fn`` (the scan on a float64 problem ``p``) against the
     oracle's, through torch.func.jvp and torch.autograd.forward_ad, every tensor input
     moving; jacfwd against jacrev in ``x_name``; and a hessian's clear refusal."""
-    names = [k for k, v in p.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    names = [
+        k
+        for k, v in p.items()
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+    ]
     primals = tuple(p[k] for k in names)
     tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in primals)
 
@@ -726,5 +730,18 @@ def forward_mode_checks(
 
     x = p[x_name]
     torch.testing.assert_close(torch.func.jacfwd(first)(x), torch.func.jacrev(first)(x))
+
+    # reverse over forward (the tangents' own computation differentiated): the
+    # oracle's second derivatives (were silently zero: the tangents were computed
+    # under no_grad); forward over reverse (torch.func.hessian) refuses
+    def total(f):  # type: ignore[no-untyped-def]
+        return lambda v: f({**p, x_name: v})[0].real.sum()
+
+    direction = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+
+    def hvp(f):  # type: ignore[no-untyped-def]  # grad of a jvp: one Hessian-vector product
+        return torch.func.grad(lambda v: torch.func.jvp(total(f), (v,), (direction,))[1])(x)
+
+    torch.testing.assert_close(hvp(fn), hvp(oracle))
     with pytest.raises(RuntimeError, match=rf"{public}: second derivatives"):
-        torch.func.hessian(lambda v: first(v).sum())(x)
+        torch.func.hessian(total(fn))(x)

@@ -155,4 +155,10 @@ def jvp_through(
             forward_ad.make_dual(forward_ad.unpack_dual(v).primal, d)  # type: ignore[arg-type]
             for v, d in zip(values, directions, strict=True)
         ]
-        return tuple(forward_ad.unpack_dual(o).tangent for o in partial(*duals))
+        outs = partial(*duals)
+        # an output built from no dual (L = 0: zeros, an initial state passed through
+        # by the op's own rules) has no tangent: zeros, as torch.func.jvp gives
+        tangents_out = [forward_ad.unpack_dual(o).tangent for o in outs]
+        return tuple(
+            torch.zeros_like(o) if t is None else t for o, t in zip(outs, tangents_out, strict=True)
+        )

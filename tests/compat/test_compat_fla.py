@@ -113,3 +113,5 @@ def test_bad_input_raises_naming_the_function(fn) -> None:
         fn(x, x, initial_state=torch.zeros(2, 3, device="meta"))
     with pytest.raises(TypeError, match=f"{name}: expected a real initial_state"):
         fn(x, x, initial_state=torch.zeros(2, 3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=f"{name}: expected a real g with a real x"):
+        fn(x, x.to(torch.complex64))

@@ -517,10 +517,11 @@ def _precision_worker(rank, world, init_file):
         )  # fmt: skip
         assert not got.isnan().any()
         assert_matches(got, x.narrow(0, rank * steps, steps), torch.float32)
-        # gates 1e20, 1e-20, ... on rank 0: torch.prod's lanes overflow, the running
-        # product stays 1
+        # gates 1e20, 1e-20, ... on rank 1, entered with a state of about 2: torch.prod's
+        # lanes overflow (NaN), the running product stays near 1
         gates = torch.full((world * steps,), 0.5, dtype=torch.float64)
-        gates[:steps:2], gates[1:steps:2] = 1e20, 1e-20
+        gates[steps : 2 * steps : 2], gates[steps + 1 : 2 * steps : 2] = 1e20, 1e-20
+        gates = gates.float().double()  # the inputs it sees
         tokens = torch.ones(world * steps, dtype=torch.float64)
         x, x_final = linear_loop(gates, tokens, 0, None, False)
         got, got_final = psd.linear_scan(

@@ -258,6 +258,21 @@ def test_vmap_and_grad(where, gen):
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_dual_tensors_of_an_empty_scan(where, gen):
+    """L = 0 under torch.autograd.forward_ad: out has no steps and the final state is
+    the initial one, its tangent the initial's (an internal assert of torch before: an
+    output built from no dual had no tangent)."""
+    p = _cast(_problem(gen, length=0), torch.float64, where.device)
+    fwd = torch.autograd.forward_ad
+    t = torch.randn(p["initial"].shape, generator=gen, dtype=torch.float64)
+    with fwd.dual_level():
+        q = {**p, "initial": fwd.make_dual(p["initial"], t)}
+        out, final = _run(q, where.backend)
+        assert fwd.unpack_dual(out).tangent is None or not fwd.unpack_dual(out).tangent.numel()
+        torch.testing.assert_close(fwd.unpack_dual(final).tangent, t)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("complex_a", [False, True])
 def test_forward_mode_against_loop(where, gen, complex_a):
     """torch.func.jvp, jacfwd and torch.autograd.forward_ad (the kernels have no

@@ -250,6 +250,27 @@ def test_gradcheck_float64(where, gen):
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("want_final", [False, True])
+def test_dual_tensors_of_an_empty_scan(where, gen, want_final):
+    """L = 0 under torch.autograd.forward_ad (raised before: an output built from no
+    dual had no tangent): the final state's tangent is the initial's."""
+    p = _problem(gen, length=0)
+    fwd = torch.autograd.forward_ad
+    t = torch.randn(p["x"].shape, generator=gen, dtype=F64)
+    with fwd.dual_level():
+        q = dict(p)
+        args = [q.pop(k) for k in ("x", "dt", "A", "B", "C")]
+        args[0] = fwd.make_dual(args[0], t)
+        got = ps.ssd_scan(*args, **q, return_final=want_final, backend=where.backend)
+        out, final = got if want_final else (got, None)
+        assert out.shape == p["x"].shape
+        if want_final:
+            torch.testing.assert_close(final, p["initial"])
+            tangent = fwd.unpack_dual(final).tangent
+            assert tangent is None or not tangent.abs().any()
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("packed", [False, True])
 def test_forward_mode_against_loop(where, gen, packed):
     """torch.func.jvp, jacfwd and torch.autograd.forward_ad against the float64 loop's

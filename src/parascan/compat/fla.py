@@ -62,10 +62,9 @@ def _hgrn(
     for name, t in named:
         check_dtype(fn, name, t)  # an integer x came back truncated to its dtype before
     check_same_device(fn, named)
-    if initial_state is not None and initial_state.is_complex() and not x.is_complex():
-        raise TypeError(
-            f"{fn}: expected a real initial_state with a real x, but got {describe(initial_state)}"
-        )
+    for name, t in named[1:]:
+        if t.is_complex() and not x.is_complex():
+            raise TypeError(f"{fn}: expected a real {name} with a real x, but got {describe(t)}")
     wide = torch.promote_types(x.dtype, torch.float32)
     gates = g.to(wide).exp()  # the gate's exp in (at least) float32, as the originals
     o, final = linear_scan(

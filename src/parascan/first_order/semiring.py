@@ -179,11 +179,11 @@ def _log_step_(a: Tensor, s: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 
 def _ordered_product(gates: Tensor, dim: int) -> Tensor:
-    """The gates' product along ``dim`` as the scan multiplies them, in order, where it
-    matters: torch.prod's vectorized reduction groups the factors by lanes, whose
-    partial products can overflow where the running product does not (1e20, 1e-20,
-    ...). Where its result is not finite, the running product (cumprod's last; a
-    temporary the size of ``gates``, so not by default) decides."""
+    """The gates' product along ``dim``. torch.prod's vectorized reduction groups the
+    factors by lanes, whose partial products can overflow where a running product does
+    not (1e20, 1e-20, ...): where its result is not finite, the running product
+    (cumprod's last, from the first step; a temporary the size of ``gates``, so not by
+    default) decides."""
     total = torch.prod(gates, dim)
     if gates.shape[dim] and not bool(torch.isfinite(total).all()):
         total = torch.cumprod(gates, dim).select(dim, -1)

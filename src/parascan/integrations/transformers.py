@@ -256,7 +256,7 @@ def split_conv_scan(
     output at the padded steps again before the scan, which this fused path, as
     mamba_ssm's kernel, does not (with a convolution bias, left padding then reaches
     the scan's state and the real tokens' outputs)."""
-    if _take_padded():
+    if _take_padded(zxbcdt):
         return None  # type: ignore[return-value]
     seq_idx = kwargs.get("seq_idx")
     cu_seqlens = kwargs.get("cu_seqlens")
@@ -275,26 +275,24 @@ def split_conv_scan(
 _PADDING = threading.local()
 
 
-def _take_padded() -> bool:
-    """Whether the last :func:`mask_padding` call (this thread's) masked padded steps;
-    read once."""
-    padded = getattr(_PADDING, "padded", False)
-    _PADDING.padded = False
-    return bool(padded)
+def _take_padded(zxbcdt: Tensor) -> bool:
+    """Whether the attention mask of this thread's last :func:`mask_padding` call pads a
+    step of the batch ``zxbcdt`` (batch, L, ...) is for; read once. Only here is the
+    mask read (a device sync; under torch.compile any mask counts as padded, a value
+    the graph cannot depend on), so evaluation and decoding never pay for it."""
+    mask = getattr(_PADDING, "mask", None)
+    _PADDING.mask = None
+    if mask is None or tuple(mask.shape) != tuple(zxbcdt.shape[:2]):
+        return False
+    return torch.compiler.is_compiling() or not bool(mask.all())
 
 
 def mask_padding(hidden_states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Replaces transformers' ``apply_mask_to_padding_states`` (same parameters and
-    result: the original's), noting whether the mask pads any step. The Mamba-2 mixers
-    call it on their input just before their fused training path, which then declines
-    for a padded batch (:func:`split_conv_scan`)."""
-    _PADDING.padded = (
-        attention_mask is not None
-        and attention_mask.dim() == 2
-        and attention_mask.shape[0] > 1
-        and attention_mask.shape[1] > 1
-        and not bool(attention_mask.all())
-    )
+    result: the original's), keeping the mask for :func:`split_conv_scan`: the Mamba-2
+    mixers call this on their input just before their fused training path, which
+    declines when the mask pads a step."""
+    _PADDING.mask = attention_mask if isinstance(attention_mask, Tensor) else None
     result: Tensor = _conv_original("apply_mask_to_padding_states")(hidden_states, attention_mask)
     return result
 

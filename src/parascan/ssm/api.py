@@ -298,9 +298,10 @@ def selective_state_update(
 
     b_row, c_row = per_unit(mats[0]), per_unit(mats[1])
     xc = x.to(cd)
-    # a copy of the old state: autograd keeps it for decay's gradient, and copy_ below
-    # overwrites the state itself
-    new = torch.addcmul(decay * state.to(decay.dtype, copy=True), (step * xc)[..., None], b_row)
+    # a copy of the old state where autograd records: it keeps it for decay's gradient,
+    # and copy_ below overwrites the state itself (decoding, under no_grad, copies nothing)
+    old = state.to(decay.dtype, copy=torch.is_grad_enabled())
+    new = torch.addcmul(decay * old, (step * xc)[..., None], b_row)
     y = (c_row * new).sum(-1)
     y = 2 * y.real if y.is_complex() else y
     if "D" in extras:

@@ -109,16 +109,17 @@ def _forward(
     k = CHECKPOINT_STEPS[backend]
     h = _initial_state(u, A, initial)
     checkpoints, outs = [], []
-    with torch.no_grad():
-        for start in range(0, steps, k):
-            stop = min(start + k, steps)
-            checkpoints.append(h)
-            y, h = chunk_forward(
-                u[..., start:stop], delta[..., start:stop], A, _bc_slice(B, start, stop),
-                _bc_slice(C, start, stop), D, _time_slice(z, start, stop), delta_bias, h,
-                softplus, loop,
-            )  # fmt: skip
-            outs.append(y)
+    # No torch.no_grad here: inside the op autograd does not record anyway, and the
+    # forward mode (ops.py) runs this under reverse mode too (jacrev of jacfwd)
+    for start in range(0, steps, k):
+        stop = min(start + k, steps)
+        checkpoints.append(h)
+        y, h = chunk_forward(
+            u[..., start:stop], delta[..., start:stop], A, _bc_slice(B, start, stop),
+            _bc_slice(C, start, stop), D, _time_slice(z, start, stop), delta_bias, h,
+            softplus, loop,
+        )  # fmt: skip
+        outs.append(y)
     out = torch.cat(outs, dim=-1) if outs else u.new_zeros(u.shape)
     ckpt = (
         torch.stack(checkpoints, dim=2)

@@ -273,30 +273,29 @@ def _forward(
             return x.new_zeros(batch, heads, headdim, n)
         return initial[_rows(s, packed)]
 
-    # no in-place writes (lists, then one cat): the forward mode of the scans runs
-    # this under torch.func.jvp and jacfwd (ssd_ops.py), where tangents are batched
+    # no in-place writes (lists, then one cat) and no torch.no_grad: the forward mode
+    # of the scans runs this under torch.func.jvp and jacfwd (ssd_ops.py), where
+    # tangents are batched, and under reverse mode (jacrev of jacfwd); inside the op
+    # autograd does not record anyway
     outs, entering = [], []
     finals: list[Tensor | None] = [None] * (len(bounds) - 1)
     h = x.new_zeros(batch, heads, headdim, n)
-    with torch.no_grad():
-        for chunk in plan:
-            h0 = h if chunk.entry is None else start_state(chunk.entry)
-            entering.append(h0)
-            fresh = None if initial is None or not chunk.fresh else initial[chunk.fresh]
-            s = slice(chunk.start, chunk.stop)
-            y, h, ends = _chunk_forward(
-                piece, chunk.pieces, x[:, s], dt[:, s], A, B[:, s], C[:, s], D,
-                None if z is None else z[:, s], h0, fresh,
-            )  # fmt: skip
-            outs.append(y)
-            for seq, state in zip(chunk.ending, ends, strict=True):
-                finals[seq] = state
-        out = torch.cat(outs, 1) if outs else x.new_zeros(x.shape)
-        checkpoints = (
-            torch.stack(entering, 1) if entering else x.new_zeros(batch, 0, heads, headdim, n)
-        )
-        states = [start_state(s) if f is None else f for s, f in enumerate(finals)]
-        final = torch.cat(states) if states else x.new_zeros(0, heads, headdim, n)
+    for chunk in plan:
+        h0 = h if chunk.entry is None else start_state(chunk.entry)
+        entering.append(h0)
+        fresh = None if initial is None or not chunk.fresh else initial[chunk.fresh]
+        s = slice(chunk.start, chunk.stop)
+        y, h, ends = _chunk_forward(
+            piece, chunk.pieces, x[:, s], dt[:, s], A, B[:, s], C[:, s], D,
+            None if z is None else z[:, s], h0, fresh,
+        )  # fmt: skip
+        outs.append(y)
+        for seq, state in zip(chunk.ending, ends, strict=True):
+            finals[seq] = state
+    out = torch.cat(outs, 1) if outs else x.new_zeros(x.shape)
+    checkpoints = torch.stack(entering, 1) if entering else x.new_zeros(batch, 0, heads, headdim, n)
+    states = [start_state(s) if f is None else f for s, f in enumerate(finals)]
+    final = torch.cat(states) if states else x.new_zeros(0, heads, headdim, n)
     return out, final, checkpoints
 
 
