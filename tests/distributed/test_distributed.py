@@ -18,6 +18,13 @@ import parascan.distributed as psd
 from conftest import assert_matches
 from oracles import linear_loop, log_loop, packed_loop
 
+
+def _spawn(worker, world: int) -> None:  # type: ignore[no-untyped-def]
+    """``worker(rank, world, init_file)`` on ``world`` processes of one gloo group."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(world, os.path.join(tmp, "init")), nprocs=world, join=True)
+
+
 # (shape of the whole sequence, dim, shard lengths per world size)
 CASES = [
     ((2, 13, 3), 1, {2: [7, 6], 4: [5, 0, 7, 1]}),
@@ -153,8 +160,7 @@ def _worker(rank, world, init_file):
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_one_process(world) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init")), nprocs=world, join=True)
+    _spawn(_worker, world)
 
 
 def test_needs_a_process_group() -> None:
@@ -332,8 +338,7 @@ def _mismatch_worker(rank, world, init_file):
 
 
 def test_shards_that_disagree_raise_on_every_rank() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_mismatch_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+    _spawn(_mismatch_worker, 2)
 
 
 # --- packed sequences (cu_seqlens): global offsets, sequences across ranks ----------------
@@ -461,8 +466,7 @@ def _packed_worker(rank, world, init_file):
 
 
 def test_packed_sequences_across_ranks() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_packed_worker, args=(3, os.path.join(tmp, "init")), nprocs=3, join=True)
+    _spawn(_packed_worker, 3)
 
 
 def _precision_worker(rank, world, init_file):
@@ -536,5 +540,4 @@ def _precision_worker(rank, world, init_file):
 
 
 def test_half_types_and_overflowing_products_across_ranks() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_precision_worker, args=(3, os.path.join(tmp, "init")), nprocs=3, join=True)
+    _spawn(_precision_worker, 3)
