@@ -57,8 +57,8 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
     :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
     mixer runs its unfused torch path.
 ``apply_mask_to_padding_states``
-    unchanged in what it computes; it notes whether the attention mask pads any step,
-    and after a padded mask the fused training path declines: the mixer's unfused path
+    unchanged in what it computes; it keeps the attention mask, and when that mask pads
+    a step the fused training path declines: the mixer's unfused path
     (patched) zeroes the convolution's output at the padded steps again, as unpatched,
     where the fused path (mamba_ssm's kernel too) lets a convolution bias there reach the
     state.
@@ -293,7 +293,8 @@ def mask_padding(hidden_states: Tensor, attention_mask: Tensor | None = None) ->
     mixers call this on their input just before their fused training path, which
     declines when the mask pads a step."""
     _PADDING.mask = attention_mask if isinstance(attention_mask, Tensor) else None
-    result: Tensor = _conv_original("apply_mask_to_padding_states")(hidden_states, attention_mask)
+    original = _transformers_original("apply_mask_to_padding_states")
+    result: Tensor = original(hidden_states, attention_mask)
     return result
 
 
@@ -338,9 +339,10 @@ def multihead_state_update(
 _CONV_ACTIVATIONS = (None, "silu", "swish")
 
 
-def _conv_original(name: str) -> Callable[..., Any]:
-    """transformers' own convolution function ``name`` (any patched module's: they are
-    the same code), for an activation the replacement does not compute."""
+def _transformers_original(name: str) -> Callable[..., Any]:
+    """transformers' own function ``name`` (any patched module's: they are the same
+    code): a convolution for an activation the replacement does not compute, or the
+    padding mask that mask_padding applies unchanged."""
     for (_, fn_name), original in _ORIGINALS.items():
         if fn_name == name:
             return original
@@ -362,7 +364,8 @@ def causal_conv1d(
     the channels contiguous, the layout the mixers' next projection reads. The other
     keywords are the mixers' own and are dropped, as the original drops them."""
     if activation not in _CONV_ACTIVATIONS:
-        result: Tensor = _conv_original("causal_conv1d_fn")(hidden_states, weight, bias, activation)
+        original = _transformers_original("causal_conv1d_fn")
+        result: Tensor = original(hidden_states, weight, bias, activation)
         return result
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     out = mamba_ssm._causal_conv1d_silu(x, weight, bias, None, activation is not None)
@@ -383,7 +386,7 @@ def causal_conv1d_update(
     silu): a product and a sum over K instead of a grouped ``conv1d`` over S + steps
     inputs, which costs a model's decoding step a fifth of its time on a CPU."""
     if activation not in _CONV_ACTIVATIONS:
-        stepped: Tensor = _conv_original("causal_conv1d_update")(
+        stepped: Tensor = _transformers_original("causal_conv1d_update")(
             hidden_states, conv_state, weight, bias, activation
         )
         return stepped
