@@ -507,6 +507,94 @@ def test_mamba2_packed_sequences_stay_apart() -> None:
     assert final.dtype == torch.float32
 
 
+MAMBA2_MODELS = ["mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"]
+MAMBA1_MODELS = ["mamba", "falcon_mamba", "zamba", "jamba"]
+
+
+def first_mixer(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m for m in model.modules() if hasattr(m, "conv1d") and hasattr(m, "in_proj"))
+
+
+@pytest.mark.parametrize("name", MAMBA2_MODELS)
+@pytest.mark.parametrize("path", ["eval", "eval-cache", "train", "train-cache", "train-padded"])
+@pytest.mark.parametrize("packing", ["seq_idx", "cu_seqlens"])
+def test_a_patched_mamba2_mixer_keeps_packed_sequences_apart(name, path, packing) -> None:
+    """Every Mamba-2 family's patched mixer, on each of its paths (the fused training
+    layer; the unfused one in evaluation, with a cache, after a padding mask), given
+    two packed sequences equals the two run alone: the convolution stops at the
+    boundary where the scan restarts (it used to read across it on the unfused path)."""
+    model = build(name)
+    mixer = first_mixer(model)
+    with torch.no_grad():  # a bias, so that a convolution crossing the boundary shows
+        mixer.conv1d.bias.normal_(generator=torch.Generator().manual_seed(4))
+    hs = torch.randn(1, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    packed = (
+        {"seq_idx": torch.tensor([[0] * 5 + [1] * 7])}
+        if packing == "seq_idx"
+        else {"cu_seqlens": torch.tensor([0, 5, 12], dtype=torch.int32)}
+    )
+    mixer.train(path.startswith("train"))
+    integration.patch()
+
+    def run(x: torch.Tensor, starts: list[int], **kwargs: object) -> torch.Tensor:
+        if path.endswith("cache"):
+            kwargs["cache"] = transformers.DynamicCache(config=model.config)
+        if path.endswith("padded"):  # each sequence's first step padded: the unfused path
+            mask = torch.ones(1, x.shape[1], dtype=torch.long)
+            mask[0, starts] = 0
+            kwargs["attention_mask"] = mask
+        out: torch.Tensor = mixer(x, **kwargs)
+        return out
+
+    with torch.set_grad_enabled(path.startswith("train")):
+        want = torch.cat([run(hs[:, :5], [0]), run(hs[:, 5:], [0])], 1)
+        got = run(hs, [0, 5], **packed)
+    close(got, want, f"{name} {path} {packing}")
+
+
+@pytest.mark.parametrize("name", MAMBA2_MODELS)
+def test_a_packed_chunk_continues_a_cached_sequence(name) -> None:
+    """With a cache, the convolution's input starts with the cached steps: they
+    continue the first packed sequence (whose scan starts from the cached state), and
+    the second sequence reads none of them."""
+    model = build(name).eval()
+    mixer = first_mixer(model)
+    with torch.no_grad():
+        mixer.conv1d.bias.normal_(generator=torch.Generator().manual_seed(4))
+    hs = torch.randn(1, 15, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    integration.patch()
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        mixer(hs[:, :3], cache=cache)  # the first sequence's first 3 steps, cached
+        got = mixer(hs[:, 3:], cache=cache, seq_idx=torch.tensor([[0] * 5 + [1] * 7]))
+        first = mixer(hs[:, :8])[:, 3:]
+        second = mixer(hs[:, 8:])
+    close(got, torch.cat([first, second], 1), name)
+
+
+@pytest.mark.parametrize(
+    ("name", "packing"),
+    # zamba's mixer hands its convolution seq_idx alone (cu_seqlens reaches neither the
+    # convolution nor the scan, patched or not)
+    [(n, p) for n in MAMBA1_MODELS for p in ("seq_idx", "cu_seqlens") if (n, p) != ("zamba", "cu_seqlens")],
+)
+def test_a_patched_mamba1_mixer_refuses_packed_sequences(name, packing) -> None:
+    """The Mamba-1 mixers pass no sequence ids to their scan, which would carry the state
+    across the boundary: patched, their convolution refuses packed sequences, as
+    unpatched transformers does without causal_conv1d."""
+    model = build(name).eval()
+    mixer = first_mixer(model)
+    hs = torch.randn(1, 12, model.config.hidden_size)
+    packed = (
+        {"seq_idx": torch.tensor([[0] * 5 + [1] * 7])}
+        if packing == "seq_idx"
+        else {"cu_seqlens": torch.tensor([0, 5, 12])}
+    )
+    integration.patch()
+    with torch.no_grad(), pytest.raises(ValueError, match=f"causal_conv1d_fn: .*{packing}"):
+        mixer(hs, **packed)
+
+
 def test_a_changed_mamba2_module_is_refused(monkeypatch) -> None:
     from transformers.models.mamba import modeling_mamba
     from transformers.models.mamba2 import modeling_mamba2

@@ -68,7 +68,10 @@ Both families, where their modules define them:
 ``causal_conv1d_fn``
     the depthwise causal convolution before the scan becomes a few shifted
     multiply-adds (forward and backward) on the mixer's strided input, instead of a
-    grouped ``conv1d`` that first copies it;
+    grouped ``conv1d`` that first copies it. In the Mamba-2 modules it reads the
+    ``seq_idx`` (or ``cu_seqlens``) the mixers pass to it and to the scan, and reads no
+    input across a boundary; in the Mamba-1 modules, whose scan takes no sequence ids,
+    packed sequences raise (as unpatched, without the causal_conv1d package);
 ``causal_conv1d_update``
     its decoding step becomes a product and a sum over the filter's width, instead of a
     grouped ``conv1d`` that took a fifth of a decoding step's time on a CPU; the cached
@@ -110,6 +113,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._checks import describe
 from parascan.compat import mamba_ssm
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
@@ -206,14 +210,11 @@ def chunk_scan(
     states restart at each boundary; the rest (the model's attention keywords) are
     not the scan's and are dropped, as transformers' kernel dispatch drops them."""
     z = kwargs.get("z")
-    seq_idx = kwargs.get("seq_idx")
-    cu_seqlens = kwargs.get("cu_seqlens")
-    if seq_idx is None and cu_seqlens is not None:
-        seq_idx = _seq_idx_from_cu_seqlens(cu_seqlens, hidden_states)
+    seq_idx = _packed_ids("mamba2_chunk_scan", kwargs, hidden_states)
     wide = hidden_states.dtype == torch.float64
     result = mamba_ssm.mamba_chunk_scan_combined(
         hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=bool(dt_softplus),
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
         dt_limit=dt_limit, return_final_states=return_final_states,
         state_dtype=torch.float64 if wide else torch.float32,
     )  # fmt: skip
@@ -258,14 +259,11 @@ def split_conv_scan(
     the scan's state and the real tokens' outputs)."""
     if _take_padded(zxbcdt):
         return None  # type: ignore[return-value]
-    seq_idx = kwargs.get("seq_idx")
-    cu_seqlens = kwargs.get("cu_seqlens")
-    if seq_idx is None and cu_seqlens is not None:
-        seq_idx = _seq_idx_from_cu_seqlens(cu_seqlens, zxbcdt)
+    seq_idx = _packed_ids("mamba2_split_conv1d_scan_combined", kwargs, zxbcdt)
     return mamba_ssm.mamba_split_conv1d_scan_combined(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
         initial_states=initial_states, seq_idx=seq_idx, dt_limit=dt_limit,
-        return_final_states=bool(return_final_states), activation=activation,
+        return_final_states=return_final_states, activation=activation,
         rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=1e-6 if rmsnorm_eps is None else rmsnorm_eps,
         outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim,
         ngroups=ngroups, norm_before_gate=norm_before_gate,
@@ -298,14 +296,18 @@ def mask_padding(hidden_states: Tensor, attention_mask: Tensor | None = None) ->
     return result
 
 
-def _seq_idx_from_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> Tensor:
-    """The sequence id of every step of a packed batch of one."""
-    fn = "mamba2_chunk_scan"
+def _packed_ids(fn: str, kwargs: dict[str, Any], x: Tensor) -> Tensor | None:
+    """The sequence ids ``(batch, L)`` of packed sequences that a mixer passes down as
+    ``seq_idx``, or as ``cu_seqlens`` (offsets along L of a batch of one), or None. The
+    callee checks their shape against its own L."""
+    seq_idx, cu_seqlens = kwargs.get("seq_idx"), kwargs.get("cu_seqlens")
+    if seq_idx is not None or cu_seqlens is None:
+        return seq_idx
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or x.shape[0] != 1:
         raise ValueError(
             f"{fn}: parascan's replacement reads cu_seqlens as (num_seqs + 1,) offsets along L "
-            f"of a batch of one, but got cu_seqlens {cu_seqlens!r} with x of shape "
-            f"{tuple(x.shape)}"
+            f"of a batch of one, but got cu_seqlens {describe(cu_seqlens)} with an input of "
+            f"shape {tuple(x.shape)}"
         )
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=x.device, dtype=torch.int64)
     ids = torch.arange(lengths.numel(), device=x.device)
@@ -331,7 +333,7 @@ def multihead_state_update(
     headdim, N) updated in place. ``state_batch_indices`` is honoured; the mixers' other
     keywords are dropped, as transformers' kernel dispatch drops them."""
     return mamba_ssm.selective_state_update(
-        state, hidden_states, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+        state, hidden_states, dt, A, B, C, D, z, dt_bias, dt_softplus,
         state_batch_indices=kwargs.get("state_batch_indices"),
     )  # fmt: skip
 
@@ -349,6 +351,9 @@ def _transformers_original(name: str) -> Callable[..., Any]:
     raise RuntimeError(f"{name}: parascan's replacement is called while nothing is patched")
 
 
+_CONV_FN = "causal_conv1d_fn"
+
+
 def causal_conv1d(
     hidden_states: Tensor,
     weight: Tensor,
@@ -356,20 +361,83 @@ def causal_conv1d(
     activation: str | None = None,
     **kwargs: Any,
 ) -> Tensor:
-    """Replaces transformers' ``causal_conv1d_fn`` (same parameters): the depthwise causal
-    convolution of ``hidden_states`` (batch, channels, L) with ``weight`` (channels, K),
-    plus ``bias`` and silu, as K shifted multiply-adds along L (forward and backward)
-    instead of a grouped ``conv1d`` that first copies its strided input (the mixers pass
-    a slice of the transposed input projection). The result is (batch, channels, L) with
-    the channels contiguous, the layout the mixers' next projection reads. The other
-    keywords are the mixers' own and are dropped, as the original drops them."""
+    """Replaces transformers' ``causal_conv1d_fn`` in the Mamba-2 modules (same
+    parameters): the depthwise causal convolution of ``hidden_states`` (batch, channels,
+    L) with ``weight`` (channels, K), plus ``bias`` and silu, as K shifted multiply-adds
+    along L (forward and backward) instead of a grouped ``conv1d`` that first copies its
+    strided input (the mixers pass a slice of the transposed input projection). The
+    result is (batch, channels, L) with the channels contiguous, the layout the mixers'
+    next projection reads.
+
+    ``seq_idx`` (batch, L) or ``cu_seqlens`` (batch 1) among the keywords mark packed
+    sequences: no step reads an input of an earlier sequence, as the scan after it
+    restarts at each boundary (the mixers pass the same keywords to both). With a
+    cache the input starts with the cached steps, which continue each row's first
+    sequence (its state enters that sequence's scan too). The other keywords are the
+    mixers' own and are dropped, as the original drops them."""
+    seq_idx = _packed_ids(_CONV_FN, kwargs, hidden_states)
     if activation not in _CONV_ACTIVATIONS:
-        original = _transformers_original("causal_conv1d_fn")
+        if seq_idx is not None:
+            raise ValueError(
+                f"{_CONV_FN}: parascan's replacement keeps packed sequences apart for the "
+                f"activations {_CONV_ACTIVATIONS[1:]} or None only, but got {activation!r}"
+            )
+        original = _transformers_original(_CONV_FN)
         result: Tensor = original(hidden_states, weight, bias, activation)
         return result
     x = hidden_states.to(weight.dtype).transpose(1, 2)
-    out = mamba_ssm._causal_conv1d_silu(x, weight, bias, None, activation is not None)
+    if seq_idx is not None:
+        seq_idx = _conv_ids(seq_idx, x)
+    out = mamba_ssm._causal_conv1d_silu(x, weight, bias, seq_idx, activation is not None)
     return out.transpose(1, 2).to(hidden_states.dtype)
+
+
+def _conv_ids(seq_idx: Tensor, x: Tensor) -> Tensor:
+    """``seq_idx`` (batch, L) for the convolution's input ``x`` (batch, P + L, channels):
+    the P cached steps a mixer puts before its new ones take the id of each row's first
+    step (they continue that row's first sequence)."""
+    batch, steps = x.shape[:2]
+    if (
+        not isinstance(seq_idx, Tensor)
+        or seq_idx.dtype.is_floating_point
+        or seq_idx.is_complex()
+        or seq_idx.dtype == torch.bool
+        or seq_idx.dim() != 2
+        or seq_idx.shape[0] != batch
+        or not 1 <= seq_idx.shape[1] <= steps
+    ):
+        raise ValueError(
+            f"{_CONV_FN}: expected seq_idx to be an integer tensor of shape (batch, L) = "
+            f"{(batch, steps)} (or the new steps' (batch, L - P) after P cached ones), but "
+            f"got {describe(seq_idx)}"
+        )
+    seq_idx = seq_idx.to(x.device)
+    cached = steps - seq_idx.shape[1]
+    if cached:
+        seq_idx = torch.cat([seq_idx[:, :1].expand(batch, cached), seq_idx], dim=1)
+    return seq_idx
+
+
+def causal_conv1d_one_sequence(
+    hidden_states: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Replaces transformers' ``causal_conv1d_fn`` in the Mamba-1 modules: as
+    :func:`causal_conv1d`, except that packed sequences (``seq_idx`` or ``cu_seqlens``)
+    raise, as unpatched transformers raises without the causal_conv1d package: the
+    Mamba-1 mixers do not pass them to their scan, which would carry the state across
+    the boundary the convolution stops at."""
+    given = [name for name in ("seq_idx", "cu_seqlens") if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"{_CONV_FN}: the Mamba-1 mixers cannot keep packed sequences apart (their scan, "
+            f"mamba_selective_scan, takes no seq_idx), so parascan's replacement refuses "
+            f"{' and '.join(given)}, as transformers does without causal_conv1d"
+        )
+    return causal_conv1d(hidden_states, weight, bias, activation)
 
 
 def causal_conv1d_update(
@@ -436,20 +504,14 @@ class _Family:
     expected: tuple[str, ...] = ()
 
 
-# Both families' modules carry the convolution's functions (patched where present).
-_CONVOLUTION = (
-    _Function(
-        "causal_conv1d_fn",
-        causal_conv1d,
-        ("hidden_states", "weight", "bias", "activation"),
-        required=False,
-    ),
-    _Function(
-        "causal_conv1d_update",
-        causal_conv1d_update,
-        ("hidden_states", "conv_state", "weight", "bias", "activation"),
-        required=False,
-    ),
+# Both families' modules carry the convolution's functions (patched where present); the
+# Mamba-1 mixers' convolution refuses packed sequences, which their scan cannot restart at.
+_CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
+_CONV_UPDATE = _Function(
+    "causal_conv1d_update",
+    causal_conv1d_update,
+    ("hidden_states", "conv_state", "weight", "bias", "activation"),
+    required=False,
 )
 _MAMBA1 = _Family(
     marker="mamba_selective_scan",
@@ -477,7 +539,8 @@ _MAMBA1 = _Family(
         ),
         # Only where the mixer has a fused training path (not zamba's).
         _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
-        *_CONVOLUTION,
+        _Function("causal_conv1d_fn", causal_conv1d_one_sequence, _CONV_PARAMS, required=False),
+        _CONV_UPDATE,
     ),
     expected=("mamba", "falcon_mamba"),
 )
@@ -539,7 +602,8 @@ _MAMBA2 = _Family(
             ("hidden_states", "attention_mask"),
             required=False,
         ),
-        *_CONVOLUTION,
+        _Function("causal_conv1d_fn", causal_conv1d, _CONV_PARAMS, required=False),
+        _CONV_UPDATE,
     ),
 )
 _FAMILIES = (_MAMBA1, _MAMBA2)
