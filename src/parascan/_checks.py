@@ -20,6 +20,8 @@ __all__ = [
     "as_operand",
     "broadcast_shape",
     "check_dtype",
+    "check_flag",
+    "check_in_place",
     "check_layout",
     "check_same_device",
     "describe",
@@ -122,6 +124,44 @@ def check_dtype(fn: str, name: str, tensor: torch.Tensor) -> None:
         raise TypeError(
             f"{fn}: expected {name} to have a floating or complex dtype ({names}), "
             f"but got {tensor.dtype}"
+        )
+
+
+def check_flag(fn: str, name: str, value: object) -> bool:
+    """``value`` when it is a bool, else a TypeError naming ``fn``. Flags are never
+    coerced: ``bool("0")`` is True where ``int("0")`` is 0, so a string (or None) would
+    mean one thing on one path and the opposite on another."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: expected {name} to be a bool, but got {describe(value)}")
+    return value
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: False when, its dimensions
+    sorted by stride, each steps past everything the smaller ones span (then no two
+    elements meet). Every tensor made by indexing, slicing, transposing or reshaping a
+    fresh one passes; an expanded (zero-stride) tensor, or one ``as_strided`` onto
+    itself, does not. Shape and strides only, so torch.compile traces it."""
+    span = 0
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def check_in_place(fn: str, name: str, tensor: torch.Tensor) -> None:
+    """A ValueError naming ``fn`` unless ``tensor``, which ``fn`` writes in place, has
+    no two elements sharing memory: each write must land in an element of its own
+    (torch's own in-place ops let such aliased writes through unless a stride is 0)."""
+    if has_internal_overlap(tensor):
+        raise ValueError(
+            f"{fn}: expected {name} whose elements do not share memory (it is updated in "
+            f"place), but got {describe(tensor)} with strides {tuple(tensor.stride())}: more "
+            "than one element refers to a single memory location (an expanded or "
+            "as_strided tensor); clone() it"
         )
 
 

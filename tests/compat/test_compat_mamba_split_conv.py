@@ -206,3 +206,69 @@ def test_bad_arguments_are_named() -> None:
             ops["zxbcdt"][..., :-1], ops["weight"], None, ops["dt_bias"], ops["A"], ops["D"], 64,
             headdim=HEADDIM, ngroups=GROUPS,
         )  # fmt: skip
+
+
+def _bad_operands():  # type: ignore[no-untyped-def]
+    """name -> (keywords changed in a valid call on the fused path (float32, a norm), the
+    error type, what its message says): each operand the layer reads itself, checked by
+    the drop-in under its own name before anything runs."""
+    dim, conv_dim = HEADS * HEADDIM, HEADS * HEADDIM + 2 * GROUPS * N
+    f32 = torch.float32
+    return {
+        "rmsnorm_weight shape": (dict(rmsnorm_weight=torch.ones(dim + 1)), ValueError,
+                                 r"expected rmsnorm_weight of shape \(nheads \* headdim,\)"),
+        "integer zxbcdt": (dict(zxbcdt=lambda o: o["zxbcdt"].to(torch.int32)), TypeError,
+                           "expected zxbcdt to have a real floating dtype"),
+        "integer conv1d_weight": (dict(weight=lambda o: o["weight"].to(torch.int64)), TypeError,
+                                  "expected conv1d_weight to have a real floating dtype"),
+        "complex conv1d_bias": (dict(bias=torch.zeros(conv_dim, dtype=torch.complex64)),
+                                TypeError, "expected conv1d_bias to have a real floating dtype"),
+        "conv1d_bias shape": (dict(bias=torch.zeros(3)), ValueError,
+                              r"expected conv1d_bias of shape \(conv_dim,\)"),
+        "dt_bias None": (dict(dt_bias=None), TypeError, "expected dt_bias to be a strided Tensor"),
+        "integer A": (dict(A=torch.ones(HEADS, dtype=torch.int64)), TypeError,
+                      "expected A to have a real floating dtype"),
+        "A shape": (dict(A=-torch.ones(HEADS + 1)), ValueError, r"expected A of shape \(nheads,\)"),
+        "D a list": (dict(D=[1.0] * HEADS), TypeError, "expected D to be a strided Tensor"),
+        "initial_states shape": (dict(initial_states=torch.zeros(1, HEADS, HEADDIM, N + 1)),
+                                 ValueError, "expected initial_states of shape"),
+        "outproj_weight shape": (dict(outproj_weight=torch.zeros(OUT, dim + 1)), ValueError,
+                                 "expected outproj_weight of shape"),
+        "outproj_bias shape": (dict(outproj_weight=torch.zeros(OUT, dim),
+                                    outproj_bias=torch.zeros(OUT + 1)), ValueError,
+                               "expected outproj_bias of shape"),
+        "float seq_idx": (dict(seq_idx=torch.zeros(1, 5)), ValueError,
+                          "expected seq_idx to be an integer tensor"),
+        "return_final_states a string": (dict(return_final_states="no"), TypeError,
+                                         "expected return_final_states to be a bool"),
+        "norm_before_gate None": (dict(norm_before_gate=None), TypeError,
+                                  "expected norm_before_gate to be a bool"),
+        "rmsnorm_weight on another device": (
+            dict(rmsnorm_weight=torch.ones(dim, dtype=f32, device="meta")), ValueError,
+            "expected all tensors on one device"),
+    }  # fmt: skip
+
+
+BAD = _bad_operands()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_every_operand_is_checked_under_the_drop_ins_name(case) -> None:
+    """A wrong shape of rmsnorm_weight gave torch's broadcasting error, an integer zxbcdt
+    'silu_cpu not implemented for Int', an integer conv1d_weight was cast silently and
+    a wrong conv1d_bias reached the C kernel's internal guard: each now gets the drop-in's
+    own error, and nothing runs."""
+    change, error, message = BAD[case]
+    ops = operands(1, 5, dtype=torch.float32)
+    keywords = dict(rmsnorm_weight=ops["norm"])
+    names = {"zxbcdt": "zxbcdt", "weight": "weight", "bias": "bias", "dt_bias": "dt_bias",
+             "A": "A", "D": "D"}  # fmt: skip
+    for key, value in change.items():
+        value = value(ops) if callable(value) else value
+        if key in names:
+            ops[key] = value
+        else:
+            keywords[key] = value
+    with pytest.raises(error, match=rf"^parascan\.compat\.mamba_ssm\."
+                                    rf"mamba_split_conv1d_scan_combined: {message}"):  # fmt: skip
+        call(ops, **keywords)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import check_dtype, check_same_device, describe
+from parascan._checks import check_dtype, check_flag, check_same_device, describe
 from parascan.first_order import linear_scan
 from parascan.first_order.varlen import check_cu_seqlens
 
@@ -32,6 +32,7 @@ def _hgrn(
     output_final_state: bool,
     cu_seqlens: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
+    check_flag(fn, "output_final_state", output_final_state)
     for name, t in (("x", x), ("g", g)):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{fn}: expected {name} of shape (B, T, D), but got {describe(t)}")

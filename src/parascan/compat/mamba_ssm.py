@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 import parascan as ps
-from parascan._checks import describe
+from parascan._checks import check_flag, check_in_place, describe
 from parascan.first_order.varlen import check_cu_seqlens
 from parascan.ssm import ssd_layer
 from parascan.ssm.ssd_api import _limit
@@ -118,8 +118,10 @@ def _selective_scan(
             B = _complex_from_interleaved(fn, "B", B, u)
         if isinstance(C, Tensor) and C.dim() >= 3:
             C = _complex_from_interleaved(fn, "C", C, u)
+    check_flag(fn, "delta_softplus", delta_softplus)
+    check_flag(fn, "return_last_state", return_last_state)
     return ps.selective_scan(
-        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), return_final=return_last_state
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_final=return_last_state
     )
 
 
@@ -230,10 +232,11 @@ def selective_state_update(
         tensor([[[1.5000]]])
     """
     fn = "parascan.compat.mamba_ssm.selective_state_update"
+    check_flag(fn, "dt_softplus", dt_softplus)
+    if isinstance(state, Tensor):
+        check_in_place(fn, "state", state)
     if state_batch_indices is None:
-        out: Tensor = ps.selective_state_update(
-            state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus)
-        )
+        out: Tensor = ps.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
         return out
     if not isinstance(state, Tensor) or state.dim() not in (3, 4):
         raise ValueError(
@@ -268,7 +271,7 @@ def selective_state_update(
             f"{idx.tolist()}"
         )
     picked = state.index_select(0, idx.clamp(min=0))  # a copy: padding rows read row 0
-    out = ps.selective_state_update(picked, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
+    out = ps.selective_state_update(picked, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     state.index_copy_(0, rows, picked[valid])
     mask = valid.to(out.device).reshape((-1,) + (1,) * (out.dim() - 1))
     result: Tensor = torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -278,6 +281,22 @@ def selective_state_update(
 # --- Mamba-2: the chunked SSD scan --------------------------------------------------------
 
 _CHUNK = "parascan.compat.mamba_ssm.mamba_chunk_scan_combined"
+
+
+_REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _real(fn: str, name: str, value: object) -> Tensor:
+    """``value`` if it is a strided tensor of a real floating dtype, else a TypeError
+    naming ``fn`` (an integer one would be cast silently by the ops it meets)."""
+    if not isinstance(value, Tensor) or value.layout != torch.strided or value.is_nested:
+        raise TypeError(f"{fn}: expected {name} to be a strided Tensor, but got {describe(value)}")
+    if value.dtype not in _REAL:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _REAL)
+        raise TypeError(
+            f"{fn}: expected {name} to have a real floating dtype ({names}), but got {value.dtype}"
+        )
+    return value
 
 
 def _check_chunk_size(fn: str, chunk_size: object) -> None:
@@ -387,13 +406,9 @@ def mamba_chunk_scan_combined(
         raise ValueError(
             f"{fn}: expected x of shape (batch, seqlen, nheads, headdim), but got {describe(x)}"
         )
-    for name, flag in (
-        ("dt_softplus", dt_softplus),
-        ("return_final_states", return_final_states),
-        ("return_varlen_states", return_varlen_states),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{fn}: expected {name} to be a bool, but got {describe(flag)}")
+    check_flag(fn, "dt_softplus", dt_softplus)
+    check_flag(fn, "return_final_states", return_final_states)
+    check_flag(fn, "return_varlen_states", return_varlen_states)
     batch, length, heads, headdim = x.shape
 
     def scan(
@@ -745,18 +760,18 @@ def mamba_split_conv1d_scan_combined(
     propagated.
     """
     fn = _SPLIT
-    if not isinstance(zxbcdt, Tensor) or zxbcdt.dim() != 3:
+    zxbcdt = _real(fn, "zxbcdt", zxbcdt)
+    if zxbcdt.dim() != 3:
         raise ValueError(
             f"{fn}: expected zxbcdt of shape (batch, seqlen, channels), but got {describe(zxbcdt)}"
         )
+    check_flag(fn, "return_final_states", return_final_states)
     if activation not in (None, "silu", "swish"):
         raise ValueError(
             f"{fn}: expected activation None, 'silu' or 'swish', but got {activation!r}"
         )
     _check_chunk_size(fn, chunk_size)
-    if not isinstance(norm_before_gate, bool):
-        raise ValueError(f"{fn}: expected norm_before_gate to be a bool, but got "
-                         f"{describe(norm_before_gate)}")  # fmt: skip
+    check_flag(fn, "norm_before_gate", norm_before_gate)
     if (
         isinstance(rmsnorm_eps, bool)
         or not isinstance(rmsnorm_eps, (int, float))
@@ -764,7 +779,7 @@ def mamba_split_conv1d_scan_combined(
     ):
         raise ValueError(f"{fn}: expected rmsnorm_eps to be a finite number >= 0, but got "
                          f"{describe(rmsnorm_eps)}")  # fmt: skip
-    if not isinstance(D, Tensor) or D.dim() not in (1, 2):
+    if _real(fn, "D", D).dim() not in (1, 2):
         raise ValueError(f"{fn}: expected D of shape (nheads,) or (nheads, headdim), but got "
                          f"{describe(D)}")  # fmt: skip
     if D.dim() == 2:
@@ -778,7 +793,7 @@ def mamba_split_conv1d_scan_combined(
             f"{fn}: expected ngroups to be a positive int dividing nheads = {nheads}, but got "
             f"{describe(ngroups)}"
         )
-    if not isinstance(conv1d_weight, Tensor) or conv1d_weight.dim() != 2:
+    if _real(fn, "conv1d_weight", conv1d_weight).dim() != 2 or conv1d_weight.shape[1] < 1:
         raise ValueError(
             f"{fn}: expected conv1d_weight of shape (conv_dim, width), but got "
             f"{describe(conv1d_weight)}"
@@ -796,9 +811,39 @@ def mamba_split_conv1d_scan_combined(
             f"{describe(conv1d_weight)} and zxbcdt {describe(zxbcdt)}"
         )
     d_nonssm = nonssm2 // 2
+    if outproj_weight is None and outproj_bias is not None:
+        raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
+    out_dim = None if not isinstance(outproj_weight, Tensor) else outproj_weight.shape[0]
+    for name, value, shape, what in (
+        ("conv1d_bias", conv1d_bias, (conv_dim,), "(conv_dim,)"),
+        ("dt_bias", dt_bias, (nheads,), "(nheads,)"),
+        ("A", A, (nheads,), "(nheads,)"),
+        ("initial_states", initial_states, (batch, nheads, headdim, dstate),
+         "(batch, nheads, headdim, dstate)"),
+        ("rmsnorm_weight", rmsnorm_weight, (dim,), "(nheads * headdim,)"),
+        ("outproj_weight", outproj_weight, (out_dim, dim + d_nonssm),
+         "(out_dim, nheads * headdim + d_nonssm)"),
+        ("outproj_bias", outproj_bias, (out_dim,), "(out_dim,) with outproj_weight's out_dim"),
+    ):  # fmt: skip
+        if value is None and name != "dt_bias":
+            continue
+        if tuple(_real(fn, name, value).shape) != shape:
+            raise ValueError(f"{fn}: expected {name} of shape {what} = {shape}, but got "
+                             f"{describe(value)}")  # fmt: skip
+    for name, t in (("conv1d_weight", conv1d_weight), ("D", D), ("conv1d_bias", conv1d_bias),
+                    ("dt_bias", dt_bias), ("A", A), ("initial_states", initial_states),
+                    ("rmsnorm_weight", rmsnorm_weight), ("outproj_weight", outproj_weight),
+                    ("outproj_bias", outproj_bias)):  # fmt: skip
+        if t is not None and t.device != zxbcdt.device:
+            raise ValueError(f"{fn}: expected all tensors on one device, but zxbcdt is on "
+                             f"{zxbcdt.device} and {name} is on {t.device}")  # fmt: skip
     zx0, z, xBC, dt = zxbcdt.split([nonssm2, dim, conv_dim, nheads], dim=-1)
     if seq_idx is not None and (
-        not isinstance(seq_idx, Tensor) or tuple(seq_idx.shape) != (batch, length)
+        not isinstance(seq_idx, Tensor)
+        or seq_idx.dtype.is_floating_point
+        or seq_idx.is_complex()
+        or seq_idx.dtype == torch.bool
+        or tuple(seq_idx.shape) != (batch, length)
     ):
         raise ValueError(
             f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
@@ -829,8 +874,6 @@ def mamba_split_conv1d_scan_combined(
         y = torch.cat([torch.nn.functional.silu(left) * right, y], dim=-1)
     if outproj_weight is not None:
         y = torch.nn.functional.linear(y, outproj_weight, outproj_bias)
-    elif outproj_bias is not None:
-        raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
     return (y, final) if return_final_states else y
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._checks import FLOAT_DTYPES, describe
+from parascan._checks import FLOAT_DTYPES, check_flag
 from parascan._op_utils import conj
 from parascan.first_order import linear_scan as local_linear_scan
 from parascan.first_order import log_linear_scan as local_log_linear_scan
@@ -355,10 +355,7 @@ def _distributed(
         )  # fmt: skip
         if p.scalar:
             raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
-        if not isinstance(return_final, bool):
-            raise TypeError(
-                f"{name}: expected return_final to be a bool, but got {describe(return_final)}"
-            )
+        check_flag(name, "return_final", return_final)
         d = p.dim % p.tokens.dim()
         cu, h = None, None
         if packed:  # the checks a rank makes alone; the global length after the headers

@@ -16,6 +16,7 @@ from parascan._checks import (
     as_operand,
     broadcast_shape,
     check_dtype,
+    check_flag,
     check_same_device,
     describe,
     normalize_dim,
@@ -93,11 +94,8 @@ def prepare(
                 f"{state_shape}, but got {describe(initial)}"
             )
         initial = initial.to(dtype).expand(state_shape)
-    if not isinstance(reverse, bool) or not isinstance(return_final, bool):
-        raise TypeError(
-            f"{name}: expected bool reverse and return_final, but got "
-            f"{describe(reverse)} and {describe(return_final)}"
-        )
+    check_flag(name, "reverse", reverse)
+    check_flag(name, "return_final", return_final)
     chosen = resolve(ROWS[ring.name], backend, tokens.device, dtype, name=name)
     return Prepared(
         gates.to(dtype).expand(shape),
@@ -165,7 +163,8 @@ def cpu_fast_path(
         return None
     dtype, shape = tokens.dtype, tokens.shape
     if (
-        gates.dtype != dtype
+        not plain_eager()  # first: the bit tests below are not traceable (torch.compile)
+        or gates.dtype != dtype
         or gates.shape != shape
         or dtype not in FLOAT_DTYPES
         or tokens.device.type != "cpu"
@@ -178,7 +177,6 @@ def cpu_fast_path(
         or gates.is_neg()
         or tokens.is_neg()
         or (torch.is_grad_enabled() and (gates.requires_grad or tokens.requires_grad))
-        or not plain_eager()
         or kernel_library_error() is not None
     ):
         return None

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from parascan._checks import check_layout, describe, normalize_dim
+from parascan._checks import check_flag, check_layout, describe, normalize_dim
 from parascan.generic import algorithms
 from parascan.generic.matmul import matrix_product_fast_path
 
@@ -165,8 +165,7 @@ def associative_scan(
     fn = "parascan.associative_scan"
     _check_callable(fn, combine_fn)
     leaves, spec, d, n = _flatten(fn, elems, dim)
-    if not isinstance(reverse, bool):
-        raise TypeError(f"{fn}: expected reverse to be a bool, but got {describe(reverse)}")
+    check_flag(fn, "reverse", reverse)
     if n < 2:
         return pytree.tree_unflatten([x.clone() for x in leaves], spec)
     combine = _Combine(fn, combine_fn, spec)

@@ -113,7 +113,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._checks import describe
+from parascan._checks import check_in_place, describe
 from parascan.compat import mamba_ssm
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
@@ -458,6 +458,7 @@ def causal_conv1d_update(
             hidden_states, conv_state, weight, bias, activation
         )
         return stepped
+    check_in_place("causal_conv1d_update", "conv_state", conv_state)
     steps, width, kept = hidden_states.shape[-1], weight.shape[-1], conv_state.shape[-1]
     inputs = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)
     conv_state.copy_(inputs[:, :, -kept:])

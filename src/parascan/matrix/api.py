@@ -15,6 +15,7 @@ from parascan._checks import (
     accumulate_dtype,
     broadcast_shape,
     check_dtype,
+    check_flag,
     check_layout,
     check_same_device,
     describe,
@@ -211,9 +212,8 @@ def _validate(
     for name, t in named:
         check_dtype(_NAME, name, t)
     check_same_device(_NAME, named)
-    for name, flag in (("reverse", reverse), ("return_final", return_final)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{_NAME}: expected {name} to be a bool, but got {describe(flag)}")
+    check_flag(_NAME, "reverse", reverse)
+    check_flag(_NAME, "return_final", return_final)
     broadcast_shape(
         _NAME,
         [

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._backends import resolve
-from parascan._checks import check_layout, describe
+from parascan._checks import check_flag, check_in_place, check_layout, describe
 from parascan._native.bindings import ARG_STRUCTS, kernel
 from parascan._op_utils import plain_eager
 from parascan.ssm import ops
@@ -154,10 +154,8 @@ def selective_scan(
                 f"{fn}: expected all tensors on one device, but u is on {device} and {name} "
                 f"is on {t.device}"
             )
-    if not isinstance(delta_softplus, bool):
-        raise TypeError(
-            f"{fn}: expected delta_softplus to be a bool, but got {describe(delta_softplus)}"
-        )
+    check_flag(fn, "delta_softplus", delta_softplus)
+    check_flag(fn, "return_final", return_final)
 
     cd = torch.float64 if u.dtype == torch.float64 else torch.float32
     sd = _complex_of(cd) if A.is_complex() else cd
@@ -203,18 +201,14 @@ def selective_state_update(
     state); the new state is written in the state's dtype.
     """
     fn = _UPDATE
+    check_flag(fn, "dt_softplus", dt_softplus)
     state = _tensor(fn, "state", state, complex_ok=True)
     if state.dim() not in (3, 4):
         raise ValueError(
             f"{fn}: expected state of shape (batch, dim, N) or (batch, heads, headdim, N), "
             f"but got {describe(state)}"
         )
-    if any(size > 1 and st == 0 for size, st in zip(state.shape, state.stride(), strict=True)):
-        raise ValueError(
-            f"{fn}: expected a state whose elements do not share memory (it is updated in "
-            f"place), but got {describe(state)} with strides {tuple(state.stride())}: more than "
-            "one element refers to a single memory location (an expanded tensor); clone() it"
-        )
+    check_in_place(fn, "state", state)
     heads_layout = state.dim() == 4
     batch, n = state.shape[0], state.shape[-1]
     lead = tuple(state.shape[1:-1])  # (dim,) or (heads, headdim)
@@ -275,7 +269,6 @@ def selective_state_update(
         state.device.type == "cpu"
         and state.dtype == cd
         and _eager_no_grad(tensors)
-        and _no_overlap(state)  # the kernel writes each element once
         and not state.is_neg()  # written in place: never through a copy
     ):
         return _step_kernel(state, x, dt, A, mats, extras, dt_softplus, heads_layout)
@@ -320,19 +313,6 @@ def _eager_no_grad(tensors: tuple[Tensor, ...]) -> bool:
     if not all(type(t) is Tensor for t in tensors) or not plain_eager():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-
-def _no_overlap(t: Tensor) -> bool:
-    """True when no two elements of ``t`` share memory (sorted by stride, each
-    dimension steps past everything the smaller ones span)."""
-    span = 0
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride <= span:
-            return False
-        span += (size - 1) * stride
-    return True
 
 
 def _step_kernel(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._backends import resolve
-from parascan._checks import check_layout, describe
+from parascan._checks import check_flag, check_layout, describe
 from parascan.first_order.varlen import check_cu_seqlens
 from parascan.ssm import ssd_ops
 
@@ -178,9 +178,8 @@ def ssd_scan(
                 f"{_FN}: expected all tensors on one device, but x is on {x.device} and {name} "
                 f"is on {t.device}"
             )
-    for name, flag in (("dt_softplus", dt_softplus), ("return_final", return_final)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{_FN}: expected {name} to be a bool, but got {describe(flag)}")
+    check_flag(_FN, "dt_softplus", dt_softplus)
+    check_flag(_FN, "return_final", return_final)
     limit = _limit(dt_limit)
 
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
