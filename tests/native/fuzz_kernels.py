@@ -397,6 +397,39 @@ def _product_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     return what, lambda: _with_threads(threads, check)
 
 
+_NO_BAD_FLAG = object()
+
+
+def _overlapping_like(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor of ``t``'s shape and dtype whose last two dims share memory (element
+    ``[..., i, j]`` at ``i + j``: no stride is 0), or None when they cannot."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.shape[-2] < 2:
+        return None
+    strides = [1] * t.dim()
+    for d in range(t.dim() - 3, -1, -1):
+        strides[d] = strides[d + 1] * (t.shape[d + 1] + t.shape[-1])
+    size = 1 + sum((s - 1) * st for s, st in zip(t.shape, strides, strict=True))
+    return torch.zeros(size, dtype=t.dtype).as_strided(t.shape, strides)
+
+
+def _bad_flag(rng: random.Random) -> object:
+    """A value that is not a bool (one case in eight), to pass as a flag: every public
+    function must raise its TypeError, on every path; else _NO_BAD_FLAG."""
+    if rng.random() >= 0.125:
+        return _NO_BAD_FLAG
+    return rng.choice(["0", "", "False", 0, 1, 1.0, None, (), torch.tensor(True)])
+
+
+def _expect_flag_error(name: str, call: Callable[[], object]) -> None:
+    try:
+        call()
+    except TypeError as error:
+        assert str(error).startswith(f"{name}: expected "), error
+        assert "to be a bool" in str(error), error
+    else:
+        raise AssertionError(f"{name} took a flag that is not a bool")
+
+
 def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     """The selective scan's C kernel (forward, fused backward) and the decoding step's,
     through ps.selective_scan(backend="cpu") and ps.selective_state_update: every B/C
@@ -415,12 +448,16 @@ def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     opts = {name: rng.random() < 0.6 for name in ("D", "z", "delta_bias", "initial")}
     softplus = rng.random() < 0.7
     kinds = [rng.choice(["contiguous", "transposed", "sliced"]) for _ in range(3)]
+    # the decoding step's state, updated in place: a view of its own memory, or one whose
+    # elements share memory (refused); and now and then a flag that is not a bool
+    state_view = rng.choice(["contiguous", "transposed", "sliced", "overlapping"])
+    bad_flag = _bad_flag(rng)
     threads = rng.choice([1, 2, 3, 4])
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     what = (
         f"selective scan {dtype} complex={cplx} batch {batch} dim {dim} N {n} L {length} "
         f"B/C {forms} groups {groups} {opts} softplus={softplus} views {kinds} "
-        f"threads {threads}"
+        f"state {state_view} bad flag {bad_flag!r} threads {threads}"
     )
 
     def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -458,6 +495,11 @@ def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
 
     def check() -> None:
         args = {name: low(name, t) for name, t in wide.items()}
+        if bad_flag is not _NO_BAD_FLAG:
+            positional = [args[k2] for k2 in ("u", "delta", "A", "B", "C")]
+            for flags in ({"delta_softplus": bad_flag}, {"return_final": bad_flag}):
+                _expect_flag_error("parascan.selective_scan", lambda f=flags: ps.selective_scan(
+                    *positional, backend="cpu", **f))  # fmt: skip
         leaves = {k2: v.detach().clone().requires_grad_() for k2, v in args.items()
                   if v is not None and k2 in ("u", "delta", "A", "B", "C")}  # fmt: skip
         call = {**args, **leaves}
@@ -499,13 +541,35 @@ def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
         Bs, Cs = (step(args[name]) for name in ("B", "C"))
         if "invariant" in forms:  # the step takes B and C of (batch, N) or (batch, G, N)
             return
+        step_args = (
+            args["u"][..., 0], args["delta"][..., 0], args["A"], Bs, Cs, args["D"],
+            None if args["z"] is None else args["z"][..., 0], args["delta_bias"],
+        )  # fmt: skip
+        if bad_flag is not _NO_BAD_FLAG:
+            _expect_flag_error("parascan.selective_state_update", lambda: ps.selective_state_update(
+                state.clone(), *step_args, dt_softplus=bad_flag))  # fmt: skip
+        if state_view == "overlapping":  # refused before anything is written
+            shared = _overlapping_like(state)
+            if shared is not None:
+                before = shared.clone()
+                try:
+                    ps.selective_state_update(shared, *step_args, dt_softplus=softplus)
+                except ValueError as error:
+                    assert "parascan.selective_state_update: expected state" in str(error)
+                else:
+                    raise AssertionError("an overlapping state was updated in place")
+                assert torch.equal(shared, before)
+        else:
+            state = _view(rng, state, state_view)
         with torch.no_grad():
-            y = ps.selective_state_update(
-                state, args["u"][..., 0], args["delta"][..., 0], args["A"], Bs, Cs,
-                args["D"], None if args["z"] is None else args["z"][..., 0],
-                args["delta_bias"], dt_softplus=softplus,
-            )  # fmt: skip
+            y = ps.selective_state_update(state, *step_args, dt_softplus=softplus)
         assert_matches(y, want[..., 0], dtype)
+        # the state after the step, written in place through the view: the scan's first
+        timed = ("u", "delta", "z", "B", "C")  # B, C variable here: (batch, [G,] N, L)
+        first = {k2: v[..., :1] if v is not None and k2 in timed else v
+                 for k2, v in exact.items()}  # fmt: skip
+        _, want_state = selective_loop(**first, delta_softplus=softplus)
+        assert_matches(state, want_state, dtype if not cplx else torch.complex64)
 
     return what, lambda: _with_threads(threads, check)
 
@@ -534,13 +598,14 @@ def _ssd_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     opts = {name: rng.random() < 0.5 for name in ("D", "z", "dt_bias", "initial")}
     per_head_d = rng.random() < 0.5
     kinds = [rng.choice(["contiguous", "transposed", "sliced"]) for _ in range(2)]
+    bad_flag = _bad_flag(rng)
     threads = rng.choice([1, 2, 3, 4])
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     states = batch if cu is None else len(cu) - 1
     what = (
         f"ssd scan {dtype} batch {batch} heads {heads} groups {groups} headdim {headdim} "
         f"N {n} L {length} cu_seqlens {cu} {opts} D per head={per_head_d} views {kinds} "
-        f"threads {threads}"
+        f"bad flag {bad_flag!r} threads {threads}"
     )
 
     def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -563,6 +628,11 @@ def _ssd_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
 
     def check() -> None:
         args = {k2: None if v is None else v.to(dtype) for k2, v in wide.items()}
+        if bad_flag is not _NO_BAD_FLAG:
+            positional = [args[k2] for k2 in ("x", "dt", "A", "B", "C")]
+            for flags in ({"dt_softplus": bad_flag}, {"return_final": bad_flag}):
+                _expect_flag_error("parascan.ssd_scan", lambda f=flags: ps.ssd_scan(
+                    *positional, backend="cpu", **f))  # fmt: skip
         leaves = {k2: v.detach().clone().requires_grad_() for k2, v in args.items()
                   if v is not None}  # fmt: skip
         viewed = {"x": _view(rng, leaves["x"], kinds[0]), "B": _view(rng, leaves["B"], kinds[1])}
