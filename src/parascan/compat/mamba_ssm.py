@@ -825,7 +825,7 @@ def mamba_split_conv1d_scan_combined(
          "(out_dim, nheads * headdim + d_nonssm)"),
         ("outproj_bias", outproj_bias, (out_dim,), "(out_dim,) with outproj_weight's out_dim"),
     ):  # fmt: skip
-        if value is None and name != "dt_bias":
+        if value is None:  # dt_bias too: mamba_ssm takes None (no bias)
             continue
         if tuple(_real(fn, name, value).shape) != shape:
             raise ValueError(f"{fn}: expected {name} of shape {what} = {shape}, but got "
