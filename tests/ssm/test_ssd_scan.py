@@ -7,6 +7,7 @@ from __future__ import annotations
 import doctest
 import math
 import os
+from itertools import pairwise
 
 import pytest
 import torch
@@ -292,6 +293,156 @@ def test_second_derivatives_raise(gen):
     (g,) = torch.autograd.grad(_run(p, "torch")[0].square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match=r"parascan\.ssd_scan: second derivatives"):
         g.sum().backward()
+
+
+# --- growing states: A > 0 (allowed: the contract does not require A <= 0) -------------
+# The torch backend's dual form weighed a block's steps by exp of sums of up to 64 log
+# decays: with a growing state those overflowed long before the state did (a zero
+# state or zero inputs times inf: NaN, where the loop gives up to 1.3e288).
+
+
+def _issue() -> dict:
+    """The reported case: 12 steps of dt = 30, heads with A = 0 and A = 2 (the state
+    grows by exp(60) a step, to 1.29e288), from no initial state."""
+    ones = torch.ones(1, 12, 1, 1, dtype=F64)
+    return {"x": torch.ones(1, 12, 2, 1, dtype=F64), "dt": torch.full((1, 12, 2), 30.0, dtype=F64),
+            "A": torch.tensor([0.0, 2.0], dtype=F64), "B": ones, "C": ones.clone()}  # fmt: skip
+
+
+def _growing(
+    gen: torch.Generator, rate: float, live: int, length: int = 150, cu: list[int] | None = None,
+    initial: float | None = None, scale: float = 1.0,
+) -> dict:  # fmt: skip
+    """A float64 problem whose first head's state grows by exp(rate * dt) a step (the
+    steps as given, in [0.75, 1.25)), the others' by half that, not at all, or decaying;
+    the inputs zero but for the last ``live`` steps of each sequence (the state stays 0
+    until then, as it starts from none, or from ``initial`` times a random state), the
+    inputs scaled by ``scale``."""
+    batch = 1 if cu is not None else 2
+    states = None if cu is None else len(cu) - 1
+    p = _problem(gen, batch=batch, length=length, heads=4, headdim=3, groups=2, bias=False,
+                 softplus=False, initial=initial is not None, states=states)  # fmt: skip
+    p["dt"] = 0.75 + 0.5 * torch.rand(batch, length, 4, generator=gen, dtype=F64)
+    p["A"] = torch.tensor([rate, -0.5, rate / 2, 0.0], dtype=F64)
+    p["x"] = p["x"] * scale
+    for lo, hi in pairwise(cu or [0, length]):
+        p["x"][:, lo : max(lo, hi - live)] = 0
+    if initial is not None:
+        p["initial"] = p["initial"] * initial
+    return p
+
+
+# name -> (input dtype, cu_seqlens, _growing's arguments, or None for the issue's case):
+# in every case the torch backend's blocks' weights overflowed where the loop is finite
+GROWING = {
+    "issue": (F64, None, None),
+    # a block of 64 steps grows by more than exp(709) (float64's range), the state by
+    # at most exp(660): zero inputs (and state) times inf made NaN
+    "float64": (F64, None, {"rate": 15.0, "live": 35}),
+    # inputs and initial state of 1e-200 grown by exp(675) to exp(1125), to 1e93 to
+    # 1e289: inf before (weights of exp(> 709) times 1e-200)
+    "float64-tiny": (
+        F64,
+        None,
+        {"rate": 15.0, "live": 60, "length": 60, "initial": 1e-200, "scale": 1e-200},
+    ),
+    # growth past float32's range (exp(> 96) a block, exp(> 225) over L), the state
+    # within it (at most exp(63) from the zeros)
+    "float32": (torch.float32, None, {"rate": 2.0, "live": 25}),
+    "packed-float64": (F64, [0, 0, 30, 100, 150, 150], {"rate": 15.0, "live": 30}),
+    # initial states of 1e-250 grown by exp(> 675) (inf before), inputs in the last 10
+    "packed-float64-initial": (
+        F64,
+        [0, 0, 30, 75, 120, 120],
+        {"rate": 20.0, "live": 10, "initial": 1e-250},
+    ),
+    "packed-float32": (torch.float32, [0, 0, 30, 100, 150, 150], {"rate": 2.0, "live": 25}),
+}
+
+
+def _growing_case(gen: torch.Generator, case: str) -> tuple[dict, torch.dtype, list | None]:
+    """GROWING[case]'s float64 problem, input dtype and cu_seqlens."""
+    dtype, cu, options = GROWING[case]
+    if options is None:
+        return _issue(), dtype, cu
+    options = {"length": 150 if cu is None else cu[-1], **options}
+    return _growing(gen, cu=cu, **options), dtype, cu
+
+
+# the dimension of each tensor's heads (compared each at its own scale: a growing
+# head's values dwarf a decaying head's); B and C mix the heads of their group
+HEADS_AT = {"out": 2, "final": 1, "x": 2, "dt": 2, "z": 2, "initial": 1, "A": 0, "D": 0}
+
+
+def _fits(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where the float64 ``expected`` is finite and fits ``dtype`` with room to spare
+    (below 1/16 of its largest value): there a backend computing in ``dtype`` owes it."""
+    return expected.isfinite() & (expected.abs() < torch.finfo(dtype).max / 16)
+
+
+def _matches_where(
+    name: str, actual: torch.Tensor, expected: torch.Tensor, where: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """``actual`` finite and matching ``expected`` wherever ``where``, head by head."""
+    dim = HEADS_AT.get(name)
+    parts = [(actual, expected, where)] if dim is None else zip(
+        actual.unbind(dim), expected.unbind(dim), where.unbind(dim), strict=True
+    )  # fmt: skip
+    for a, e, w in parts:
+        assert a[w].isfinite().all(), (name, int((~a[w].isfinite()).sum()), int(w.sum()))
+        assert_matches(a[w], e[w], dtype)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("case", list(GROWING))
+def test_growing_state_against_loop(where, gen, case):
+    """A growing state (A > 0) on every backend against the float64 loop: the outputs
+    and final states (all finite, and fitting float32 for float32 inputs), and every
+    input's gradient wherever the loop's is finite and fits the dtype. In float32 a
+    gradient's computation can overflow where its value fits (a zero state times an
+    overflowed gradient of the state: the float32 loop's NaN, the semantics at that
+    precision): those entries are compared wherever the loop backend's own float32
+    gradient is finite."""
+    p, dtype, cu = _growing_case(gen, case)
+    p = _cast(p, dtype)
+    state = F64 if dtype == F64 else torch.float32
+    want = _grads(_cast(p, F64), lambda q: ssd_loop(**q, cu_seqlens=cu))
+    want_out, want_final = ssd_loop(**_cast(p, F64), cu_seqlens=cu)
+    assert _fits(want_out, dtype).all() and _fits(want_final, state).all()
+    out, final = _run(p, where.backend, cu)
+    _matches_where("out", out, want_out, _fits(want_out, dtype), dtype)
+    _matches_where("final", final, want_final, _fits(want_final, state), state)
+    got = _grads(p, lambda q: _run(q, where.backend, cu))
+    owed = {k: _fits(w, state) for k, w in want.items()}
+    if dtype != F64:
+        loop = _grads(p, lambda q: _run(q, "loop", cu))
+        owed = {k: m & loop[k].isfinite() for k, m in owed.items()}
+    for k in want:
+        assert owed[k].any(), k
+        _matches_where(k, got[k], want[k], owed[k], state)
+    # most of the gradients' entries are compared
+    assert sum(int(m.sum()) for m in owed.values()) > 0.5 * sum(m.numel() for m in owed.values())
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("case", ["issue", "float64", "packed-float64-initial"])
+def test_growing_state_forward_mode(where, gen, case):
+    """torch.func.jvp with a growing state against the float64 loop's (every backend's
+    tangents come from the torch backend's forward under forward-mode AD)."""
+    p, _, cu = _growing_case(gen, case)
+    names = [k for k, v in p.items() if isinstance(v, torch.Tensor)]
+    primals = tuple(p[k] for k in names)
+    tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in primals)
+
+    def at(f):
+        return lambda *ts: f({**p, **dict(zip(names, ts, strict=True))})
+
+    _, want = torch.func.jvp(at(lambda q: ssd_loop(**q, cu_seqlens=cu)), primals, tangents)
+    _, got = torch.func.jvp(at(lambda q: _run(q, where.backend, cu)), primals, tangents)
+    for name, g, w in zip(("out", "final"), got, want, strict=True):
+        assert w.isfinite().any(), name  # not where the inputs' zeros grew past the range
+        _matches_where(name, g, w, w.isfinite(), F64)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)

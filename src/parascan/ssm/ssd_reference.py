@@ -22,6 +22,14 @@ state entering each chunk and never a state per step over all of L:
   (computed once per group and shared by the group's heads), so no exponent there
   can overflow and no 0 * inf appears in the gradient.
 
+  A growing state (dt * A > 0: the contract allows A > 0) makes the weights exp(seg)
+  and exp(a[0] + ... + a[i]) as large as exp(q * max(dt * A)): they overflow long
+  before the state does where the state or the early inputs are zero (a scan from
+  no initial state), and inf * 0 is NaN. So q is cut, for a whole call, to keep every
+  weight below exp(half the dtype's exponent range) (``_block_length``): each
+  product is then a term of the loop's own states or bounded by one, finite wherever
+  the loop is. A decaying state (dt * A <= 0, the normal regime) keeps BLOCK steps.
+
 Packed sequences: each chunk is cut into pieces at the sequence boundaries inside
 it; a piece that starts a sequence starts from that sequence's initial state, and
 the state at the end of a piece that ends a sequence is that sequence's final
@@ -36,8 +44,10 @@ chunk's inputs and to the state entering it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 
 import torch
@@ -170,11 +180,40 @@ def _decays(a: Tensor) -> Tensor:
     return torch.exp(seg.clamp(min=_floor(a)))
 
 
+def _values(t: Tensor) -> Tensor:
+    """``t``'s values as a plain tensor, under any torch.func transform too (the
+    forward mode runs the torch backend's forward under jvp, jacfwd and vmap): a
+    batched tensor gives all of its batch's values."""
+    t = t.detach()
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _block_length(dt: Tensor, A: Tensor) -> int:
+    """The dual form's block length for a call: BLOCK steps, or fewer where the state
+    grows so fast (a = dt * A > 0) that a block's weights would leave the dtype's
+    range (see the module's docstring).
+
+    The weights of a block of q steps are at most exp(q * max(a, 0)); q keeps that
+    below exp(half the exponent range): exp(44) in float32, exp(354) in float64. The
+    other half is left to what they multiply (C . B, the inputs, the state), so that
+    a product overflows only where the loop's state does. One step growing by more
+    than that is a block of its own: its one weight exp(a) is the loop's own decay.
+    One number for the call (a host sync on an accelerator, once per forward and
+    backward), from every batch element under vmap."""
+    growth = float(_values(dt * A).clamp(min=0).amax()) if dt.numel() else 0.0
+    limit = 0.5 * math.log(torch.finfo(dt.dtype).max)
+    if not growth * BLOCK > limit:  # also the normal regime, and NaN: it propagates
+        return BLOCK
+    return max(1, int(limit // growth))
+
+
 def _dual_piece(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h: Tensor
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h: Tensor, block: int = BLOCK
 ) -> tuple[Tensor, Tensor]:
     """(y, last state) of q steps from the state ``h`` by the dual form (see the
-    module's docstring), its blocks computed together.
+    module's docstring), its blocks of ``block`` steps computed together.
 
     The steps are padded to whole blocks with dt = 0 (a decay of 1 and no input: the
     state passes through unchanged) and the blocks folded into the batch: every
@@ -183,7 +222,7 @@ def _dual_piece(
     batch, q, heads, headdim = x.shape
     groups, n = B.shape[-2], B.shape[-1]
     r = heads // groups
-    size = min(q, BLOCK)
+    size = min(q, block)
     blocks = -(-q // size)
     pad = blocks * size - q
     if pad:
@@ -359,18 +398,25 @@ def _backward(
 
 
 def _bind(
-    piece: Piece, backend: str
+    piece_for: Callable[[Tensor, Tensor], Piece], backend: str
 ) -> tuple[Callable[..., Forward], Callable[..., tuple[Tensor, ...]]]:
+    """The backend's forward and backward, with the piece ``piece_for(dt, A)`` picks
+    for the call's steps."""
     k = CHECKPOINT_STEPS[backend]
 
-    def forward(*args: Optional) -> Forward:
-        return _forward(piece, k, *args)  # type: ignore[arg-type]
+    def forward(x: Tensor, dt: Tensor, A: Tensor, *args: Optional) -> Forward:
+        return _forward(piece_for(dt, A), k, x, dt, A, *args)  # type: ignore[arg-type]
 
-    def backward(*args: Optional) -> tuple[Tensor, ...]:
-        return _backward(piece, k, *args)  # type: ignore[arg-type]
+    def backward(x: Tensor, dt: Tensor, A: Tensor, *args: Optional) -> tuple[Tensor, ...]:
+        return _backward(piece_for(dt, A), k, x, dt, A, *args)  # type: ignore[arg-type]
 
     return forward, backward
 
 
-forward_loop, backward_loop = _bind(_loop_piece, "loop")
-forward_torch, backward_torch = _bind(_dual_piece, "torch")
+def _dual_for(dt: Tensor, A: Tensor) -> Piece:
+    block = _block_length(dt, A)
+    return _dual_piece if block == BLOCK else partial(_dual_piece, block=block)
+
+
+forward_loop, backward_loop = _bind(lambda dt, A: _loop_piece, "loop")
+forward_torch, backward_torch = _bind(_dual_for, "torch")
