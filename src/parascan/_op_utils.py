@@ -13,6 +13,7 @@ __all__ = [
     "batch_first",
     "conj",
     "loop_vmap",
+    "nested_forward_mode",
     "plain_eager",
     "refuse_second_derivatives",
     "register_batch_first_vmap",
@@ -115,6 +116,22 @@ def refuse_second_derivatives(public: str) -> NoReturn:
     )
 
 
+def _jvp_transforms() -> int:
+    """How many torch.func forward-mode transforms (jvp, jacfwd) are open."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    jvp = torch._C._functorch.TransformType.Jvp
+    return sum(1 for interpreter in stack if interpreter.key() == jvp)
+
+
+def nested_forward_mode() -> bool:
+    """True when two torch.func forward-mode transforms are open: forward mode over
+    forward mode (``jacfwd(jacfwd(f))``, a ``jvp`` of a ``jvp``). torch runs an
+    autograd.Function's ``jvp`` with forward grad off, so the outer transform would not
+    see the tangents' own computation: their derivatives would silently be zero. (Nested
+    dual levels of torch.autograd.forward_ad are refused by torch itself.)"""
+    return _jvp_transforms() > 1
+
+
 def jvp_through(
     forward: Callable[..., tuple[Tensor, ...]],
     primals: tuple[Tensor | None, ...],
@@ -144,8 +161,10 @@ def jvp_through(
     # contiguous: a dual's tangent is laid out as its primal, which cannot be an
     # expanded operand (canonical forms broadcast D, for one)
     values = tuple(primals[i].contiguous() for i in moving)  # type: ignore[union-attr]
-    if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level < 0:
-        # torch.func.jvp, jacfwd: functorch's transforms nest
+    if _jvp_transforms() or forward_ad._current_level < 0:
+        # torch.func.jvp, jacfwd: functorch's transforms nest (a dual level of
+        # torch.autograd.forward_ad under or over vmap or grad takes the duals below:
+        # torch.func.jvp would open a second dual level, which torch refuses)
         _, out_tangents = torch.func.jvp(partial, values, directions)  # type: ignore[arg-type]
         return tuple(out_tangents)
     # torch.autograd.forward_ad's dual level is open (and cannot be nested): duals at it

@@ -576,7 +576,12 @@ def test_a_packed_chunk_continues_a_cached_sequence(name) -> None:
     ("name", "packing"),
     # zamba's mixer hands its convolution seq_idx alone (cu_seqlens reaches neither the
     # convolution nor the scan, patched or not)
-    [(n, p) for n in MAMBA1_MODELS for p in ("seq_idx", "cu_seqlens") if (n, p) != ("zamba", "cu_seqlens")],
+    [
+        (n, p)
+        for n in MAMBA1_MODELS
+        for p in ("seq_idx", "cu_seqlens")
+        if (n, p) != ("zamba", "cu_seqlens")
+    ],
 )
 def test_a_patched_mamba1_mixer_refuses_packed_sequences(name, packing) -> None:
     """The Mamba-1 mixers pass no sequence ids to their scan, which would carry the state
@@ -687,9 +692,62 @@ def test_another_activation_uses_transformers_own_convolution() -> None:
     want = module.causal_conv1d_fn(x, weight, bias, activation="gelu")
     want_step = module.causal_conv1d_update(x[..., :1], state.clone(), weight, bias, "gelu")
     integration.patch()
-    assert module.causal_conv1d_fn is integration.causal_conv1d
+    assert module.causal_conv1d_fn is integration.causal_conv1d_one_sequence  # Mamba-1's
+    torch.testing.assert_close(module.causal_conv1d_fn(x, weight, bias, "gelu"), want)
     torch.testing.assert_close(integration.causal_conv1d(x, weight, bias, "gelu"), want)
     torch.testing.assert_close(
         integration.causal_conv1d_update(x[..., :1], state.clone(), weight, bias, "gelu"),
         want_step,
     )
+
+
+def compiled_matches_eager(module: torch.nn.Module, x: torch.Tensor, train: bool) -> None:
+    """``torch.compile(module, fullgraph=True)`` (no graph break) gives the eager patched
+    output and, in training, the same parameter gradients."""
+    torch._dynamo.reset()
+    module.train(train)
+    compiled = torch.compile(module, fullgraph=True)
+    results = []
+    for run in (compiled, module):
+        module.zero_grad()
+        with torch.set_grad_enabled(train):
+            out = run(x)
+            out = getattr(out, "logits", out)
+            if train:
+                out.square().mean().backward()
+        grads = [p.grad.clone() for p in module.parameters() if p.grad is not None]
+        results.append((out.detach(), grads))
+    (got, got_grads), (want, want_grads) = results
+    close(got, want, "compiled output")
+    assert (
+        len(got_grads)
+        == len(want_grads)
+        == (sum(p.requires_grad for p in module.parameters()) if train else 0)
+    )
+    for g, w in zip(got_grads, want_grads, strict=True):
+        close(g, w, "compiled gradient")
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_a_patched_mixer_compiles_with_fullgraph(name, train) -> None:
+    """The patched paths trace without a graph break: one mixer of each family (the
+    fused Mamba-2 layer's eligibility test called Tensor.is_neg, which dynamo cannot
+    trace, and the selective scan's backward returned gradients in another layout than
+    its fake kernel said, which the compiled graph asserts). Every family's whole
+    model: the slow test below."""
+    model = build(name)
+    mixer = first_mixer(model)
+    x = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    integration.patch()
+    compiled_matches_eager(mixer, x, train)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_every_patched_model_compiles_with_fullgraph(name, train) -> None:
+    model = build(name)
+    ids, _ = inputs(2, 19)
+    integration.patch()
+    compiled_matches_eager(model, ids, train)

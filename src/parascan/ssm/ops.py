@@ -18,6 +18,7 @@ from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import (
     jvp_through,
     loop_vmap,
+    nested_forward_mode,
     refuse_second_derivatives,
     resolved,
     resolved_optional,
@@ -60,10 +61,12 @@ def _forward_op(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
     delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(out, final, checkpoints) of canonical operands; see canonical.py."""
+    """(out, final, checkpoints) of canonical operands; see canonical.py. Contiguous
+    whatever the backend returns, as the fake kernel says (torch.compile's graphs
+    assert the strides it reports)."""
     args = _resolved_all(u, delta, A, B, C, D, z, delta_bias, initial)
     out, final, checkpoints = ROW.backends[backend].forward(*args, softplus)
-    return out, final, checkpoints
+    return out.contiguous(), final.contiguous(), checkpoints.contiguous()
 
 
 @_forward_op.register_fake
@@ -87,12 +90,13 @@ def _backward_op(
     delta_bias: Opt, initial: Opt, softplus: bool, backend: str, checkpoints: Tensor,
     grad_out: Tensor, grad_final: Tensor,
 ) -> list[Tensor]:  # fmt: skip
-    """The 9 gradients of canonical.py's backward (empty for absent operands)."""
+    """The 9 gradients of canonical.py's backward (empty for absent operands), each
+    contiguous (not in its operand's layout: the fake kernel says so)."""
     args = _resolved_all(u, delta, A, B, C, D, z, delta_bias, initial)
     backward = ROW.backends[backend].backward
     assert backward is not None
     grads = backward(*args, softplus, checkpoints, resolved(grad_out), resolved(grad_final))
-    return list(grads)
+    return [g.contiguous() for g in grads]
 
 
 @_backward_op.register_fake
@@ -102,7 +106,7 @@ def _(
     grad_out: Tensor, grad_final: Tensor,
 ) -> list[Tensor]:  # fmt: skip
     return [
-        torch.empty_like(t) if t is not None else u.new_empty(0)
+        t.new_empty(t.shape) if t is not None else u.new_empty(0)
         for t in (u, delta, A, B, C, D, z, delta_bias, initial)
     ]
 
@@ -161,6 +165,21 @@ class _SelectiveScanBackwardForwardMode(_SelectiveScanBackward):
         refuse_second_derivatives("parascan.selective_scan")
 
 
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    *tensors, softplus, backend = inputs
+    # The same tensors for backward and forward mode: under vmap (generate_vmap_rule)
+    # torch keeps the vmapped dims of the last call's tensors only and reads them for
+    # both; a shorter save_for_forward broke every backward through a vmapped scan (grad
+    # of vmap; jacrev of jacfwd, whose jvp vmaps the primals too, of a non-linear f)
+    # with torch's internal "flat_bdims must not be None".
+    ctx.save_for_backward(*tensors, output[2])
+    ctx.save_for_forward(*tensors, output[2])
+    ctx.softplus, ctx.backend = softplus, backend
+    # an unused output's gradient arrives as None, not as a tensor of zeros to fill
+    # (the checkpoints': (batch, dim, chunks, N)); backward makes what it needs
+    ctx.set_materialize_grads(False)
+
+
 class _SelectiveScan(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -176,15 +195,8 @@ class _SelectiveScan(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        *tensors, softplus, backend = inputs
-        checkpoints = output[2]
-        ctx.save_for_backward(*tensors, checkpoints)
-        ctx.save_for_forward(*tensors)
-        ctx.softplus, ctx.backend = softplus, backend
-        ctx.mark_non_differentiable(checkpoints)
-        # an unused output's gradient arrives as None, not as a tensor of zeros to fill
-        # (the checkpoints': (batch, dim, chunks, N)); backward makes what it needs
-        ctx.set_materialize_grads(False)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[2])
 
     @staticmethod
     def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
@@ -216,6 +228,14 @@ class _SelectiveScanForwardMode(_SelectiveScan):
     dynamo cannot trace an autograd.Function that defines ``jvp``."""
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        # The checkpoints stay differentiable here, with a zero tangent (jvp): under vmap,
+        # torch's generated rule passes mark_non_differentiable the batched output, which
+        # marks nothing, and then fails on a None tangent (jvp, jacfwd of a vmapped scan).
+        # Nothing reads them outside the op; backward gets None for them.
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
     def jvp(ctx: Any, *tangents: Opt) -> tuple[Opt, ...]:
         # The kernels have no forward mode: the tangents come from forward-mode AD
         # through the torch backend's chunked forward (one chunk's states at a time),
@@ -224,8 +244,11 @@ class _SelectiveScanForwardMode(_SelectiveScan):
             out, final, _ = reference.forward_torch(*ops, ctx.softplus)
             return out, final
 
-        t_out, t_final = jvp_through(forward, ctx.saved_tensors, tangents[:9])
-        return t_out, t_final, None
+        if nested_forward_mode():  # forward over forward: see nested_forward_mode
+            refuse_second_derivatives("parascan.selective_scan")
+        *operands, checkpoints = ctx.saved_tensors
+        t_out, t_final = jvp_through(forward, tuple(operands), tangents[:9])
+        return t_out, t_final, torch.zeros_like(checkpoints)
 
 
 def apply(

@@ -251,10 +251,13 @@ def usable(zxbcdt: Tensor, *tensors: Opt, width: int) -> bool:
     """Whether :func:`split_conv_scan` can run these operands: plain CPU tensors (or
     parameters) of one dtype, float32 or float64, a filter of at most CONV_MAX_WIDTH taps, the C
     kernels built, and an eager call (no torch.compile, torch.func transform,
-    dispatch mode or forward-mode AD, which the C kernels would not see)."""
+    dispatch mode or forward-mode AD, which the C kernels would not see). The eager
+    test comes first: the bit tests after it (``Tensor.is_neg``) are not traceable,
+    and under torch.compile the answer is no."""
     dtype = zxbcdt.dtype
     return (
-        dtype in _DTYPES
+        plain_eager()
+        and dtype in _DTYPES
         and 1 <= width <= CONV_MAX_WIDTH
         and all(
             t is None
@@ -268,7 +271,6 @@ def usable(zxbcdt: Tensor, *tensors: Opt, width: int) -> bool:
             )
             for t in (zxbcdt, *tensors)
         )
-        and plain_eager()
         and kernel_library_error() is None
     )
 

@@ -19,6 +19,7 @@ from parascan._backends import Backend, OpBackends, register
 from parascan._op_utils import (
     jvp_through,
     loop_vmap,
+    nested_forward_mode,
     refuse_second_derivatives,
     resolved,
     resolved_optional,
@@ -63,9 +64,13 @@ def _forward_op(
     packed sequences that was a state's write per sequence nobody read)."""
     args = _resolved_all(x, dt, A, B, C, D, z, initial)
     if backend == "cpu":
-        return ssd_cpu.forward(*args, cu_seqlens, want_final=want_final)
-    out, final, checkpoints = ROW.backends[backend].forward(*args, cu_seqlens)
-    return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
+        out, final, checkpoints = ssd_cpu.forward(*args, cu_seqlens, want_final=want_final)
+    else:
+        out, final, checkpoints = ROW.backends[backend].forward(*args, cu_seqlens)
+        final = final if want_final else final.new_empty(0, *final.shape[1:])
+    # contiguous whatever the backend returns, as the fake kernel says (torch.compile's
+    # graphs assert the strides it reports)
+    return out.contiguous(), final.contiguous(), checkpoints.contiguous()
 
 
 def _states(x: Tensor, cu_seqlens: Opt) -> int:
@@ -101,7 +106,7 @@ def _backward_op(
     if backend != "cpu" and grad_final.shape[0] != _states(x, cu_seqlens):
         grad_final = grad_final.new_zeros(_states(x, cu_seqlens), *grad_final.shape[1:])
     grads = backward(*args, cu_seqlens, checkpoints, resolved(grad_out), grad_final)
-    return list(grads)
+    return [g.contiguous() for g in grads]  # not in the operands' layouts: as the fake
 
 
 @_backward_op.register_fake
@@ -110,7 +115,7 @@ def _(
     cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor, backend: str,
 ) -> list[Tensor]:  # fmt: skip
     return [
-        torch.empty_like(t) if t is not None else x.new_empty(0)
+        t.new_empty(t.shape) if t is not None else x.new_empty(0)
         for t in (x, dt, A, B, C, D, z, initial)
     ]
 
@@ -167,6 +172,18 @@ class _SSDScanBackwardForwardMode(_SSDScanBackward):
         refuse_second_derivatives("parascan.ssd_scan")
 
 
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    *tensors, want_final, backend = inputs
+    # The same tensors for backward and forward mode: under vmap (generate_vmap_rule)
+    # torch keeps the vmapped dims of the last call's tensors only (see ops.py).
+    ctx.save_for_backward(*tensors, output[2])
+    ctx.save_for_forward(*tensors, output[2])
+    ctx.backend, ctx.want_final = backend, want_final
+    # an unused output's gradient arrives as None, not as a tensor of zeros to fill
+    # (the checkpoints': 3 MiB at (1, 512, 24, 64, 64)); backward makes what it needs
+    ctx.set_materialize_grads(False)
+
+
 class _SSDScan(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -182,14 +199,8 @@ class _SSDScan(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        *tensors, want_final, backend = inputs
-        ctx.save_for_backward(*tensors, output[2])
-        ctx.save_for_forward(*tensors)
-        ctx.backend, ctx.want_final = backend, want_final
+        _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[2])
-        # an unused output's gradient arrives as None, not as a tensor of zeros to fill
-        # (the checkpoints': 3 MiB at (1, 512, 24, 64, 64)); backward makes what it needs
-        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
@@ -218,6 +229,11 @@ class _SSDScanForwardMode(_SSDScan):
     dynamo cannot trace an autograd.Function that defines ``jvp``."""
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        # The checkpoints stay differentiable here, with a zero tangent (jvp): see ops.py.
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
     def jvp(ctx: Any, *tangents: Opt) -> tuple[Opt, ...]:
         # The kernels have no forward mode: the tangents come from forward-mode AD
         # through the torch backend's forward (the dual form a chunk at a time), at the
@@ -226,8 +242,11 @@ class _SSDScanForwardMode(_SSDScan):
             out, final, _ = reference.forward_torch(*ops)
             return out, final
 
-        t_out, t_final = jvp_through(forward, ctx.saved_tensors, tangents[:9])
-        return t_out, t_final if ctx.want_final else t_final[:0], None
+        if nested_forward_mode():  # forward over forward: see nested_forward_mode
+            refuse_second_derivatives("parascan.ssd_scan")
+        *operands, checkpoints = ctx.saved_tensors
+        t_out, t_final = jvp_through(forward, tuple(operands), tangents[:9])
+        return t_out, t_final if ctx.want_final else t_final[:0], torch.zeros_like(checkpoints)
 
 
 def apply(
