@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parascan._checks import FLOAT_DTYPES, check_flag
+from parascan._higher_order import once_differentiable
 from parascan._op_utils import conj
 from parascan.first_order import linear_scan as local_linear_scan
 from parascan.first_order import log_linear_scan as local_log_linear_scan
@@ -309,7 +310,7 @@ class _ShardScan(torch.autograd.Function):
         return out, final
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable(lambda ctx: ctx.sharded.name)  # parascan's error, not zeros
     def backward(ctx: Any, grad_out: Tensor, grad_final: Tensor) -> tuple[Tensor | None, ...]:
         gates, tokens, out, start, total = ctx.saved_tensors
         sharded, dim, reverse, backend = ctx.sharded, ctx.dim, ctx.reverse, ctx.backend

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._higher_order import tangent_mode
 from parascan.first_order.ops import backward_from_partials, backward_op, forward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS
 
@@ -79,15 +80,18 @@ class _FirstOrderScanForwardMode(_FirstOrderScan):
     ) -> Tensor:  # fmt: skip
         # The tangent obeys a linear recurrence with the steps' partials (w, d_a, d_b):
         # dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),  dx[-1] = d initial.
-        gates, tokens, out, initial = ctx.saved_tensors
+        # Torch ops and this Function: differentiable by an outer forward-mode
+        # transform too (jacfwd of jacfwd), in tangent_mode.
         ring = SEMIRINGS[ctx.ring]
-        w, d_gates, d_tokens = ring.partials(gates, tokens, out, initial, ctx.dim, ctx.reverse)
-        drive = torch.zeros_like(out)
-        if tokens_t is not None:
-            drive = tokens_t if d_tokens is None else d_tokens * tokens_t
-        if gates_t is not None:
-            drive = drive + d_gates * gates_t
-        return apply(LINEAR.name, w, drive, initial_t, ctx.dim, ctx.reverse, ctx.backend)
+        with tangent_mode(ctx.saved_tensors, ring.op) as saved:
+            gates, tokens, out, initial = saved
+            w, d_gates, d_tokens = ring.partials(gates, tokens, out, initial, ctx.dim, ctx.reverse)
+            drive = torch.zeros_like(out)
+            if tokens_t is not None:
+                drive = tokens_t if d_tokens is None else d_tokens * tokens_t
+            if gates_t is not None:
+                drive = drive + d_gates * gates_t
+            return apply(LINEAR.name, w, drive, initial_t, ctx.dim, ctx.reverse, ctx.backend)
 
 
 def _linear_scan_fn(backend: str) -> Any:

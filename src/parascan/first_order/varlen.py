@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from parascan._checks import accumulate_dtype, as_operand, check_dtype, describe
+from parascan._higher_order import tangent_mode
 from parascan._native import bindings
 from parascan._op_utils import register_batch_first_vmap, resolved, resolved_optional
 from parascan.first_order import triton
@@ -300,18 +301,20 @@ class _PackedScanForwardMode(_PackedScan):
         # Within each sequence the tangent obeys a linear recurrence with the steps'
         # partials (w, d_a, d_b): dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),
         # from the sequence's d initial: a packed linear scan, by the same backend.
-        gates, tokens, out, initial, cu_seqlens = ctx.saved_tensors
+        # Differentiable by an outer forward-mode transform too, in tangent_mode.
         ring = SEMIRINGS[ctx.ring]
-        w, d_gates, d_tokens = ring.partials(
-            gates, tokens, out, initial, ctx.dim, ctx.reverse, cu_seqlens
-        )
-        drive = torch.zeros_like(out)
-        if tokens_t is not None:
-            drive = tokens_t if d_tokens is None else d_tokens * tokens_t
-        if gates_t is not None:
-            drive = drive + d_gates * gates_t
-        return _apply(LINEAR.name, w, drive, initial_t, ctx.dim, cu_seqlens, ctx.reverse,
-                      ctx.backend)  # fmt: skip
+        with tangent_mode(ctx.saved_tensors, ring.op) as saved:
+            gates, tokens, out, initial, cu_seqlens = saved
+            w, d_gates, d_tokens = ring.partials(
+                gates, tokens, out, initial, ctx.dim, ctx.reverse, cu_seqlens
+            )
+            drive = torch.zeros_like(out)
+            if tokens_t is not None:
+                drive = tokens_t if d_tokens is None else d_tokens * tokens_t
+            if gates_t is not None:
+                drive = drive + d_gates * gates_t
+            return _apply(LINEAR.name, w, drive, initial_t, ctx.dim, cu_seqlens, ctx.reverse,
+                          ctx.backend)  # fmt: skip
 
 
 def _apply(

@@ -20,6 +20,7 @@ from parascan._checks import (
     check_same_device,
     describe,
 )
+from parascan._higher_order import tangent_mode
 from parascan.matrix.ops import ROW, matrix_linear_scan_op
 
 __all__ = ["matrix_linear_scan"]
@@ -139,12 +140,14 @@ class _MatrixScanForwardMode(_MatrixScan):
         *_: Any,
     ) -> Tensor:  # fmt: skip
         # dx[t] = W[t] dx[t-1] + (dW[t] x[t-1] + db[t]),  dx[-1] = d initial.
-        weights, out, initial = ctx.saved_tensors
-        drive = torch.zeros_like(out) if biases_t is None else biases_t + torch.zeros_like(out)
-        if weights_t is not None:
-            previous = _previous_states(out, initial, ctx.reverse) if out.shape[-2] else out
-            drive = drive + (weights_t @ previous.unsqueeze(-1)).squeeze(-1)
-        return _apply(weights, drive, initial_t, ctx.reverse, ctx.backend)
+        # Differentiable by an outer forward-mode transform too, in tangent_mode.
+        with tangent_mode(ctx.saved_tensors, _NAME) as saved:
+            weights, out, initial = saved
+            drive = torch.zeros_like(out) if biases_t is None else biases_t + torch.zeros_like(out)
+            if weights_t is not None:
+                previous = _previous_states(out, initial, ctx.reverse) if out.shape[-2] else out
+                drive = drive + (weights_t @ previous.unsqueeze(-1)).squeeze(-1)
+            return _apply(weights, drive, initial_t, ctx.reverse, ctx.backend)
 
 
 def _apply(
