@@ -24,7 +24,7 @@ from parascan._native import kernel_library
 from parascan.ssm import cpu
 from parascan.ssm.canonical import CHECKPOINT_STEPS
 
-from conftest import assert_matches
+from conftest import assert_matches, oracle_dtype
 
 K = CHECKPOINT_STEPS["cpu"]
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial")
@@ -422,3 +422,167 @@ def test_the_vector_math_is_within_a_few_ulp(dtype: torch.dtype) -> None:
     assert s[3] == special.to(dtype)[3]
     e = _math(dtype, 4, special[2:])
     assert e[0] == 0 and e[2] == 0 and e[3] == 1 and e[4] == 0
+
+
+# --- growing states: A > 0 (allowed: the contract does not require A <= 0) -------------
+# The backward took the gradient of dt A as (g_h[t] exp(dt A)) h[t-1]: where the adjoint
+# grows past the range on a step whose entering state is 0 (the state not started
+# yet), inf * 0 made the gradients of delta, A and delta_bias NaN where the loop's are
+# finite (the issue: 5.8e286 and 5.8e290). The complex state's sweep multiplied
+# exp(dt A) h[t-1] first, as the fix does now for the real one.
+
+
+def _issue() -> tuple[Operands, bool]:
+    """The reported case: 12 steps of dt = 30 on channels with A = 0 and A = 2 (N 1),
+    u = B = C = 1, no softplus: the state grows by exp(60) a step, to 1.29e288."""
+    ones = torch.ones(1, 1, 12, dtype=torch.float64)
+    u, delta = torch.ones(1, 2, 12, dtype=torch.float64), torch.full((1, 2, 12), 30.0).double()
+    A = torch.tensor([[0.0], [2.0]], dtype=torch.float64)
+    return (u, delta, A, ones[:, None], ones[:, None].clone(), None, None, None, None), False
+
+
+def _growing(
+    rate: float, live: int, length: int = 150, *, groups: tuple[int, int] = (2, 2),
+    softplus: bool = False, initial: float | None = None, scale: float = 1.0,
+    complex_A: bool = False,
+) -> tuple[Operands, bool]:  # fmt: skip
+    """A float64 (complex128) problem of 2 x 4 channels, N 3: channel 0's state grows by
+    exp(rate dt) a step in its first lane (0.8 and 0.6 of that in the others), channel
+    2's by half that, channel 1's decays and channel 3's neither (dt = delta + bias in
+    [0.75, 1.25), before the softplus when ``softplus``); u is 0 but for the last
+    ``live`` steps (the state stays 0 until then, as it starts from none, or from
+    ``initial`` times a random state), scaled by ``scale``. B and C: ``groups`` (0:
+    invariant (dim, N), else (batch, G, N, L))."""
+    g = torch.Generator().manual_seed(int(rate * 100) + live)
+    f64 = torch.float64
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=f64)
+
+    batch, dim, n = 2, 4, 3
+    lanes = torch.tensor([1.0, 0.8, 0.6], dtype=f64)
+    A = torch.stack([rate * lanes, -lanes / 2, rate / 2 * lanes, torch.zeros(n, dtype=f64)])
+    if complex_A:
+        A = torch.complex(A, 3 * rand(dim, n))
+
+    def bc(groups: int) -> Tensor:
+        shape = (dim, n) if groups == 0 else (batch, groups, n, length)
+        return torch.complex(rand(*shape), rand(*shape)) if complex_A else rand(*shape)
+
+    u = rand(batch, dim, length) * scale
+    u[:, :, : length - live] = 0
+    bias = 0.01 * rand(dim)
+    delta = 0.75 + 0.5 * torch.rand(batch, dim, length, generator=g, dtype=f64) - bias[:, None]
+    h0 = None
+    if initial is not None:
+        h0 = (torch.complex(rand(batch, dim, n), rand(batch, dim, n)) if complex_A
+              else rand(batch, dim, n)) * initial  # fmt: skip
+    return (u, delta, A, bc(groups[0]), bc(groups[1]), rand(dim), rand(batch, dim, length),
+            bias, h0), softplus  # fmt: skip
+
+
+# name -> (input dtype, the problem); in the real cases the C backward gave NaN where
+# the loop's gradients are finite (complex: the same problems, which it did not)
+GROWING: dict[str, tuple[torch.dtype, Callable[[], tuple[Operands, bool]]]] = {
+    "issue": (torch.float64, _issue),
+    # the adjoint passes float64's range (exp(709)) some 47 steps from the end, where
+    # the state is still 0: NaN in delta's gradient there
+    "float64": (torch.float64, lambda: _growing(15.0, 35)),
+    "float64-softplus": (torch.float64, lambda: _growing(12.0, 30, softplus=True, groups=(0, 4))),
+    # initial states and inputs of 1e-200 grown by exp(675) to exp(1125) (60 steps of
+    # 15 dt), to 1e93 to 1e289
+    "float64-tiny": (
+        torch.float64,
+        lambda: _growing(15.0, 60, 60, initial=1e-200, scale=1e-200, groups=(4, 0)),
+    ),
+    # growth past float32's range over L (exp(> 225)), the state within it (at most
+    # exp(63) from the zeros)
+    "float32": (torch.float32, lambda: _growing(2.0, 25)),
+    # initial states and inputs of 1e-30 grown by up to exp(131) (the adjoint past
+    # float32's range), dt = softplus(about 1)
+    "float32-tiny-softplus": (
+        torch.float32,
+        lambda: _growing(1.0, 30, 100, softplus=True, groups=(0, 1), initial=1e-30, scale=1e-30),
+    ),
+    "complex128": (torch.float64, lambda: _growing(15.0, 35, complex_A=True, groups=(0, 2))),
+    "complex64": (torch.float32, lambda: _growing(2.0, 25, complex_A=True, groups=(1, 0))),
+}
+
+
+def _scales(name: str, t: Tensor) -> list[Tensor]:
+    """``t`` cut into the parts that share one scale, to be compared each at its own
+    (a growing channel's values dwarf a decaying one's): a channel's steps, a
+    channel's lane, a group's lane of B or C."""
+    if name in ("u", "delta", "z", "out"):
+        dims: tuple[int, ...] = (1,)
+    elif name in ("final", "initial") or (name in ("B", "C") and t.dim() == 4):
+        dims = (1, 2)
+    else:  # A, invariant B and C, D, delta_bias: every element
+        dims = tuple(range(t.dim()))
+    return list(t.movedim(dims, tuple(range(len(dims)))).flatten(0, len(dims) - 1).unbind(0))
+
+
+def _fits(expected: Tensor, dtype: torch.dtype) -> Tensor:
+    """Where the float64 ``expected`` is finite and fits ``dtype`` with room to spare
+    (below 1/16 of its largest value): there a kernel computing in ``dtype`` owes it."""
+    return expected.isfinite() & (expected.abs() < torch.finfo(dtype).max / 16)
+
+
+def _matches_where(name: str, got: Tensor, want: Tensor, where: Tensor, dtype: torch.dtype) -> None:
+    """``got`` finite and matching ``want`` wherever ``where``, scale by scale."""
+    got = got.detach()
+    parts = zip(_scales(name, got), _scales(name, want), _scales(name, where), strict=True)
+    for a, e, w in parts:
+        assert a[w].isfinite().all(), (name, int((~a[w].isfinite()).sum()), int(w.sum()))
+        try:
+            assert_matches(a[w], e[w], dtype)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
+
+
+def _loop_grads(
+    ops: Operands, softplus: bool, go: Tensor, gf: Tensor
+) -> tuple[Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
+    """out, final and the nine gradients (None for an absent operand) by autograd
+    through ``loop``, in the operands' own precision."""
+    leaves = _map(lambda t: t.detach().clone().requires_grad_(), ops)
+    out, final, _ = loop(*leaves, softplus)
+    given = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad([out, final], given, [go.to(out.dtype), gf.to(final.dtype)]))
+    return out.detach(), final.detach(), [None if t is None else next(grads) for t in leaves]
+
+
+@pytest.mark.parametrize("case", list(GROWING))
+def test_growing_state_against_the_loop(case: str) -> None:
+    """A growing state (A > 0, or a positive real part) against the float64 loop: the
+    outputs and final states (all finite, and fitting float32 for float32 inputs),
+    and every gradient wherever the loop's is finite and fits the dtype. In float32 a
+    gradient's computation can overflow where its value fits (a zero state times an
+    overflowed gradient of the state: the float32 loop's NaN, the semantics at that
+    precision): those entries are compared wherever the float32 loop's is finite."""
+    dtype, make = GROWING[case]
+    problem, softplus = make()
+    ops = problem if dtype == torch.float64 else _map(
+        lambda t: t.to(torch.complex64 if t.is_complex() else torch.float32), problem
+    )  # fmt: skip
+    wide = _map(lambda t: t.to(oracle_dtype(t.dtype)), ops)
+    out, final, cps = cpu.forward(*ops, softplus)
+    state = final.dtype.to_real()
+    g = torch.Generator().manual_seed(1)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    gf = torch.randn(final.shape, generator=g, dtype=oracle_dtype(final.dtype))
+    want_out, want_final, want = _loop_grads(wide, softplus, go, gf)
+    assert _fits(want_out, dtype).all() and _fits(want_final, state).all()
+    _matches_where("out", out, want_out, _fits(want_out, dtype), dtype)
+    _matches_where("final", final, want_final, _fits(want_final, state), state)
+    got = cpu.backward(*ops, softplus, cps, go.to(out.dtype), gf.to(final.dtype))
+    low = _loop_grads(ops, softplus, go, gf)[2] if dtype != torch.float64 else want
+    compared, total = 0, 0
+    for name, w, gt, lw in zip(NAMES, want, got, low, strict=True):
+        if w is None or lw is None:
+            continue
+        owed = _fits(w, state) & lw.isfinite()
+        assert owed.any(), name
+        _matches_where(name, gt, w, owed, state)
+        compared, total = compared + int(owed.sum()), total + owed.numel()
+    assert compared > 0.5 * total  # most of the gradients' entries are compared

@@ -297,6 +297,137 @@ def test_triton_is_imported_only_when_a_kernel_runs() -> None:
     assert len(launches) == 2  # in forward and backward
 
 
+# --- growing states: A > 0 (allowed: the contract does not require A <= 0) -------------
+# The backward took the gradient of a[t] = exp(dt A) as (g_h[t] a[t]) h[t-1]: where the
+# adjoint grows past the range on a step whose entering state is 0 (the state not
+# started yet), inf * 0 made the gradients of delta, A and delta_bias NaN where the
+# loop's are finite. (The interpreter runs tl.associative_scan step by step, so what
+# a GPU's tree of compositions does with products of several steps' decays is not
+# seen here.)
+
+
+def _growing(
+    rate: float, live: int, length: int, chunk: int | None = None
+) -> tuple[list[torch.Tensor | None], int | None]:  # fmt: skip
+    """A float64 problem of 2 x 3 channels, N 2: channel 0's state grows by exp(rate dt)
+    a step (0.8 of that in its second lane), channel 1's by half that, channel 2's
+    decays (dt = softplus(delta + bias), 1.15 to 1.45); u is 0 but for the last
+    ``live`` steps, so that the state is 0 until then; every option."""
+    gen = torch.Generator().manual_seed(int(rate) + live)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    lanes = torch.tensor([1.0, 0.8], dtype=torch.float64)
+    A = torch.stack([rate * lanes, rate / 2 * lanes, -lanes])
+    u = rand(2, 3, length)
+    u[:, :, : length - live] = 0
+    delta = 0.75 + 0.5 * torch.rand(2, 3, length, generator=gen, dtype=torch.float64)
+    bias = 0.01 * rand(3)
+    ops = [u, delta, A, rand(2, 1, 2, length), rand(3, 2), rand(3), rand(2, 3, length), bias,
+           None]  # fmt: skip
+    return ops, chunk
+
+
+def _issue() -> tuple[list[torch.Tensor | None], int | None]:
+    """The reported case: 12 steps of dt = 30 on channels with A = 0 and A = 2 (N 1),
+    u = B = C = 1, no softplus: the state grows by exp(60) a step, to 1.29e288."""
+    ones = torch.ones(1, 1, 1, 12, dtype=torch.float64)
+    u, delta = torch.ones(1, 2, 12, dtype=torch.float64), torch.full((1, 2, 12), 30.0).double()
+    A = torch.tensor([[0.0], [2.0]], dtype=torch.float64)
+    return [u, delta, A, ones, ones.clone(), None, None, None, None], None
+
+
+def _issue_late() -> tuple[list[torch.Tensor | None], int | None]:
+    """The issue's case with u = 0 but for the last 2 steps: in float32 the state fits
+    (3.4e27), and the adjoint passes the range 2 steps from the end, where the state
+    is 0."""
+    ops, chunk = _issue()
+    assert ops[0] is not None
+    ops[0][:, :, :10] = 0
+    return ops, chunk
+
+
+GROWING = {
+    "issue": (torch.float64, _issue),
+    "issue-late-float32": (torch.float32, _issue_late),
+    # the adjoint passes float64's range some 13 steps from the end, float32's some 11
+    # (and 22 in channel 1), where the state is still 0 (inputs in the last 8)
+    "float64": (torch.float64, lambda: _growing(40.0, 8, 24, chunk=8)),
+    "float32": (torch.float32, lambda: _growing(6.0, 8, 24, chunk=8)),
+}
+
+
+def _fits(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where the float64 ``expected`` is finite and fits ``dtype`` with room to spare."""
+    return expected.isfinite() & (expected.abs() < torch.finfo(dtype).max / 16)
+
+
+def _grads(
+    ops: list[torch.Tensor | None], softplus: bool, go: torch.Tensor, gf: torch.Tensor
+) -> list[torch.Tensor | None]:  # fmt: skip
+    """out, final and the nine gradients (None for an absent operand) through the loop,
+    in the operands' own precision."""
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in ops]
+    out, states = selective_loop(*leaves, softplus)
+    present = [x for x in leaves if x is not None]
+    loss = (out * go.to(out.dtype)).sum() + (states[-1] * gf.to(out.dtype)).sum()
+    found = iter(torch.autograd.grad(loss, present))
+    grads = [None if x is None else next(found) for x in leaves]
+    return [out.detach(), states[-1].detach(), *grads]
+
+
+def _scales(what: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` cut into the parts that share one scale, to be compared each at its own
+    (a growing channel's values dwarf a decaying one's): a channel's steps, a channel's
+    lane, a group's lane of a variable B or C, or single elements."""
+    if what in ("out", "u", "delta", "z"):
+        dims: tuple[int, ...] = (1,)
+    elif what == "final" or (what in ("B", "C") and t.dim() == 4):
+        dims = (1, 2)
+    else:  # A, invariant B and C, D, delta_bias
+        dims = tuple(range(t.dim()))
+    return list(t.movedim(dims, tuple(range(len(dims)))).flatten(0, len(dims) - 1).unbind(0))
+
+
+@pytest.mark.parametrize("name", list(GROWING))
+def test_growing_state_against_the_loop(name: str) -> None:
+    """A growing state (A > 0) against the float64 loop: out and final (all finite and
+    fitting the dtype), and every gradient wherever the loop's is finite and fits the
+    dtype (in float32, and wherever the float32 loop's is finite: a zero state times
+    an overflowed gradient of the state is that loop's NaN, the semantics at that
+    precision), each channel's (and lane's) at its own scale."""
+    dtype, make = GROWING[name]
+    problem, chunk = make()
+    softplus = problem[7] is not None
+    ops = [x.to(dtype) if x is not None else None for x in problem]
+    wide = [x.double() if x is not None else None for x in ops]
+    out, final, checkpoints = backend.forward(*ops, softplus, chunk=chunk)
+    gen = torch.Generator().manual_seed(1)
+    go = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    gf = torch.randn(final.shape, generator=gen, dtype=torch.float64)
+    want = _grads(wide, softplus, go, gf)
+    got = [out, final, *backend.backward(*ops, softplus, checkpoints, go.to(dtype), gf.to(dtype),
+                                         chunk=chunk)]  # fmt: skip
+    low = _grads(ops, softplus, go, gf) if dtype != torch.float64 else want
+    assert _fits(want[0], dtype).all() and _fits(want[1], dtype).all()
+    compared = total = 0
+    for what, w, g, lw in zip(("out", "final", *NAMES), want, got, low, strict=True):
+        if w is None:
+            continue
+        owed = _fits(w, dtype) & lw.isfinite()
+        assert owed.any(), what
+        for a, e, m in zip(*(_scales(what, x) for x in (g, w, owed)), strict=True):
+            assert a[m].isfinite().all(), (what, int((~a[m].isfinite()).sum()), int(m.sum()))
+            try:
+                assert_matches(a[m], e[m], dtype)
+            except AssertionError as exc:
+                raise AssertionError(f"{what}: {exc}") from None
+        if what not in ("out", "final"):
+            compared, total = compared + int(owed.sum()), total + owed.numel()
+    assert compared > 0.5 * total  # most of the gradients' entries are compared
+
+
 # --- compiled for GPUs ------------------------------------------------------------------
 
 HELPER = Path(__file__).with_name("selective_gpu_compile.py")

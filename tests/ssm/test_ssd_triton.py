@@ -188,6 +188,105 @@ def test_chunked_forward_matches_the_loop(case: Case, monkeypatch: pytest.Monkey
     check(case, operands(case))
 
 
+def _growing(rate: float, live: int, length: int) -> list[torch.Tensor | None]:
+    """Canonical float64 operands (batch 2, heads 4 of 2 rows, N 3) whose first head's
+    state grows by exp(rate dt) a step, the others' by half that, not at all, or
+    decaying (dt in [0.75, 1.25)); x is 0 but for the last ``live`` steps, so that the
+    state is 0 until then."""
+    gen = torch.Generator().manual_seed(int(rate))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x = rand(2, length, 4, 2)
+    x[:, : length - live] = 0
+    dt = 0.75 + 0.5 * torch.rand(2, length, 4, generator=gen, dtype=torch.float64)
+    A = torch.tensor([rate, rate / 2, 0.0, -0.5], dtype=torch.float64)
+    return [x, dt, A, rand(2, length, 2, 3), rand(2, length, 2, 3), rand(4, 2),
+            rand(2, length, 4, 2), None, None]  # fmt: skip
+
+
+def _issue() -> list[torch.Tensor | None]:
+    """The ssd_scan issue's case: 12 steps of dt = 30, heads with A = 0 and A = 2, x = B
+    = C = 1, no initial state: the state grows by exp(60) a step, to 1.29e288."""
+    ones = torch.ones(1, 12, 1, 1, dtype=torch.float64)
+    dt = torch.full((1, 12, 2), 30.0, dtype=torch.float64)
+    A = torch.tensor([0.0, 2.0], dtype=torch.float64)
+    return [torch.ones(1, 12, 2, 1, dtype=torch.float64), dt, A, ones, ones.clone(), None,
+            None, None, None]  # fmt: skip
+
+
+# blocks of 16 steps whose weights (up to exp(16 max(dt A))) overflow, where the state
+# stays in range: the dual form's inf * 0 gave NaN outputs and final states
+GROWING = {
+    "issue": (torch.float64, _issue),
+    "float64": (torch.float64, lambda: _growing(60.0, 6, 20)),  # blocks of exp(> 720)
+    "float32": (torch.float32, lambda: _growing(8.0, 6, 20)),  # blocks of exp(> 90)
+}
+
+
+@pytest.mark.parametrize("name", list(GROWING))
+def test_chunked_forward_with_a_growing_state(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """A state growing past the range of the dual form's block weights (dt A > 0, which
+    the contract allows) walks step by step: out and final finite and matching the
+    float64 loop, head by head; and the gradients wherever the loop's are finite and
+    fit the dtype (and the float32 loop's are finite, in float32). The normal regime
+    (dt A <= 0) keeps the dual form."""
+    monkeypatch.setattr(backend, "FORWARD", "chunked")
+    dtype, make = GROWING[name]
+    ops = [t.to(dtype) if t is not None else None for t in make()]
+    tensors = ops[:-1]
+    dt, A = tensors[1], tensors[2]
+    assert dt is not None and A is not None
+    out, final, checkpoints = backend.forward(*ops)
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grad_final = torch.randn(final.shape, generator=gen, dtype=torch.float64)
+    got = backend.backward(*ops, checkpoints, grad_out.to(dtype), grad_final.to(dtype))
+
+    def loop(wide: bool) -> list[torch.Tensor | None]:
+        """out, final and the gradients by the loop, in float64 or the operands' dtype."""
+        leaves = [
+            (t.double() if wide else t).detach().requires_grad_() if t is not None else None
+            for t in tensors
+        ]  # fmt: skip
+        y, last = ssd_loop(*leaves[:7], initial=leaves[7])
+        loss = (y * grad_out.to(y.dtype)).sum() + (last * grad_final.to(y.dtype)).sum()
+        found = iter(torch.autograd.grad(loss, [t for t in leaves if t is not None]))
+        return [y.detach(), last.detach(), *(None if t is None else next(found) for t in leaves)]
+
+    want = loop(wide=True)
+    # in float32 a gradient's computation can overflow where its value fits (a zero
+    # state times an overflowed gradient of the state: the float32 loop's NaN too)
+    low = want if dtype == torch.float64 else loop(wide=False)
+    limit = torch.finfo(dtype).max / 16
+    assert want[0] is not None and want[1] is not None
+    assert want[0].abs().max() < limit and want[1].abs().max() < limit
+    # each head at its own scale (a growing head's values dwarf a decaying one's)
+    heads = {"out": 2, "final": 1, "x": 2, "dt": 2, "z": 2, "A": 0, "D": 0}
+    names = ("out", "final", *NAMES)
+    for what, g, w, lw in zip(names, [out, final, *got], want, low, strict=True):
+        if w is None or lw is None:
+            continue
+        owed = w.isfinite() & (w.abs() < limit) & lw.isfinite()
+        assert owed.any(), what
+        dim = heads.get(what)
+        parts = [(g, w, owed)] if dim is None else zip(
+            g.unbind(dim), w.unbind(dim), owed.unbind(dim), strict=True
+        )  # fmt: skip
+        for a, e, m in parts:
+            assert a[m].isfinite().all(), (what, int((~a[m].isfinite()).sum()), int(m.sum()))
+            try:
+                assert_matches(a[m], e[m], dtype)
+            except AssertionError as exc:
+                raise AssertionError(f"{what}: {exc}") from None
+    # the case walked step by step; a decaying state, or a 16 times slower growth, would not
+    assert not backend._dual_form_fits(dt, A, 16)
+    assert backend._dual_form_fits(dt, -A.abs(), 16) and backend._dual_form_fits(dt, A / 16, 16)
+
+
 def test_chunked_forward_walks_packed_sequences_step_by_step() -> None:
     case = Case(batch=1, length=5, cu=(0, 2, 5))
     launch, *_ = backend.forward_launch(*operands(case), algorithm="chunked")

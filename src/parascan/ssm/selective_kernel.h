@@ -385,11 +385,19 @@ PS_MATH void FN(ps_sel_steps)(int64_t len, const int64_t nv, const int nonpos,
 
 /* The adjoint sweep over steps len - 1 .. 0 (hs[t] = h[t-1], da[t] = exp(dt[t] A)):
  *   g_h[t]  = C[t] g[t] + gh     (gh: exp(dt[t+1] A) g_h[t+1], carried; updated)
- *   gw      = g_h[t] exp(dt[t] A) h[t-1]    (the gradient of dt[t] A)
+ *   gw      = g_h[t] (exp(dt[t] A) h[t-1])    (the gradient of dt[t] A)
  *   g_A    += gw dt[t];   pa[t] = gw A;   pb[t] = g_h[t] B[t]   (lane by lane)
  *   g_B[t] += g_h[t] du[t];   g_C[t] += g[t] h[t]
- * gb and gc advance gbstep and gcstep vectors a step (0: one running sum). */
-PS_MATH void FN(ps_sel_sweep)(int64_t len, const int64_t nv, const T *restrict dt,
+ * gb and gc advance gbstep and gcstep vectors a step (0: one running sum).
+ * Where a decay may exceed 1 (not nonpos: a growing state, dt A > 0), gw multiplies
+ * g_h[t] by exp(dt A) h[t-1], a term of h[t] that the forward computes too (finite
+ * where h[t] is), never by g_h[t] exp(dt A) first: that product can overflow where
+ * h[t-1] is 0 (no state yet), and inf * 0 made gw NaN where the loop's is finite.
+ * (The carried exp(dt A) g_h[t] overflows there, as the loop's gradient of h[t-1]
+ * does.) With every decay at most 1 (nonpos, ps_sel_nonpos: the normal regime)
+ * g_h[t] exp(dt A) cannot overflow, and gw reuses it, one multiply fewer. */
+PS_MATH void FN(ps_sel_sweep)(int64_t len, const int64_t nv, const int nonpos,
+                              const T *restrict dt,
                               const T *restrict du, const T *restrict g,
                               const V *restrict a, const V *restrict bv, int64_t bstep,
                               const V *restrict cv, int64_t cstep, const V *restrict hs,
@@ -405,17 +413,30 @@ PS_MATH void FN(ps_sel_sweep)(int64_t len, const int64_t nv, const T *restrict d
         for (int64_t j = 0; j < nv; j++) {
             const V e = da[t * nv + j];
             const V ghj = ct[j] * gv + gh[j];
-            const V gw = (ghj * e) * hs[t * nv + j];
+            const V ghe = ghj * e;
+            const V gw = nonpos ? ghe * hs[t * nv + j] : ghj * (e * hs[t * nv + j]);
             ga[j] = ga[j] + gw * dtv;
             acca = j == 0 ? gw * a[0] : acca + gw * a[j];
             accb = j == 0 ? ghj * bt[0] : accb + ghj * bt[j];
             gbt[j] = gbt[j] + ghj * duv;
             gct[j] = gct[j] + gv * hs[(t + 1) * nv + j];
-            gh[j] = ghj * e;
+            gh[j] = ghe;
         }
         pa[t] = acca;
         pb[t] = accb;
     }
+}
+
+/* ps_sel_sweep where a decay may exceed 1 (a growing state), out of line: the normal
+ * regime's code in ps_sel_bwd_chunk stays as it was, its sweep inlined for each small
+ * nv (PS_SEL_BY_NV). */
+PS_HOT __attribute__((noinline)) static void FN(ps_sel_sweep_growing)(
+    const CTX *c, const SCRATCH *s, int64_t len, const T *dt, const T *du, const T *g,
+    const T *bv, int64_t bstep, const T *cv, int64_t cstep, T *gh, T *ga, T *gb,
+    int64_t gbstep, T *gc, int64_t gcstep) {
+    FN(ps_sel_sweep)(len, c->nv, 0, dt, du, g, (const V *)s->a, (const V *)bv, bstep / W,
+                     (const V *)cv, cstep / W, (const V *)s->hs, (const V *)s->da, (V *)gh,
+                     (V *)ga, (V *)gb, gbstep / W, (V *)gc, gcstep / W, s->pa, s->pb);
 }
 
 /* Calls ps_sel_steps / ps_sel_sweep with nv a constant where it is small, so that
@@ -705,7 +726,9 @@ PS_HOT static void FN(ps_sel_bwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
                                   cx),
                         g->checkpoints_stride[3], cx, N, c->npad, cx);
 
-    /* rebuild: the chunk's states, exp(dt A), and y where z needs it */
+    /* rebuild: the chunk's states, exp(dt A), and y where z needs it; nonpos: every
+     * decay of the chunk is at most 1 (a real state) */
+    const int nonpos = cx ? 0 : FN(ps_sel_nonpos)(dt, len, s->a, c->npad);
     if (cx) {
         T *h = s->h; /* the forward's unit states, free in the backward */
         memcpy(h, s->hs, (size_t)S * sizeof(T));
@@ -713,7 +736,6 @@ PS_HOT static void FN(ps_sel_bwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         for (int64_t k = len; k < kpad; k++) y[k] = 0;
     } else {
         const int64_t nv = c->nv;
-        const int nonpos = FN(ps_sel_nonpos)(dt, len, s->a, c->npad);
         V *hs = (V *)s->hs, *da = (V *)s->da, *p = s->p; /* p unused without z */
 #define PS_SEL_REBUILD_CALL(NV)                                                           \
     do {                                                                                  \
@@ -773,14 +795,19 @@ PS_HOT static void FN(ps_sel_bwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         V *hp = (NV) <= 4 ? hl : ghv;                                                     \
         if ((NV) <= 4)                                                                    \
             for (int64_t j = 0; j < (NV); j++) hl[j] = ghv[j];                            \
-        FN(ps_sel_sweep)(len, NV, dt, du, gr, (const V *)s->a, (const V *)bv, bstep / W,  \
-                         (const V *)cv, cstep / W, (const V *)s->hs, (const V *)s->da,    \
-                         hp, (V *)ga, (V *)gb, gbstep / W, (V *)gc, gcstep / W, s->pa,    \
-                         s->pb);                                                          \
+        FN(ps_sel_sweep)(len, NV, 1, dt, du, gr, (const V *)s->a, (const V *)bv,          \
+                         bstep / W, (const V *)cv, cstep / W, (const V *)s->hs,           \
+                         (const V *)s->da, hp, (V *)ga, (V *)gb, gbstep / W, (V *)gc,     \
+                         gcstep / W, s->pa, s->pb);                                       \
         if ((NV) <= 4)                                                                    \
             for (int64_t j = 0; j < (NV); j++) ghv[j] = hl[j];                            \
     } while (0)
-        PS_SEL_BY_NV(nv, PS_SEL_SWEEP_CALL)
+        if (nonpos) {
+            PS_SEL_BY_NV(nv, PS_SEL_SWEEP_CALL)
+        } else {
+            FN(ps_sel_sweep_growing)(c, s, len, dt, du, gr, bv, bstep, cv, cstep, gh, ga, gb,
+                                     gbstep, gc, gcstep);
+        }
 #undef PS_SEL_SWEEP_CALL
         for (int64_t t = len; t < kpad; t++)
             s->pa[t] = SPLAT(0), s->pb[t] = SPLAT(0);

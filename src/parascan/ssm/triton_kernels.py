@@ -341,7 +341,10 @@ def _backward_kernel(
             )  # fmt: skip
             hs = a * hp + Bt * (dt * u)
             # 3. the gradients
-            ga = gh * a * hp  # dL/da[t] a[t]
+            # dL/da[t] a[t], as g_h[t] (a[t] h[t-1]): a[t] h[t-1] is a term of h[t], finite
+            # where h[t] is; (g_h[t] a[t]) h[t-1] overflowed with a growing state (A > 0)
+            # where h[t-1] is still 0, and inf * 0 made NaN where the loop is finite
+            ga = gh * (a * hp)
             gA += tl.sum(ga * dt, axis=2, keep_dims=True)
             ghB = tl.sum(gh * Bt, axis=1, keep_dims=True)
             gdt = tl.sum(ga * A, axis=1, keep_dims=True) + ghB * u
