@@ -71,6 +71,8 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def describe(value: object) -> str:
     """A short description of a received value for error messages."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return f"numpy.{type(value).__name__} {value!r}"
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"
@@ -128,12 +130,15 @@ def check_dtype(fn: str, name: str, tensor: torch.Tensor) -> None:
 
 
 def check_flag(fn: str, name: str, value: object) -> bool:
-    """``value`` when it is a bool, else a TypeError naming ``fn``. Flags are never
-    coerced: ``bool("0")`` is True where ``int("0")`` is 0, so a string (or None) would
-    mean one thing on one path and the opposite on another."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}: expected {name} to be a bool, but got {describe(value)}")
-    return value
+    """``value`` as a Python bool when it is a bool (or a numpy bool), else a TypeError
+    naming ``fn``. Flags are never coerced: ``bool("0")`` is True where ``int("0")`` is
+    0, so a string (or None, or a number) would mean one thing on one path and the
+    opposite on another; a bool tensor is data, not a flag."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)  # numpy's bool scalar (numpy is not imported for this)
+    raise TypeError(f"{fn}: expected {name} to be a bool, but got {describe(value)}")
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
@@ -142,10 +147,20 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     elements meet). Every tensor made by indexing, slicing, transposing or reshaping a
     fresh one passes; an expanded (zero-stride) tensor, or one ``as_strided`` onto
     itself, does not. Shape and strides only, so torch.compile traces it."""
-    span = 0
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+    if t.numel() == 0:  # no element, nothing shared
+        return False
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(t.shape, t.stride(), strict=True):
         if size == 1:
             continue
+        # an insertion sort by stride (torch.compile traces comparisons of symbolic
+        # strides, not sorted() with a key)
+        i = len(dims)
+        while i and dims[i - 1][1] > stride:
+            i -= 1
+        dims.insert(i, (size, stride))
+    span = 0
+    for size, stride in dims:
         if stride <= span:
             return True
         span += (size - 1) * stride

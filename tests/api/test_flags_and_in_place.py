@@ -167,10 +167,12 @@ def test_a_flag_that_is_not_a_bool_raises_on_every_path(case, flag, bad) -> None
 
 
 def test_the_flags_still_take_bools() -> None:
-    """The valid calls of the table run (so a failure above is the flag's alone)."""
+    """The valid calls of the table run (so a failure above is the flag's alone), with
+    Python's bools and numpy's (which mamba_ssm's and fla's functions take too)."""
+    np = pytest.importorskip("numpy")
     for case, (_, flags, call) in CASES.items():
         for flag in flags:
-            for value in (False, True):
+            for value in (False, True, np.False_, np.True_):
                 if case.endswith("chunk_scan_combined") and flag == "return_varlen_states":
                     continue  # needs seq_idx of the same packing: its own tests
                 if case.startswith("distributed"):  # past the checks, it needs a group
@@ -208,8 +210,12 @@ def _in_place_cases() -> dict[str, tuple[str, Callable[[torch.Tensor], Any], tup
 
         return call
 
-    def conv_step(conv_state: torch.Tensor) -> Any:
-        return hf.causal_conv1d_update(_rand(2, 6, 1), conv_state, _rand(6, 4), None, "silu")
+    def conv_step(activation: str) -> Callable[[torch.Tensor], Any]:
+        def call(conv_state: torch.Tensor) -> Any:
+            return hf.causal_conv1d_update(_rand(2, 6, 1), conv_state, _rand(6, 4), None,
+                                           activation)  # fmt: skip
+
+        return call
 
     return {
         "state, Mamba-1 layout (C kernel)": ("parascan.selective_state_update",
@@ -224,8 +230,11 @@ def _in_place_cases() -> dict[str, tuple[str, Callable[[torch.Tensor], Any], tup
                             compat_step(False), (2, 2, 3, 3)),
         "mamba_ssm state, state_batch_indices": (
             "parascan.compat.mamba_ssm.selective_state_update", compat_step(True), (2, 2, 3, 3)),
-        "transformers causal_conv1d_update conv_state": ("causal_conv1d_update", conv_step,
-                                                         (2, 6, 4)),
+        "transformers causal_conv1d_update conv_state": ("causal_conv1d_update",
+                                                         conv_step("silu"), (2, 6, 4)),
+        # another activation runs transformers' own step, after the same check
+        "transformers causal_conv1d_update conv_state, gelu": ("causal_conv1d_update",
+                                                               conv_step("gelu"), (2, 6, 4)),
     }  # fmt: skip
 
 
@@ -245,7 +254,8 @@ def test_an_argument_written_in_place_must_not_overlap_itself(case, view) -> Non
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}: expected .* do not share memory"):
         call(target)
     assert torch.equal(base, before)  # nothing written
-    call(target.clone())  # a clone is taken
+    if not case.endswith("gelu"):  # (transformers' own step: only while patched)
+        call(target.clone())  # a clone is taken
 
 
 def test_the_step_kernel_reads_operands_that_alias_the_state() -> None:
@@ -262,3 +272,39 @@ def test_the_step_kernel_reads_operands_that_alias_the_state() -> None:
     got = ps.selective_state_update(state, x, dt, A, B, C)
     torch.testing.assert_close(got, want.detach())
     torch.testing.assert_close(state, want_state)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 0), (2, 0, 3), (0, 4, 3)])
+def test_an_empty_state_is_not_overlapping(shape) -> None:
+    """A state with no element shares no memory: the step runs (and returns its empty
+    or zero-sized output) as before the overlap check."""
+    state = torch.zeros(shape)
+    batch, dim, n = shape
+    x, dt, A = torch.rand(batch, dim), torch.rand(batch, dim), -torch.rand(dim, n)
+    y = ps.selective_state_update(state, x, dt, A, torch.rand(batch, n), torch.rand(batch, n))
+    assert y.shape == (batch, dim)
+
+
+def test_the_in_place_checks_trace_with_dynamic_shapes() -> None:
+    """torch.compile(fullgraph=True, dynamic=True) of a decoding step and of the patched
+    convolution step: the overlap check runs on symbolic strides (a sorted() with a key
+    did not trace)."""
+    torch._dynamo.reset()
+    _, x, dt, A, B, C = _step(False, False)
+    step = torch.compile(
+        lambda s, *a: ps.selective_state_update(s, *a, dt_softplus=True),
+        fullgraph=True, dynamic=True,
+    )  # fmt: skip
+    conv = torch.compile(hf.causal_conv1d_update, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        got_state, want_state = torch.rand(2, 4, 3), None
+        want_state = got_state.clone()
+        got = step(got_state, x, dt, A, B, C)
+        want = ps.selective_state_update(want_state, x, dt, A, B, C, dt_softplus=True)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_state, want_state)
+        hs, weight, cs = _rand(2, 6, 1), _rand(6, 4), _rand(2, 6, 4)
+        cs2 = cs.clone()
+        want_conv = hf.causal_conv1d_update(hs, cs2, weight, None, "silu")
+        torch.testing.assert_close(conv(hs, cs, weight, None, "silu"), want_conv)
+        torch.testing.assert_close(cs, cs2)

@@ -32,7 +32,7 @@ def _hgrn(
     output_final_state: bool,
     cu_seqlens: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
-    check_flag(fn, "output_final_state", output_final_state)
+    output_final_state = check_flag(fn, "output_final_state", output_final_state)
     for name, t in (("x", x), ("g", g)):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{fn}: expected {name} of shape (B, T, D), but got {describe(t)}")

@@ -118,8 +118,8 @@ def _selective_scan(
             B = _complex_from_interleaved(fn, "B", B, u)
         if isinstance(C, Tensor) and C.dim() >= 3:
             C = _complex_from_interleaved(fn, "C", C, u)
-    check_flag(fn, "delta_softplus", delta_softplus)
-    check_flag(fn, "return_last_state", return_last_state)
+    delta_softplus = check_flag(fn, "delta_softplus", delta_softplus)
+    return_last_state = check_flag(fn, "return_last_state", return_last_state)
     return ps.selective_scan(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_final=return_last_state
     )
@@ -232,7 +232,7 @@ def selective_state_update(
         tensor([[[1.5000]]])
     """
     fn = "parascan.compat.mamba_ssm.selective_state_update"
-    check_flag(fn, "dt_softplus", dt_softplus)
+    dt_softplus = check_flag(fn, "dt_softplus", dt_softplus)
     if isinstance(state, Tensor):
         check_in_place(fn, "state", state)
     if state_batch_indices is None:
@@ -406,9 +406,9 @@ def mamba_chunk_scan_combined(
         raise ValueError(
             f"{fn}: expected x of shape (batch, seqlen, nheads, headdim), but got {describe(x)}"
         )
-    check_flag(fn, "dt_softplus", dt_softplus)
-    check_flag(fn, "return_final_states", return_final_states)
-    check_flag(fn, "return_varlen_states", return_varlen_states)
+    dt_softplus = check_flag(fn, "dt_softplus", dt_softplus)
+    return_final_states = check_flag(fn, "return_final_states", return_final_states)
+    return_varlen_states = check_flag(fn, "return_varlen_states", return_varlen_states)
     batch, length, heads, headdim = x.shape
 
     def scan(
@@ -765,13 +765,13 @@ def mamba_split_conv1d_scan_combined(
         raise ValueError(
             f"{fn}: expected zxbcdt of shape (batch, seqlen, channels), but got {describe(zxbcdt)}"
         )
-    check_flag(fn, "return_final_states", return_final_states)
+    return_final_states = check_flag(fn, "return_final_states", return_final_states)
     if activation not in (None, "silu", "swish"):
         raise ValueError(
             f"{fn}: expected activation None, 'silu' or 'swish', but got {activation!r}"
         )
     _check_chunk_size(fn, chunk_size)
-    check_flag(fn, "norm_before_gate", norm_before_gate)
+    norm_before_gate = check_flag(fn, "norm_before_gate", norm_before_gate)
     if (
         isinstance(rmsnorm_eps, bool)
         or not isinstance(rmsnorm_eps, (int, float))

@@ -356,7 +356,7 @@ def _distributed(
         )  # fmt: skip
         if p.scalar:
             raise ValueError(f"{name}: expected tensors with a time dim, but got 0-d inputs")
-        check_flag(name, "return_final", return_final)
+        return_final = check_flag(name, "return_final", return_final)
         d = p.dim % p.tokens.dim()
         cu, h = None, None
         if packed:  # the checks a rank makes alone; the global length after the headers

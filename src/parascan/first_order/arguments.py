@@ -94,8 +94,8 @@ def prepare(
                 f"{state_shape}, but got {describe(initial)}"
             )
         initial = initial.to(dtype).expand(state_shape)
-    check_flag(name, "reverse", reverse)
-    check_flag(name, "return_final", return_final)
+    reverse = check_flag(name, "reverse", reverse)
+    return_final = check_flag(name, "return_final", return_final)
     chosen = resolve(ROWS[ring.name], backend, tokens.device, dtype, name=name)
     return Prepared(
         gates.to(dtype).expand(shape),

@@ -165,7 +165,7 @@ def associative_scan(
     fn = "parascan.associative_scan"
     _check_callable(fn, combine_fn)
     leaves, spec, d, n = _flatten(fn, elems, dim)
-    check_flag(fn, "reverse", reverse)
+    reverse = check_flag(fn, "reverse", reverse)
     if n < 2:
         return pytree.tree_unflatten([x.clone() for x in leaves], spec)
     combine = _Combine(fn, combine_fn, spec)

@@ -373,8 +373,9 @@ def causal_conv1d(
     sequences: no step reads an input of an earlier sequence, as the scan after it
     restarts at each boundary (the mixers pass the same keywords to both). With a
     cache the input starts with the cached steps, which continue each row's first
-    sequence (its state enters that sequence's scan too). The other keywords are the
-    mixers' own and are dropped, as the original drops them."""
+    sequence (its state enters that sequence's scan too): exact when that sequence had
+    at least K - 1 steps before the cut (see :func:`_conv_ids`). The other keywords are
+    the mixers' own and are dropped, as the original drops them."""
     seq_idx = _packed_ids(_CONV_FN, kwargs, hidden_states)
     if activation not in _CONV_ACTIVATIONS:
         if seq_idx is not None:
@@ -395,7 +396,11 @@ def causal_conv1d(
 def _conv_ids(seq_idx: Tensor, x: Tensor) -> Tensor:
     """``seq_idx`` (batch, L) for the convolution's input ``x`` (batch, P + L, channels):
     the P cached steps a mixer puts before its new ones take the id of each row's first
-    step (they continue that row's first sequence)."""
+    step (they continue that row's first sequence). The cache keeps no ids: when the
+    sequence continued had fewer than K - 1 steps before the cut (K the filter width),
+    some cached steps belong to the sequence before it and are read as this one's, as
+    a decoding step after a packed prefill reads them too. A ``seq_idx`` shorter than
+    the input without a cache is taken the same way."""
     batch, steps = x.shape[:2]
     if (
         not isinstance(seq_idx, Tensor)
@@ -453,12 +458,12 @@ def causal_conv1d_update(
     each new step's output is the filter times its last K inputs (plus ``bias``, then
     silu): a product and a sum over K instead of a grouped ``conv1d`` over S + steps
     inputs, which costs a model's decoding step a fifth of its time on a CPU."""
+    check_in_place("causal_conv1d_update", "conv_state", conv_state)  # on every path
     if activation not in _CONV_ACTIVATIONS:
         stepped: Tensor = _transformers_original("causal_conv1d_update")(
             hidden_states, conv_state, weight, bias, activation
         )
         return stepped
-    check_in_place("causal_conv1d_update", "conv_state", conv_state)
     steps, width, kept = hidden_states.shape[-1], weight.shape[-1], conv_state.shape[-1]
     inputs = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)
     conv_state.copy_(inputs[:, :, -kept:])

@@ -215,8 +215,8 @@ def _validate(
     for name, t in named:
         check_dtype(_NAME, name, t)
     check_same_device(_NAME, named)
-    check_flag(_NAME, "reverse", reverse)
-    check_flag(_NAME, "return_final", return_final)
+    reverse = check_flag(_NAME, "reverse", reverse)
+    return_final = check_flag(_NAME, "return_final", return_final)
     broadcast_shape(
         _NAME,
         [

@@ -154,8 +154,8 @@ def selective_scan(
                 f"{fn}: expected all tensors on one device, but u is on {device} and {name} "
                 f"is on {t.device}"
             )
-    check_flag(fn, "delta_softplus", delta_softplus)
-    check_flag(fn, "return_final", return_final)
+    delta_softplus = check_flag(fn, "delta_softplus", delta_softplus)
+    return_final = check_flag(fn, "return_final", return_final)
 
     cd = torch.float64 if u.dtype == torch.float64 else torch.float32
     sd = _complex_of(cd) if A.is_complex() else cd
@@ -201,7 +201,7 @@ def selective_state_update(
     state); the new state is written in the state's dtype.
     """
     fn = _UPDATE
-    check_flag(fn, "dt_softplus", dt_softplus)
+    dt_softplus = check_flag(fn, "dt_softplus", dt_softplus)
     state = _tensor(fn, "state", state, complex_ok=True)
     if state.dim() not in (3, 4):
         raise ValueError(
@@ -270,6 +270,7 @@ def selective_state_update(
         and state.dtype == cd
         and _eager_no_grad(tensors)
         and not state.is_neg()  # written in place: never through a copy
+        and state.numel() > 0  # an empty state: the torch ops (the kernel takes N >= 1)
     ):
         return _step_kernel(state, x, dt, A, mats, extras, dt_softplus, heads_layout)
     step = dt.to(cd)

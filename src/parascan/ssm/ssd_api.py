@@ -178,8 +178,8 @@ def ssd_scan(
                 f"{_FN}: expected all tensors on one device, but x is on {x.device} and {name} "
                 f"is on {t.device}"
             )
-    check_flag(_FN, "dt_softplus", dt_softplus)
-    check_flag(_FN, "return_final", return_final)
+    dt_softplus = check_flag(_FN, "dt_softplus", dt_softplus)
+    return_final = check_flag(_FN, "return_final", return_final)
     limit = _limit(dt_limit)
 
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
