@@ -27,6 +27,7 @@ import parascan as ps
 from parascan.ssm import ssd_ops
 from parascan.ssm import ssd_triton as backend
 from parascan.ssm.ssd_canonical import CHECKPOINT_STEPS
+from parascan.ssm.ssd_reference import dual_form_steps
 
 from conftest import assert_matches
 from oracles import ssd_loop
@@ -283,8 +284,9 @@ def test_chunked_forward_with_a_growing_state(
             except AssertionError as exc:
                 raise AssertionError(f"{what}: {exc}") from None
     # the case walked step by step; a decaying state, or a 16 times slower growth, would not
-    assert not backend._dual_form_fits(dt, A, 16)
-    assert backend._dual_form_fits(dt, -A.abs(), 16) and backend._dual_form_fits(dt, A / 16, 16)
+    fits = lambda a: dual_form_steps(dt, a, 16) == 16  # noqa: E731
+    assert not fits(A)
+    assert fits(-A.abs()) and fits(A / 16)
 
 
 def test_chunked_forward_walks_packed_sequences_step_by_step() -> None:

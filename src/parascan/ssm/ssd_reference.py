@@ -191,9 +191,17 @@ def _values(t: Tensor) -> Tensor:
 
 
 def _block_length(dt: Tensor, A: Tensor) -> int:
-    """The dual form's block length for a call: BLOCK steps, or fewer where the state
-    grows so fast (a = dt * A > 0) that a block's weights would leave the dtype's
-    range (see the module's docstring).
+    """The dual form's block length for this backend's calls: ``dual_form_steps``
+    with BLOCK steps at the most."""
+    return dual_form_steps(dt, A, BLOCK)
+
+
+def dual_form_steps(dt: Tensor, A: Tensor, most: int) -> int:
+    """The dual form's block length for a call: ``most`` steps, or fewer where the
+    state grows so fast (a = dt * A > 0) that a block's weights would leave the
+    dtype's range (see the module's docstring). The torch backend's blocks and the
+    Triton chunked forward's (which walks step by step when its blocks do not fit)
+    both follow it.
 
     The weights of a block of q steps are at most exp(q * max(a, 0)); q keeps that
     below exp(half the exponent range): exp(44) in float32, exp(354) in float64. The
@@ -204,8 +212,8 @@ def _block_length(dt: Tensor, A: Tensor) -> int:
     backward), from every batch element under vmap."""
     growth = float(_values(dt * A).clamp(min=0).amax()) if dt.numel() else 0.0
     limit = 0.5 * math.log(torch.finfo(dt.dtype).max)
-    if not growth * BLOCK > limit:  # also the normal regime, and NaN: it propagates
-        return BLOCK
+    if not growth * most > limit:  # also the normal regime, and NaN: it propagates
+        return most
     return max(1, int(limit // growth))
 
 

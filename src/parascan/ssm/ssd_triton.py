@@ -21,7 +21,7 @@ forwards, both with the same checkpoints (so one backward serves both):
   block's, 16 times fewer links, for about the same multiply-adds at headdim = N =
   64 (per step 16 (N + headdim) + 2 headdim N against 3 headdim N). Its block
   weights reach exp(16 max(dt A)): a state growing that fast (dt A > 0, allowed by
-  the contract) walks step by step instead (``_dual_form_fits``).
+  the contract) walks step by step instead (``ssd_reference.dual_form_steps``).
 
 Which wins where is to be measured (tests/ssm/ssd_gpu_check.py times both; no GPU
 has run them yet): the expectation from the counts above is the dual form, by up to
@@ -39,7 +39,6 @@ cost: the partials of dL/dB and dL/dC are (batch, L, heads x row blocks, N) each
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ import torch
 from torch import Tensor
 
 from parascan.ssm.ssd_canonical import CHECKPOINT_STEPS, EMPTY
+from parascan.ssm.ssd_reference import dual_form_steps
 from parascan.ssm.triton import Launch
 
 __all__ = [
@@ -243,17 +243,6 @@ def _chunked(algorithm: str | None, cu_seqlens: Tensor | None) -> bool:
     return algorithm == "chunked" and cu_seqlens is None
 
 
-def _dual_form_fits(dt: Tensor, A: Tensor, steps: int) -> bool:
-    """Whether the dual form's weights for blocks of ``steps`` steps, at most
-    exp(steps * max(dt A, 0)), stay below exp(half the exponent range), as the torch
-    backend's blocks do (ssd_reference._block_length). A growing state (dt A > 0)
-    past that would overflow them where the state or the early inputs are zero (inf *
-    0: NaN where the loop is finite); such a call walks step by step. The normal
-    regime (dt A <= 0) always fits. One host sync (a forward by the dual form only)."""
-    growth = float((dt * A).clamp(min=0).amax()) if dt.numel() else 0.0
-    return not growth * steps > 0.5 * math.log(torch.finfo(dt.dtype).max)  # NaN: fits
-
-
 def forward_launch(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
@@ -297,14 +286,14 @@ def forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """ssd_canonical.py's forward: (out, final, checkpoints). ``algorithm``:
     "sequential" or "chunked" (the dual form; not for packed sequences, nor for a
-    state growing too fast for its blocks: ``_dual_form_fits``), ``FORWARD`` when
-    None."""
+    state growing too fast for its blocks: ``ssd_reference.dual_form_steps``),
+    ``FORWARD`` when None."""
     _check(x)
     from parascan.ssm import ssd_triton_kernels as kernels
 
     if _chunked(algorithm, cu_seqlens):
         steps = plan(x.shape[3], B.shape[3], x.dtype, False, chunked=True).steps
-        if not _dual_form_fits(dt, A, steps):
+        if dual_form_steps(dt, A, steps) < steps:  # a growing state: blocks overflow
             algorithm = "sequential"
     launch, out, final, checkpoints = forward_launch(
         x, dt, A, B, C, D, z, initial, cu_seqlens, algorithm
