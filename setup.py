@@ -11,11 +11,11 @@ from setuptools import Extension, setup
 KERNEL_SOURCES = [
     "src/parascan/_native/abi.c",
     "src/parascan/_native/parallel.c",
-    "src/parascan/first_order/scan.c",
-    "src/parascan/matrix/recurrence.c",
-    "src/parascan/generic/matmul.c",
-    "src/parascan/ssm/selective.c",
-    "src/parascan/ssm/ssd.c",
+    "src/parascan/first_order/cpu.c",
+    "src/parascan/matrix/cpu.c",
+    "src/parascan/generic/cpu.c",
+    "src/parascan/selective/cpu.c",
+    "src/parascan/ssd/cpu.c",
 ]
 
 setup(
@@ -34,7 +34,7 @@ setup(
                 "-fopenmp",  # threads from torch's own OpenMP pool (parallel.c)
                 "-fvisibility=hidden",
                 # no note on 32-byte vectors passed between inlined functions built for
-                # SSE2 (ssm/selective.c): no such call crosses a library boundary
+                # SSE2 (selective/cpu.c): no such call crosses a library boundary
                 "-Wno-psabi",
             ],
             extra_link_args=["-fopenmp"],

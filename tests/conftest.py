@@ -2,7 +2,7 @@
 
 - Uninitialized memory is filled with NaN (torch's deterministic mode does this for
   every torch.empty), so an output element a kernel forgets to write fails a test.
-- The tolerance table (parascan.tools.tolerance, shared with ``parascan check``) for
+- The tolerance table (parascan.cli.tolerance, shared with ``parascan check``) for
   comparisons against the float64 oracles (oracles.py), in ``assert_matches``.
 - Seeded random inputs (``gen``, ``random_gates``, ``random_tokens``).
 - The one backend/device fixture, ``target``: every test that takes a ``target``
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan.tools.tolerance import TOLERANCE
+from parascan.cli.tolerance import TOLERANCE
 
 # A skipped test of installed code fails the run (skip_policy.py).
 pytest_plugins = ["skip_policy"]

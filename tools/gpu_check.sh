@@ -39,7 +39,7 @@ step "device and copy bandwidth" 60 "$out/device.json" python - <<'EOF'
 import json, platform
 import torch
 import parascan
-from parascan.tools.timing import elapsed
+from parascan.cli.timing import elapsed
 
 if not torch.cuda.is_available():
     raise SystemExit("gpu_check.sh: torch sees no CUDA device")

@@ -2,7 +2,7 @@
 
     python tools/matmul_floor.py [--repeat R]
 
-For the bench's models (parascan.tools.bench_transformers: hidden 768, 4 layers,
+For the bench's models (parascan.cli.bench_transformers: hidden 768, 4 layers,
 vocabulary 1024, 512 tokens, 2 threads), the time of the workloads unpatched and
 patched (alternated in one process, min of R, as the bench measures them), and the
 time of the model's own linear layers alone: every linear projection the model runs
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from parascan.tools import bench_transformers as bt
+from parascan.cli import bench_transformers as bt
 
 
 def _min_time(fn: Callable[[], object], repeat: int) -> float:

@@ -18,7 +18,9 @@ with _warnings.catch_warnings():
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
     from parascan.matrix import matrix_linear_scan
-    from parascan.ssm import selective_scan, selective_state_update, ssd_scan
+    from parascan.mixer import selective_state_update
+    from parascan.selective import selective_scan
+    from parascan.ssd import ssd_scan
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 import sys
 
-from parascan.tools.cli import main
+from parascan.cli.main import main
 
 sys.exit(main())

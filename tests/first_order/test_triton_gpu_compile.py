@@ -1,6 +1,6 @@
 """The Triton kernels compile for real GPUs (NVIDIA sm_80, sm_90; AMD gfx942) on this CPU-only
 machine with no register spills and within the target's shared memory: every
-specialization the ``triton`` backend launches (see gpu_compile.py, which compiles
+specialization the ``triton`` backend launches (see tools/gpu/first_order_compile.py, which compiles
 them in a process of its own, since these tests run with TRITON_INTERPRET=1). A
 failure names the kernel and the figure."""
 
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-HELPER = Path(__file__).with_name("gpu_compile.py")
+HELPER = Path(__file__).parents[2] / "tools" / "gpu" / "first_order_compile.py"
 # shared memory (LDS) one block may use: A100, H100, MI300
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "gfx942": 64 * 1024}
 
@@ -33,7 +33,7 @@ def _report(full: bool, packed: bool = False) -> list[dict]:
 
 
 def _check(rows: list[dict]) -> None:
-    assert rows, "gpu_compile.py compiled nothing"
+    assert rows, "tools/gpu/first_order_compile.py compiled nothing"
     problems = []
     for row in rows:
         what = row["what"]

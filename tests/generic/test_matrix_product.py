@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan.generic import matmul
-from parascan.generic.matmul import matrix_product_fast_path
+from parascan.generic import cpu as matmul
+from parascan.generic.cpu import matrix_product_fast_path
 
 from harness import constants
 from oracles import matmul_fold as fold64

@@ -390,10 +390,10 @@ def test_extra_arguments_are_refused() -> None:
 def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
     """A Mamba-2 model calls parascan.ssd_scan (backend "auto") for every full-sequence
     scan in evaluation, the multi-head decoding step for each generated token, and in
-    training (float32 on the CPU) the fused layer of parascan.ssm.ssd_layer, whose scan
+    training (float32 on the CPU) the fused layer of parascan.ssd.layer, whose scan
     is ssd_scan's C kernel."""
     import parascan
-    from parascan.ssm import ssd_layer
+    from parascan.ssd import layer as ssd_layer
 
     calls: dict[str, int] = {"scan": 0, "step": 0}
     scan, step = parascan.ssd_scan, integration.mamba_ssm.selective_state_update

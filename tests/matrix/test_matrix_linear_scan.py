@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan.matrix.ops import matrix_linear_scan_op
+from parascan.matrix.autograd import matrix_linear_scan_op
 
 from conftest import assert_matches
 from oracles import matrix_loop

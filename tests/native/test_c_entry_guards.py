@@ -15,7 +15,7 @@ def _guarded_calls() -> dict[str, Callable[[], Any]]:
     from parascan.first_order import cpu
     from parascan.first_order.semiring import LINEAR, LOG
     from parascan.matrix import cpu as matrix_cpu
-    from parascan.ssm import ssd_layer
+    from parascan.ssd import layer as ssd_layer
 
     a, b = torch.rand(4, 9, 5), torch.rand(4, 9, 5)
     neg = torch.complex(torch.zeros_like(a), -a).conj().imag  # a lazy negative view

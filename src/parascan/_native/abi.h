@@ -26,7 +26,7 @@
  *   ps_ssd_conv_fwd_{f32,f64}, ps_ssd_conv_bwd_{f32,f64}       (ps_ssd_conv_args)
  *   ps_ssd_norm_fwd_{f32,f64}, ps_ssd_norm_bwd_{f32,f64}       (ps_ssd_norm_args)
  *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
- *     vector exp, softplus, log1p, sigmoid one by one, for tests; ssm/selective_kernel.h)
+ *     vector exp, softplus, log1p, sigmoid one by one, for tests; selective/cpu_kernel.h)
  */
 #ifndef PARASCAN_ABI_H
 #define PARASCAN_ABI_H
@@ -88,7 +88,7 @@ typedef struct {
     int64_t nseq, initial_seq_stride, grad_initial_seq_stride;
 } ps_varlen_args;
 
-/* matrix_linear_scan (matrix/recurrence.h): x[t] = W[t] @ x[t-1] + b[t].
+/* matrix_linear_scan (matrix/cpu.h): x[t] = W[t] @ x[t-1] + b[t].
  * ``out`` is contiguous (batch, steps, d). A batch stride of 0 shares a tensor
  * across the batch (broadcasting). W may have any row and column strides (a
  * transposed view is read in place); b and initial have unit stride along d. */
@@ -104,7 +104,7 @@ typedef struct {
     int64_t reverse, nthreads;
 } ps_matrix_linear_scan_args;
 
-/* associative_reduce(torch.matmul) (generic/matmul.h): the product of each batch
+/* associative_reduce(torch.matmul) (generic/cpu.h): the product of each batch
  * element's sequence of square matrices. x is (batch, steps, d, d) with any
  * strides; out is contiguous (batch, d, d). */
 typedef struct {
@@ -116,8 +116,8 @@ typedef struct {
     int64_t simd; /* 0: the portable block products even where AVX2 is there (tests) */
 } ps_matmul_args;
 
-/* The selective scan (ssm/selective.c; the contract and the math are in
- * ssm/canonical.py):
+/* The selective scan (selective/cpu.c; the contract and the math are in
+ * selective/canonical.py):
  *   dt[t]  = softplus(delta[t] + delta_bias) if softplus else delta[t] + delta_bias
  *   h[t]   = exp(dt[t] A) h[t-1] + dt[t] u[t] B[t],   h[-1] = initial (NULL: zeros)
  *   y[t]   = sum_n C[t, n] h[t, n]   (complex state: 2 Re sum_n C[t, n] h[t, n])
@@ -178,7 +178,7 @@ typedef struct {
     void *grad_initial;      int64_t grad_initial_stride[3];
 } ps_selective_bwd_args;
 
-/* One decoding step of the selective or SSD scan (ssm/selective_step.h), in place on
+/* One decoding step of the selective or SSD scan (selective/cpu_step.h), in place on
  * a real state of the entry's type, every operand of that type, any strides:
  *   dt'  = softplus(dt + dt_bias) if softplus else dt + dt_bias   (dt_bias NULL: 0)
  *   h    = exp(dt' A) h + dt' x B,   y = sum_n C h
@@ -201,8 +201,8 @@ typedef struct {
     int64_t softplus, nthreads;
 } ps_selective_step_args;
 
-/* The SSD scan (Mamba-2's; ssm/ssd.c, the contract and the math in
- * ssm/ssd_canonical.py), one struct for both entries. Every tensor is contiguous in
+/* The SSD scan (Mamba-2's; ssd/cpu.c, the contract and the math in
+ * ssd/canonical.py), one struct for both entries. Every tensor is contiguous in
  * the shape given and of the entry's type (float32 or float64): x, z, out, grad_out,
  * grad_x, grad_z (batch, length, heads, headdim); dt, grad_dt (batch, length, heads);
  * A, grad_A (heads,); B, C, grad_B, grad_C (batch, length, groups, nstate), groups
@@ -225,7 +225,7 @@ typedef struct {
     int64_t nthreads, simd, failed;
 } ps_ssd_args;
 
-/* The Mamba-2 layer's neighbours of the SSD scan (ssm/ssd_layer_kernel.h): the
+/* The Mamba-2 layer's neighbours of the SSD scan (ssd/cpu_layer.h): the
  * depthwise causal convolution before it and the gated RMS norm after it, forward and
  * backward, float32 or float64 (every tensor of the entry's type).
  *
@@ -242,7 +242,7 @@ typedef struct {
  * (grad_x_stride[0], grad_x_stride[1], 1)), grad_weight (channels, width) and grad_bias
  * (NULL when bias is); its sums over batch and time run in an order fixed by the
  * shapes: the same bits for any number of threads. */
-enum { PS_SSD_CONV_MAX_WIDTH = 16 }; /* ssm/ssd_layer.py: CONV_MAX_WIDTH */
+enum { PS_SSD_CONV_MAX_WIDTH = 16 }; /* ssd/layer.py: CONV_MAX_WIDTH */
 typedef struct {
     int64_t batch, length, channels, width;
     const void *x; int64_t x_stride[2];

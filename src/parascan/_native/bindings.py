@@ -1,6 +1,6 @@
 """ctypes bindings of the C kernels (linear_scan, log_linear_scan,
 matrix_linear_scan, the matrix products of associative_reduce, and the selective
-scan, whose wrapper is ssm/cpu.py).
+scan, whose wrapper is selective/cpu.py).
 
 Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
 scan dim, without copying when its strides allow it (contiguous, transposed,
@@ -121,7 +121,7 @@ ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()
 }
 
-# The first-order scans' C entry points per semiring (first_order/scan.c).
+# The first-order scans' C entry points per semiring (first_order/cpu.c).
 _SCAN_OP = {"linear": "linear_scan", "log": "log_linear_scan"}
 _SCAN_FWD = {s: f"{op}_fwd" for s, op in _SCAN_OP.items()}
 _SCAN_BWD = {s: f"{op}_bwd" for s, op in _SCAN_OP.items()}
@@ -303,7 +303,7 @@ def scan_forward(
     """The first-order scan of ``semiring`` (``"linear"``: linear_scan, ``"log"``:
     log_linear_scan) by its C forward: CPU tensors of one shape and dtype,
     ``initial`` of that shape without ``dim``. ``verified``: the caller (the eager
-    fast path, first_order.arguments.cpu_fast_path) has checked exactly what check_operands
+    fast path, first_order.api.cpu_fast_path) has checked exactly what check_operands
     checks, a few microseconds not spent twice. ``cu_seqlens`` (an int64 CPU vector of
     offsets along ``dim``, 0 first, the length last, non-decreasing): packed sequences,
     each scanned from its own state; ``initial`` then has ``dim`` of size num_seqs."""

@@ -1,6 +1,6 @@
 /* What the first-order scan kernels (first_order/) share: the work-unit sizes
  * and the helpers that run them, the arithmetic of each accumulation type, and the
- * naming macros of the templates (first_order/scan_forward.h, scan_backward.h).
+ * naming macros of the templates (first_order/cpu_forward.h, cpu_backward.h).
  * The argument structs and their layout are in abi.h.
  */
 #ifndef PARASCAN_COMMON_H
@@ -96,7 +96,7 @@ static inline int64_t ps_clamp_threads(int64_t nthreads) {
 }
 
 /* Packed sequences (ps_varlen_args) with too few channels to keep the team busy
- * (first_order/scan_varlen.h walks the channels otherwise): each sequence is an
+ * (first_order/cpu_packed.h walks the channels otherwise): each sequence is an
  * independent scan of its own steps, run by the plain entry on a view of them
  * (`run` builds that view for sequence s and calls the entry with `nthreads`), so
  * every input is read once and no state crosses a boundary; the sequence's tiles and

@@ -1,5 +1,5 @@
 /* The traits of one dtype, for one instantiation block of a kernel template
- * (first_order/scan_instance.h). The includer names the dtype with exactly one of
+ * (first_order/cpu_instance.h). The includer names the dtype with exactly one of
  * PS_DTYPE_F32, PS_DTYPE_F64, PS_DTYPE_F16, PS_DTYPE_BF16, PS_DTYPE_C64 and
  * PS_DTYPE_C128, and gets:
  *   SFX        the entry points' name suffix (f32, ...)
@@ -8,7 +8,7 @@
  *   LD(p)      load *p as ACC              STO(p, v)  store the ACC v to *p
  *   PS_ACC_IS_STORAGE   defined when ACC and ST are one type
  * Half types accumulate in float32. Each set below defines every trait itself, and
- * the block's end undefines them all (scan_instance.h): no block inherits a trait
+ * the block's end undefines them all (cpu_instance.h): no block inherits a trait
  * from the one before. Deliberately without an include guard.
  */
 #if defined(SFX) || defined(ST) || defined(ACC) || defined(ACC_OPS) || defined(LD) || \

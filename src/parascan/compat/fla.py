@@ -19,7 +19,7 @@ from torch import Tensor
 
 from parascan._checks import check_dtype, check_flag, check_same_device, describe
 from parascan.first_order import linear_scan
-from parascan.first_order.varlen import check_cu_seqlens
+from parascan.first_order.packed import check_cu_seqlens
 
 __all__ = ["chunk_hgrn", "fused_recurrent_hgrn"]
 

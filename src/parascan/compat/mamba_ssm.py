@@ -54,16 +54,16 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from itertools import pairwise
-from typing import Any
 
 import torch
 from torch import Tensor
 
 import parascan as ps
 from parascan._checks import check_flag, check_in_place, describe
-from parascan.first_order.varlen import check_cu_seqlens
-from parascan.ssm import ssd_layer
-from parascan.ssm.ssd_api import _limit
+from parascan.first_order.packed import check_cu_seqlens
+from parascan.mixer.conv import causal_conv1d
+from parascan.ssd import layer as ssd_layer
+from parascan.ssd.api import _limit
 
 __all__ = [
     "mamba_chunk_scan_combined",
@@ -505,169 +505,6 @@ def _state(state: Tensor, C: Tensor, state_dtype: torch.dtype | None) -> Tensor:
 # --- Mamba-2's fused training layer: split, convolution, scan, gated norm, projection --------
 
 
-def _shift_masks(seq_idx: Tensor | None, width: int, length: int) -> list[Tensor | None]:
-    """For each lag ``s`` in 1 .. width - 1, a ``(batch, L, 1)`` 0/1 mask of the steps
-    ``t`` whose input ``t - s`` lies in the same sequence (None without ``seq_idx``: the
-    zero padding alone keeps the convolution causal)."""
-    if seq_idx is None:
-        return [None] * width
-    masks: list[Tensor | None] = [None]
-    for lag in range(1, width):
-        before = torch.zeros_like(seq_idx[:, : min(lag, length)], dtype=torch.bool)
-        same = torch.cat([before, seq_idx[:, lag:] == seq_idx[:, : max(length - lag, 0)]], 1)
-        masks.append(same[..., None])
-    return masks
-
-
-def _conv_taps(x: Tensor, weight: Tensor, masks: list[Tensor | None], transpose: bool) -> Tensor:
-    """``sum_s weight[:, K-1-s] * x[t - s]`` (or, transposed, ``sum_s weight[:, K-1-s] *
-    x[t + s]``, the backward's) for ``x`` ``(batch, L, c)``: one multiply-add per lag on
-    shifted views, each lag's term zeroed where ``masks`` says the lag crosses a
-    sequence boundary."""
-    width, length = weight.shape[1], x.shape[1]
-    out = x * weight[:, width - 1]
-    for lag in range(1, min(width, length + 1)):
-        tap = weight[:, width - 1 - lag]
-        mask = masks[lag]
-        if transpose:  # out[t] += w * x[t + lag], masked by the mask of step t + lag
-            src, dst = x[:, lag:], out[:, : length - lag]
-        else:  # out[t] += w * x[t - lag], masked by the mask of step t
-            src, dst = x[:, : length - lag], out[:, lag:]
-        if mask is None:
-            dst.addcmul_(src, tap)  # one pass, no temporary
-        else:
-            dst += src * tap * mask[:, lag:]
-    return out
-
-
-class _CausalConv1d(torch.autograd.Function):
-    """Depthwise causal convolution (+ bias, + silu) along dim 1 of ``(batch, L, c)``:
-    ``(out, pre)``, ``pre`` the pre-activation the backward reads (not differentiable;
-    empty without silu).
-
-    A width-K filter is K shifted multiply-adds, forward and backward (the weight's
-    gradient is K products summed over batch and time), cheaper on a CPU than a
-    general grouped convolution's backward for the small widths (2 to 4) of Mamba.
-    Written with setup_context so that torch.func transforms (grad, vmap, jacrev) run
-    it."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
-    ) -> tuple[Tensor, Tensor]:
-        masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
-        pre = _conv_taps(x.contiguous(), weight.to(x.dtype), masks, transpose=False)
-        if bias is not None:
-            pre = pre + bias.to(x.dtype)
-        if not silu:
-            return pre, pre.new_empty(0)
-        return torch.nn.functional.silu(pre), pre
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        x, weight, bias, seq_idx, silu = inputs
-        # x as given (a copy made in forward would have no graph for create_graph)
-        ctx.save_for_backward(x, weight, bias, seq_idx, output[1])
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)
-        ctx.silu = silu
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:
-        x, weight, bias, seq_idx, pre = ctx.saved_tensors
-        if grad is None:
-            return None, None, None, None, None
-        masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
-        x, grad = x.contiguous(), grad.contiguous()
-        if ctx.silu:
-            if torch.is_grad_enabled():
-                # create_graph: the saved pre-activation has no graph back to x, weight
-                # and bias (forward runs without grad), so recompute it with one.
-                pre = _conv_taps(x, weight.to(x.dtype), masks, transpose=False)
-                if bias is not None:
-                    pre = pre + bias.to(x.dtype)
-            sig = torch.sigmoid(pre)
-            grad = grad * sig * (1 + pre * (1 - sig))
-        width, length = weight.shape[1], x.shape[1]
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _conv_taps(grad, weight.to(grad.dtype), masks, transpose=True)
-        if ctx.needs_input_grad[1]:
-            cols = []
-            for k in range(width):
-                lag = width - 1 - k
-                if lag >= length:
-                    cols.append(grad.new_zeros(grad.shape[-1]))
-                    continue
-                term = grad[:, lag:] * x[:, : length - lag]
-                if masks[lag] is not None:
-                    term = term * masks[lag][:, lag:]
-                cols.append(term.sum((0, 1)))
-            dw = torch.stack(cols, 1).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
-            db = grad.sum((0, 1)).to(bias.dtype)
-        return dx, dw, db, None, None
-
-
-class _NativeCausalConv1d(torch.autograd.Function):
-    """:class:`_CausalConv1d` without ``seq_idx`` by the C kernels of Mamba-2's layer
-    (ssm/ssd_layer.py, one piece of the split): one pass each way over ``x`` read
-    through its strides (the mixers pass a slice of a projection), where the torch
-    version copies it and makes a pass per tap and one for silu."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool) -> Tensor:
-        out = ssd_layer.conv_forward(x, weight, bias, silu, (x.shape[2], 0, 0))[0]
-        ctx.save_for_backward(x, weight, bias)
-        ctx.silu = silu
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # create_graph: gradients that can be differentiated again, from the torch
-            # version's graph (the C backward is not differentiable).
-            inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
-            with torch.enable_grad():
-                out = _CausalConv1d.apply(x, weight, bias, None, ctx.silu)[0]
-            found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
-            grads = [
-                next(found) if t is not None and t.requires_grad else None
-                for t in (x, weight, bias)
-            ]
-            return grads[0], grads[1], grads[2], None
-        empty = grad.new_empty(x.shape[0], x.shape[1], 0)
-        grad_x = torch.empty(x.shape, dtype=x.dtype)
-        grad_w, grad_b = ssd_layer.conv_backward(
-            x, weight, bias, ctx.silu, (grad, empty, empty), grad_x
-        )
-        return grad_x, grad_w, grad_b, None
-
-
-def _causal_conv1d_silu(
-    x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
-) -> Tensor:
-    """``out[t] = act(bias + sum_k weight[:, k] * x[t - (K-1) + k])`` for ``x`` ``(batch,
-    L, c)`` and ``weight`` ``(c, K)``: zeros before the first step and, with
-    ``seq_idx``, before each sequence's first step; ``act`` silu or identity. The C
-    kernel where it can run these operands (ssd_layer.usable, channels of stride 1, no
-    ``seq_idx``), else shifted multiply-adds in torch."""
-    out: Tensor
-    if (
-        seq_idx is None
-        and x.dim() == 3
-        and (x.stride(2) == 1 or x.shape[2] <= 1)
-        and ssd_layer.usable(x, weight, bias, width=weight.shape[1])
-    ):
-        out = _NativeCausalConv1d.apply(x, weight, bias, silu)  # type: ignore[no-untyped-call]
-        return out
-    out = _CausalConv1d.apply(x, weight, bias, seq_idx, silu)[0]  # type: ignore[no-untyped-call]
-    return out
-
-
 _SPLIT = "parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined"
 
 
@@ -733,7 +570,7 @@ def mamba_split_conv1d_scan_combined(
     ``(batch, seqlen)``, reads nothing across a change of id, where the scan restarts
     too. On the CPU, in float32 or float64 with a norm and no ``seq_idx`` (eager, not
     under torch.compile or a torch.func transform), the convolution, scan and gated
-    norm run fused (:mod:`parascan.ssm.ssd_layer`: C kernels for the convolution and the
+    norm run fused (:mod:`parascan.ssd.layer`: C kernels for the convolution and the
     norm, the scan's C kernel, and a backward that writes ``zxbcdt``'s gradient in one
     buffer); otherwise the convolution is K shifted multiply-adds (K the filter width),
     forward and backward, and the scan is :func:`parascan.ssd_scan` (backend
@@ -849,7 +686,7 @@ def mamba_split_conv1d_scan_combined(
             f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
             f"{(batch, length)}, but got {describe(seq_idx)}"
         )
-    # On the CPU, the convolution, scan and gated norm fused (parascan.ssm.ssd_layer).
+    # On the CPU, the convolution, scan and gated norm fused (parascan.ssd.layer).
     if (
         rmsnorm_weight is not None
         and seq_idx is None
@@ -882,7 +719,7 @@ def _fusable(
     A: Tensor, D: Tensor, rmsnorm_weight: Tensor, initial_states: Tensor | None, nheads: int,
     headdim: int, ngroups: int, dstate: int,
 ) -> bool:  # fmt: skip
-    """Whether the fused CPU layer (parascan.ssm.ssd_layer) takes these operands: its
+    """Whether the fused CPU layer (parascan.ssd.layer) takes these operands: its
     devices, dtypes and filter width, and every shape as the layer expects it (any
     other goes the unfused way, whose checks name what is wrong)."""
     tensors = (conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states)
@@ -915,7 +752,7 @@ def _split_conv_scan_unfused(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The layer from the convolution to the gated norm in torch ops and
     :func:`parascan.ssd_scan` (any device, dtype and ``seq_idx``): ``(y, final)``."""
-    xBC = _causal_conv1d_silu(xBC, conv1d_weight, conv1d_bias, seq_idx, activation is not None)
+    xBC = causal_conv1d(xBC, conv1d_weight, conv1d_bias, seq_idx, activation is not None)
     dim = nheads * headdim
     x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
     gate = z.unflatten(-1, (nheads, headdim))

@@ -42,13 +42,13 @@ from torch import Tensor
 
 from parascan._checks import FLOAT_DTYPES, check_flag
 from parascan._higher_order import once_differentiable
-from parascan._op_utils import conj
+from parascan._ops import conj
 from parascan.first_order import linear_scan as local_linear_scan
 from parascan.first_order import log_linear_scan as local_log_linear_scan
-from parascan.first_order.arguments import Prepared, prepare
+from parascan.first_order.api import Prepared, prepare
 from parascan.first_order.ops import backward_op
+from parascan.first_order.packed import packed_initial, public_state_shape, to_public
 from parascan.first_order.semiring import LINEAR, LOG, SEMIRINGS, Semiring, log_weight
-from parascan.first_order.varlen import packed_initial, public_state_shape, to_public
 
 __all__ = ["linear_scan", "log_linear_scan"]
 

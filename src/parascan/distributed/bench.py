@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from parascan.tools.timing import median_time
+from parascan.cli.timing import median_time
 
 __all__ = ["main"]
 

@@ -13,7 +13,7 @@ Summary of the algorithm (forward):
    sequence that enters it from the left (``first``; ``carried`` when it started on an
    earlier rank, ``prefix`` its steps here), the one that leaves on the right
    (``last``), and the sequences whose final step lies in it (``ending``).
-2. The local packed scan (first_order/varlen.py's op) of the shard, the local offsets
+2. The local packed scan (first_order/packed.py's op) of the shard, the local offsets
    being the global ones clamped to the shard, every sequence from its initial state
    and the carried one from the empty state.
 3. One all-gather of, per rank: X, the product of the prefix's gates; Y, the state
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parascan._higher_order import once_differentiable
-from parascan._op_utils import state_shape
+from parascan._ops import state_shape
 from parascan.distributed.api import (
     _LENGTH,
     _all_gather_stacked,
@@ -66,8 +66,8 @@ from parascan.distributed.api import (
     apply_map,
     carry_back,
 )
-from parascan.first_order.arguments import Prepared
-from parascan.first_order.varlen import _OPS, _finals, check_cu_seqlens
+from parascan.first_order.api import Prepared
+from parascan.first_order.packed import _OPS, _finals, check_cu_seqlens
 
 __all__ = ["check_offsets", "packed_scan"]
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._checks import FLOAT_DTYPES, accumulate_dtype
-from parascan._op_utils import (
+from parascan._ops import (
     conj,
     register_batch_first_vmap,
     resolved,

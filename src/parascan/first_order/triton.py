@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from parascan._op_utils import conj, state_shape
+from parascan._ops import conj, state_shape
 from parascan.first_order.semiring import LOG, Semiring
 
 __all__ = ["backward", "forward", "packed_backward", "packed_forward"]

@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from parascan._checks import check_flag, check_layout, describe, normalize_dim
-from parascan.generic import algorithms
-from parascan.generic.matmul import matrix_product_fast_path
+from parascan.generic import chunked
+from parascan.generic.cpu import matrix_product_fast_path
 
 __all__ = ["associative_reduce", "associative_scan"]
 
@@ -171,7 +171,7 @@ def associative_scan(
     combine = _Combine(fn, combine_fn, spec)
     if reverse:
         leaves = [x.flip(d) for x in leaves]
-    out = algorithms.scan(combine, leaves, d)
+    out = chunked.scan(combine, leaves, d)
     if reverse:
         out = [x.flip(d) for x in out]
     return pytree.tree_unflatten(out, spec)
@@ -216,5 +216,5 @@ def associative_reduce(combine_fn: Callable[[Any, Any], Any], elems: Any, dim: i
         out = [x.select(d, 0).clone() for x in leaves]
     else:
         combine = _Combine(fn, combine_fn, spec)
-        out = [x.squeeze(d) for x in algorithms.pairwise_reduce(combine, leaves, d)]
+        out = [x.squeeze(d) for x in chunked.pairwise_reduce(combine, leaves, d)]
     return pytree.tree_unflatten(out, spec)

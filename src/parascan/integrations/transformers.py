@@ -52,7 +52,7 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
     scan, gated norm, output projection) becomes
     :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined`: on the CPU in
     float32 (or float64) the convolution, scan and gated norm fused (C kernels, one
-    gradient buffer for the input projection; :mod:`parascan.ssm.ssd_layer`), elsewhere
+    gradient buffer for the input projection; :mod:`parascan.ssd.layer`), elsewhere
     a causal convolution of a few shifted multiply-adds (forward and backward) and
     :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
     mixer runs its unfused torch path.
@@ -115,6 +115,7 @@ from torch import Tensor
 
 from parascan._checks import check_in_place, describe
 from parascan.compat import mamba_ssm
+from parascan.mixer import conv
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
 
@@ -389,7 +390,7 @@ def causal_conv1d(
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     if seq_idx is not None:
         seq_idx = _conv_ids(seq_idx, x)
-    out = mamba_ssm._causal_conv1d_silu(x, weight, bias, seq_idx, activation is not None)
+    out = conv.causal_conv1d(x, weight, bias, seq_idx, activation is not None)
     return out.transpose(1, 2).to(hidden_states.dtype)
 
 

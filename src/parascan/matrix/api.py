@@ -21,7 +21,7 @@ from parascan._checks import (
     describe,
 )
 from parascan._higher_order import tangent_mode
-from parascan.matrix.ops import ROW, matrix_linear_scan_op
+from parascan.matrix.autograd import ROW, matrix_linear_scan_op
 
 __all__ = ["matrix_linear_scan"]
 

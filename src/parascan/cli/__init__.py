@@ -1,0 +1,13 @@
+"""The ``parascan`` command and the tooling behind it, apart from the library.
+
+- ``main``: the command (``parascan``, ``python -m parascan``): ``info``, ``check``, ``bench``;
+- ``info``: facts about this machine and build (``parascan info``, benchmark headers);
+- ``check``: the self-test, every backend against the float64 loop (``parascan check``);
+- ``bench``, ``bench_generic``, ``bench_packed``: the benchmarks (``parascan bench``);
+- ``bench_transformers``: transformers' Mamba unpatched against patched by parascan
+  (``python -m parascan.cli.bench_transformers``);
+- ``peers``: other ways of computing the recurrence, which the benchmark times;
+- ``timing``: the timing helpers the benchmarks share (``parascan.distributed.bench`` too).
+
+Nothing here is public API; the library (``import parascan``) never imports this package.
+"""

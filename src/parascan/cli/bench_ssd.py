@@ -1,0 +1,392 @@
+"""The SSD-scan part of ``parascan bench``: ``ps.ssd_scan`` (Mamba-2's scan as the
+Mamba-2 mixer calls it: one group of B/C, D per head, dt_bias and softplus, no z,
+float32) against the ways it is computed without parascan, forward and forward +
+backward.
+
+- ``minimal SSD``: the chunked state-space-duality algorithm of the Mamba-2 paper,
+  written here from its math (:func:`minimal_ssd`): per chunk of ``MINIMAL_CHUNK``
+  steps, the diagonal blocks as a masked decay-weighted attention (``exp(segsum)``
+  times ``C B^T``), the state each chunk leaves, those states passed from chunk to
+  chunk by one more segsum over the chunks, and their contribution to each chunk's
+  outputs; backward by autograd.
+- ``transformers``: transformers' own torch fallback for Mamba-2's scan
+  (``mamba2_chunk_scan`` of ``modeling_mamba2``, the unpatched original), chunk 128
+  as the model's config has it; left out when transformers is not installed.
+- ``parascan packed`` (cases with ``packed`` sequences): the same tokens as that many
+  sequences of random lengths in one call (``cu_seqlens``), each scanned from a zero
+  state; its ``x parascan`` is the cost of packing against one sequence.
+- ``FLOP limit``: ``torch.bmm`` doing the recurrence's multiply-adds in one warm
+  product, measured in the same run: forward, ``2 * batch * L * heads * headdim * N``
+  (the state update and the output's contraction); forward + backward, three times
+  that (the backward's gradients of the state and of the inputs). No algorithm does
+  less arithmetic than the recurrence itself; the ratio says how far from dense
+  matrix-product speed each one runs.
+
+Summary of method. Each repetition times, back to back, the two limits and every
+implementation; medians are reported with ratios to the limit and parascan's
+speed-up over each implementation. Results are checked first against a float64
+loop of the recurrence on the first ``_CHECKED`` heads (heads are independent: with
+one group they share B and C): the output and the gradients of x and dt, relative
+to the largest reference magnitude, within ``_TOLERANCE``. A wrong result gets no
+speed (the row says WRONG). Peak extra memory of parascan's forward + backward is
+the growth of the process's peak resident set (see bench_selective.py), next to the size
+of one (batch, L, heads, headdim, N) float32 tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import parascan as ps
+from parascan.cli.timing import elapsed
+
+__all__ = [
+    "DEFAULT_SSD_CASES",
+    "FULL_SSD_CASES",
+    "MINIMAL_CHUNK",
+    "QUICK_SSD_CASES",
+    "SsdCase",
+    "SsdRow",
+    "format_ssd",
+    "minimal_ssd",
+    "run_ssd",
+    "ssd_step_names",
+]
+
+MINIMAL_CHUNK = 64  # the chunk of the minimal SSD (the paper's reference block length)
+_TRANSFORMERS_CHUNK = 128  # Mamba2Config's default chunk_size
+_CHECKED = 2  # heads checked against the float64 loop
+_TOLERANCE = 1e-4
+_DIRECTIONS = ("forward", "forward+backward")
+
+
+@dataclass(frozen=True)
+class SsdCase:
+    name: str
+    batch: int
+    length: int
+    heads: int
+    headdim: int
+    state: int
+    groups: int = 1
+    seed: int = 0
+    packed: int = 0  # > 0: also the same tokens as this many packed sequences (batch 1)
+
+
+@dataclass
+class SsdRow:
+    case: str
+    shape: tuple[int, int, int, int, int, int]  # batch, L, heads, headdim, N, groups
+    threads: int
+    impl: str
+    direction: str  # "forward" or "forward+backward"
+    time_ms: float | None  # None: wrong result, or not run
+    limit_ms: float  # the FLOP limit of the direction
+    vs_limit: float | None  # time / limit
+    parascan_speedup: float | None  # this row's time / parascan's
+    max_error: float | None
+    peak_extra_mib: float | None
+    correct: bool
+    note: str = ""
+
+
+DEFAULT_SSD_CASES = [SsdCase("mamba-2 scan", 1, 512, 24, 64, 64, packed=8)]
+FULL_SSD_CASES = [
+    SsdCase("mamba-2 scan", 1, 512, 24, 64, 64, packed=8),
+    SsdCase("mamba-2 scan long", 1, 4096, 24, 64, 64),
+]
+QUICK_SSD_CASES = [SsdCase("mamba-2 scan", 1, 80, 4, 16, 16)]
+
+
+def _transformers_scan() -> Callable[..., Tensor] | None:
+    """transformers' unpatched ``mamba2_chunk_scan``, or None without transformers."""
+    try:
+        from transformers.models.mamba2 import modeling_mamba2
+    except ImportError:
+        return None
+    from parascan.integrations.transformers import _ORIGINALS
+
+    key = (modeling_mamba2.__name__, "mamba2_chunk_scan")
+    fn = _ORIGINALS.get(key, getattr(modeling_mamba2, "mamba2_chunk_scan", None))
+    return fn
+
+
+def _impls(case: SsdCase) -> tuple[str, ...]:
+    base: tuple[str, ...] = ("parascan", "parascan packed") if case.packed else ("parascan",)
+    base += ("minimal SSD",)
+    return (*base, "transformers") if _transformers_scan() is not None else base
+
+
+def ssd_step_names(case: SsdCase) -> list[str]:
+    return [f"{case.name} {i} {d}" for i in _impls(case) for d in _DIRECTIONS]
+
+
+def _cu_seqlens(case: SsdCase) -> Tensor:
+    """``case.packed`` sequences of random lengths (some may be empty) covering L."""
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    cuts = torch.randint(0, case.length + 1, (case.packed - 1,), generator=gen).sort().values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([case.length])]).to(torch.int32)
+
+
+def _inputs(case: SsdCase) -> dict[str, Tensor]:
+    """Inputs drawn as a Mamba-2 layer sees them: A = -(1 .. heads) and steps between
+    0.001 and 0.1 after softplus (its initialization), unit activations."""
+    gen = torch.Generator().manual_seed(case.seed)
+    b, length, h, p, n, g = (
+        case.batch, case.length, case.heads, case.headdim, case.state, case.groups
+    )  # fmt: skip
+    step = torch.exp(torch.rand(h, generator=gen) * (torch.log(torch.tensor(100.0))) - 6.9)
+    return {
+        "x": torch.randn(b, length, h, p, generator=gen),
+        "dt": torch.randn(b, length, h, generator=gen) * 0.1,
+        "A": -torch.arange(1, h + 1, dtype=torch.float32),
+        "B": torch.randn(b, length, g, n, generator=gen),
+        "C": torch.randn(b, length, g, n, generator=gen),
+        "D": torch.ones(h) + 0.1 * torch.randn(h, generator=gen),
+        "dt_bias": step + torch.log(-torch.expm1(-step)),  # softplus^-1(step)
+    }
+
+
+def _segsum(a: Tensor) -> Tensor:
+    """seg[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j (0 on the diagonal),
+    -inf above it: each segment summed directly (a masked cumulative sum), not as a
+    difference of running sums, which would cancel."""
+    t = a.shape[-1]
+    rep = a[..., None, :].expand(*a.shape, t).transpose(-1, -2)  # rep[..., i, j] = a[i]
+    below = torch.ones(t, t, dtype=torch.bool, device=a.device).tril(-1)
+    seg = rep.masked_fill(~below, 0).cumsum(-2)
+    return seg.masked_fill(
+        ~below.logical_or(torch.eye(t, dtype=torch.bool, device=a.device)), -torch.inf
+    )
+
+
+def minimal_ssd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
+    chunk: int = MINIMAL_CHUNK,
+) -> Tensor:  # fmt: skip
+    """Mamba-2's scan (softplus(dt + dt_bias) steps, D per head, zero initial state)
+    by the chunked state-space-duality algorithm, from the paper's math: x (b, L, h, p),
+    dt (b, L, h), A (h,), B, C (b, L, g, n), D, dt_bias (h,)."""
+    b, length, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    k = h // g
+    step = F.softplus(dt + dt_bias)
+    pad = (-length) % chunk
+    c = (length + pad) // chunk
+    xs = F.pad(x * step[..., None], (0, 0, 0, 0, 0, pad)).view(b, c, chunk, g, k, p)
+    a = F.pad(step * A, (0, 0, 0, pad)).view(b, c, chunk, g, k).permute(0, 3, 4, 1, 2)
+    Bc = F.pad(B, (0, 0, 0, 0, 0, pad)).view(b, c, chunk, g, n)
+    Cc = F.pad(C, (0, 0, 0, 0, 0, pad)).view(b, c, chunk, g, n)
+    cum = a.cumsum(-1)  # (b, g, k, c, l)
+    # 1. within each chunk: y[l] = sum_{s <= l} exp(seg[l, s]) (C[l] . B[s]) x[s] dt[s]
+    cb = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
+    y_diag = torch.einsum("bgkcls,bgcls,bcsgkp->bclgkp", torch.exp(_segsum(a)), cb, xs)
+    # 2. the state each chunk leaves, from a zero entering state
+    decay_out = torch.exp(cum[..., -1:] - cum)
+    states = torch.einsum("bclgn,bgkcl,bclgkp->bcgkpn", Bc, decay_out, xs)
+    # 3. the states entering the chunks: passed along by a segsum over the chunks
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    chunk_decay = torch.exp(_segsum(F.pad(cum[..., -1], (1, 0))))  # (b, g, k, c+1, c+1)
+    entering = torch.einsum("bgkzc,bcgkpn->bzgkpn", chunk_decay, states)[:, :-1]
+    # 4. each entering state's contribution to its chunk's outputs
+    y_off = torch.einsum("bclgn,bcgkpn,bgkcl->bclgkp", Cc, entering, torch.exp(cum))
+    y = (y_diag + y_off).reshape(b, c * chunk, h, p)[:, :length]
+    return y + D[:, None] * x
+
+
+def _loop64(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+            dt_bias: Tensor) -> Tensor:  # fmt: skip
+    """The recurrence one step at a time (float64 inputs), heads reading group 0."""
+    step = F.softplus(dt + dt_bias)
+    h = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
+    ys = []
+    for t in range(x.shape[1]):
+        s = step[:, t, :, None, None]
+        h = torch.exp(s * A[:, None, None]) * h + s * x[:, t, :, :, None] * B[:, t, 0, None, None]
+        ys.append((h * C[:, t, 0, None, None]).sum(-1))
+    return torch.stack(ys, 1) + D[:, None] * x
+
+
+def _reference(
+    x: dict[str, Tensor], weight: Tensor, cu_seqlens: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, grad x, grad dt) of the first heads, in float64; with ``cu_seqlens``, each
+    packed sequence alone, from a zero state."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        parts = [
+            _reference({k: v[:, lo:hi] if v.dim() > 2 else v for k, v in x.items()},
+                       weight[:, lo:hi])
+            for lo, hi in itertools.pairwise(bounds)
+            if hi > lo
+        ]  # fmt: skip
+        out, gx, gdt = (torch.cat(ts, 1) for ts in zip(*parts, strict=True))
+        return out, gx, gdt
+    heads = slice(0, _CHECKED)
+    sub = {k: v.double() for k, v in x.items()}
+    for k in ("x", "dt"):
+        sub[k] = sub[k][:, :, heads].clone().requires_grad_()
+    for k in ("A", "D", "dt_bias"):
+        sub[k] = sub[k][heads]
+    out = _loop64(**sub)
+    gx, gdt = torch.autograd.grad(out, [sub["x"], sub["dt"]], weight[:, :, heads].double())
+    return out.detach(), gx, gdt
+
+
+def _error(got: tuple[Tensor, ...], want: tuple[Tensor, Tensor, Tensor]) -> float:
+    heads = slice(0, _CHECKED)
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
+        worst = max(worst, (g[:, :, heads].double() - w).abs().max().item() / scale)
+    return worst
+
+
+def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[SsdRow]:
+    from parascan.cli.bench_selective import _peak_extra_mib
+
+    x = _inputs(case)
+    b, length, h, p, n = case.batch, case.length, case.heads, case.headdim, case.state
+    weight = torch.randn(b, length, h, p, generator=torch.Generator().manual_seed(1))
+    hf = _transformers_scan()
+
+    def ours(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+             dt_bias: Tensor) -> Tensor:  # fmt: skip
+        out = ps.ssd_scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
+        assert isinstance(out, Tensor)
+        return out
+
+    def theirs(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+               dt_bias: Tensor) -> Tensor:  # fmt: skip
+        assert hf is not None
+        return hf(x, dt, A, B, C, chunk_size=_TRANSFORMERS_CHUNK, D=D, dt_bias=dt_bias,
+                  dt_softplus=True)  # fmt: skip
+
+    cu = _cu_seqlens(case) if case.packed else None
+
+    def packed(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+               dt_bias: Tensor) -> Tensor:  # fmt: skip
+        out = ps.ssd_scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True, cu_seqlens=cu)
+        assert isinstance(out, Tensor)
+        return out
+
+    impls: dict[str, Callable[..., Tensor]] = {"parascan": ours}
+    if cu is not None:
+        impls["parascan packed"] = packed
+    impls["minimal SSD"] = minimal_ssd
+    if hf is not None:
+        impls["transformers"] = theirs
+
+    def train(fn: Callable[..., Tensor]) -> tuple[Tensor, ...]:
+        leaves = {k: v.detach().requires_grad_() for k, v in x.items()}
+        out = fn(**leaves)
+        grads = torch.autograd.grad(out, list(leaves.values()), weight)
+        return (out, *grads)
+
+    # correctness first: a wrong result gets no speed
+    want = _reference(x, weight)
+    want_packed = _reference(x, weight, cu) if cu is not None else want
+    errors, correct = {}, {}
+    for name, fn in impls.items():
+        result = train(fn)
+        errors[name] = _error(result[:3], want_packed if name == "parascan packed" else want)
+        correct[name] = errors[name] <= _TOLERANCE
+    del result
+
+    # the FLOP limits: the recurrence's multiply-adds as one dense batched product
+    macs = 2 * b * length * h * p * n
+    inner = 2 * n
+    rows_l = max(1, macs // (b * h * p * inner))  # ~ L: (b*h, L, 2N) @ (b*h, 2N, p)
+    lhs = torch.randn(b * h, rows_l, inner)
+    rhs = torch.randn(b * h, inner, p)
+    buf = torch.empty(b * h, rows_l, p)
+    lhs3 = torch.randn(b * h, rows_l, 3 * inner)
+    rhs3 = torch.randn(b * h, 3 * inner, p)
+
+    def limit_fwd() -> object:
+        return torch.bmm(lhs, rhs, out=buf)
+
+    def limit_both() -> object:
+        return torch.bmm(lhs3, rhs3, out=buf)
+
+    def forward_of(fn: Callable[..., Tensor]) -> Callable[[], object]:
+        return lambda: fn(**x)
+
+    def train_of(fn: Callable[..., Tensor]) -> Callable[[], object]:
+        return lambda: train(fn)
+
+    fns: dict[tuple[str, str], Callable[[], object]] = {}
+    for name, impl in impls.items():
+        fns[(name, "forward")] = forward_of(impl)
+        fns[(name, "forward+backward")] = train_of(impl)
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+    limits: dict[str, list[float]] = {d: [] for d in _DIRECTIONS}
+    for _ in range(repeat):
+        limits["forward"].append(elapsed(limit_fwd))
+        limits["forward+backward"].append(elapsed(limit_both))
+        for key, timed in fns.items():
+            if correct[key[0]]:
+                times[key].append(elapsed(timed))
+    peak = _peak_extra_mib(lambda: train(ours)) if correct["parascan"] else None
+    med = {k: statistics.median(v) if v else None for k, v in times.items()}
+    rows = []
+    for name in impls:
+        for direction in _DIRECTIONS:
+            step(f"{case.name} {name} {direction}")
+            t = med[(name, direction)]
+            mine = med[("parascan", direction)]
+            limit = statistics.median(limits[direction])
+            note = ""
+            if name == "parascan" and direction == "forward+backward" and peak is not None:
+                note = f"one (b,L,h,p,N) f32 tensor: {b * length * h * p * n * 4 / 2**20:.0f} MiB"
+            elif name == "parascan packed" and cu is not None:
+                note = f"{case.packed} sequences, cu_seqlens {cu.tolist()}"
+            elif name == "minimal SSD":
+                note = f"chunk {MINIMAL_CHUNK}"
+            elif name == "transformers":
+                note = f"mamba2_chunk_scan, chunk {_TRANSFORMERS_CHUNK}"
+            rows.append(SsdRow(
+                case.name, (b, length, h, p, n, case.groups), torch.get_num_threads(), name,
+                direction, None if t is None else t * 1e3, limit * 1e3,
+                None if t is None else t / limit,
+                None if t is None or mine is None else t / mine,
+                errors[name], peak if name == "parascan" and direction != "forward" else None,
+                correct[name], note,
+            ))  # fmt: skip
+    return rows
+
+
+def run_ssd(
+    cases: list[SsdCase], repeat: int, step: Callable[[str], None] = lambda _: None
+) -> list[SsdRow]:
+    """Every case's rows (see the module docstring)."""
+    return [row for case in cases for row in _run_case(case, repeat, step)]
+
+
+def format_ssd(rows: list[SsdRow]) -> str:
+    lines = [
+        "SSD scan (Mamba-2: 1 group of B/C, D, dt_bias, softplus; float32; x limit: time / "
+        "torch.bmm of the recurrence's multiply-adds, 2*b*L*h*p*N forward, 3x that forward+"
+        "backward; x parascan: this row's time / parascan's)",
+        f"{'case':<18} {'b,L,h,p,N,g':<20} {'implementation':<15} {'direction':<17} "
+        f"{'ms':>9} {'limit ms':>9} {'x limit':>8} {'x parascan':>10} {'error':>8} "
+        f"{'peak MiB':>9}  note",
+    ]
+    for r in rows:
+        ms = "WRONG" if not r.correct else "-" if r.time_ms is None else f"{r.time_ms:.1f}"
+        vs = "-" if r.vs_limit is None else f"{r.vs_limit:.2f}"
+        sp = "-" if r.parascan_speedup is None else f"{r.parascan_speedup:.2f}"
+        err = "" if r.max_error is None else f"{r.max_error:.1e}"
+        peak = "" if r.peak_extra_mib is None else f"{r.peak_extra_mib:.0f}"
+        lines.append(
+            f"{r.case:<18} {','.join(map(str, r.shape)):<20} {r.impl:<15} {r.direction:<17} "
+            f"{ms:>9} {r.limit_ms:>9.2f} {vs:>8} {sp:>10} {err:>8} {peak:>9}  {r.note}"
+        )
+    return "\n".join(lines)

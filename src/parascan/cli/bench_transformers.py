@@ -1,0 +1,266 @@
+"""End to end: Hugging Face transformers' ``MambaForCausalLM`` (or ``Mamba2ForCausalLM``)
+unpatched against patched by :func:`parascan.integrations.transformers.patch`, on CPU::
+
+    python -m parascan.cli.bench_transformers            # the issue's sizes (minutes)
+    python -m parascan.cli.bench_transformers --model mamba2
+    python -m parascan.cli.bench_transformers --quick    # a small model, seconds
+
+A randomly initialized model (hidden 768, 4 layers, vocabulary 1024 by default: the
+vocabulary only sizes the embedding and the head, which patching does not touch; Mamba
+with state 16; Mamba-2 with 24 heads of 64, state 64, one group, chunk 128), one
+sequence, three workloads:
+
+forward     the logits of ``tokens`` tokens (eval mode, no cache)
+train step  forward, loss and backward on ``tokens`` tokens (training mode)
+generate    greedy ``generate`` of ``new_tokens`` tokens after a 16-token prompt
+
+Summary of method. Each workload runs ``repeat`` rounds (``train_repeat`` for the
+training step, whose unpatched run takes minutes at full size), each round unpatched then
+patched on the same model and inputs, so that a slow spell of a shared machine hits both
+alike; the minimum of each variant is reported (noise only adds). On a machine
+shared with other work, ``--threads 1`` gives steadier figures: a parallel region whose
+second thread is descheduled stalls, and the patched backward (many short torch ops)
+then varies many-fold from run to run.
+
+The first round's results are compared: logits and every parameter's gradient to the
+float32 tolerance relative to the largest unpatched magnitude, generated tokens exactly.
+A workload whose results differ gets no speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Row", "format_rows", "main", "run"]
+
+_PROMPT = 16
+_RTOL = 1e-4  # float32, after a few layers of matmuls around the scan
+
+
+@dataclass
+class Row:
+    name: str
+    unpatched_s: float
+    patched_s: float
+    speedup: float | None  # unpatched / patched; None when the results differ
+    max_error: float  # relative to the largest unpatched magnitude (0 for tokens)
+    correct: bool
+    detail: str = ""
+
+
+@contextmanager
+def _patched(on: bool) -> Iterator[None]:
+    from parascan.integrations import transformers as integration
+
+    integration.unpatch()
+    if on:
+        integration.patch()
+    try:
+        yield
+    finally:
+        integration.unpatch()
+
+
+def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
+        worst = max(worst, (g.double() - w.double()).abs().max().item() / scale)
+    return worst
+
+
+def run(
+    *,
+    quick: bool = False,
+    tokens: int | None = None,
+    new_tokens: int | None = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+    state: int | None = None,
+    vocab: int = 1024,
+    model_name: str = "mamba",
+    repeat: int = 3,
+    train_repeat: int = 1,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time the three workloads unpatched and patched; returns one row each.
+
+    Args:
+        quick: a small model and short sequences (hidden 64, 2 layers, 64 tokens,
+            8 new tokens) unless given explicitly: seconds, for tests.
+        tokens: the sequence length of the forward and the training step (512).
+        new_tokens: tokens generated (64).
+        hidden, layers, state, vocab: the model (768, 4, 16 for Mamba and 64 for
+            Mamba-2, 1024).
+        model_name: ``"mamba"`` (MambaForCausalLM) or ``"mamba2"`` (Mamba2ForCausalLM,
+            heads of 64 channels, chunk 128; quick: heads of 16, chunk 16).
+        repeat: timed runs of each variant of the forward and of generate; the fastest
+            counts.
+        train_repeat: the same for the training step.
+        seed: the model's initialization and the inputs.
+        progress: called with a line before each measurement.
+    """
+    tokens = tokens or (64 if quick else 512)
+    new_tokens = new_tokens or (8 if quick else 64)
+    hidden = hidden or (64 if quick else 768)
+    layers = layers or (2 if quick else 4)
+    say = progress or (lambda line: None)
+
+    torch.manual_seed(seed)
+    model: Any = _model(model_name, hidden, layers, state, vocab, quick)
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen)
+    prompt = torch.randint(0, vocab, (1, _PROMPT), generator=gen)
+
+    def forward(ids: torch.Tensor = ids) -> list[torch.Tensor]:
+        model.eval()
+        with torch.no_grad():
+            return [model(ids, use_cache=False).logits]
+
+    def train_step(ids: torch.Tensor = ids) -> list[torch.Tensor]:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    def generate(count: int = new_tokens) -> list[torch.Tensor]:
+        model.eval()
+        out = model.generate(
+            prompt, max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0
+        )
+        return [out]
+
+    workloads: list[tuple[str, Callable[[], list[torch.Tensor]]]] = [
+        (f"forward, {tokens} tokens", forward),
+        (f"train step, {tokens} tokens", train_step),
+        (f"generate {new_tokens} tokens", generate),
+    ]
+    # Warm up every path (first-call setup, lazy imports) on a few tokens.
+    for on in (False, True):
+        with _patched(on):
+            forward(ids[:, :8]), train_step(ids[:, :8]), generate(2)
+    rows = []
+    for name, fn in workloads:
+        results: dict[bool, list[torch.Tensor]] = {}
+        times: dict[bool, float] = {False: float("inf"), True: float("inf")}
+        for _ in range(max(1, train_repeat if fn is train_step else repeat)):
+            for on in (False, True):
+                say(f"{name}: {'patched' if on else 'unpatched'}")
+                with _patched(on):
+                    start = time.perf_counter()
+                    result = fn()
+                    times[on] = min(times[on], time.perf_counter() - start)
+                results.setdefault(on, result)
+        got, want = results[True], results[False]
+        if name.startswith("generate"):
+            error = 0.0 if all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) else 1.0
+            correct = error == 0.0
+            detail = f"{new_tokens / times[False]:.1f} -> {new_tokens / times[True]:.1f} tokens/s"
+        else:
+            error = _relative_error(got, want)
+            correct = error <= _RTOL
+            detail = ""
+        rows.append(
+            Row(
+                name=name,
+                unpatched_s=times[False],
+                patched_s=times[True],
+                speedup=times[False] / times[True] if correct else None,
+                max_error=error,
+                correct=correct,
+                detail=detail,
+            )
+        )
+    model.zero_grad(set_to_none=True)
+    return rows
+
+
+def _model(name: str, hidden: int, layers: int, state: int | None, vocab: int,
+           quick: bool) -> Any:  # fmt: skip
+    """A randomly initialized model (transformers' own annotations are partial)."""
+    import transformers
+
+    if name == "mamba":
+        config = transformers.MambaConfig(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+            state_size=state or 16,
+        )  # fmt: skip
+        return transformers.MambaForCausalLM(config)
+    if name == "mamba2":
+        headdim = 16 if quick else 64
+        config2 = transformers.Mamba2Config(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+            state_size=state or (16 if quick else 64), expand=2, head_dim=headdim,
+            num_heads=2 * hidden // headdim, n_groups=1, chunk_size=16 if quick else 128,
+        )  # fmt: skip
+        return transformers.Mamba2ForCausalLM(config2)
+    raise ValueError(f"bench_transformers: expected model 'mamba' or 'mamba2', but got {name!r}")
+
+
+MODEL_CLASSES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+
+
+def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
+    """The table, under a line naming the model, the machine and the versions."""
+    import transformers
+
+    machine = platform.processor() or platform.machine()
+    head = (
+        f"{MODEL_CLASSES.get(model_name, model_name)} on {machine}, "
+        f"{torch.get_num_threads()} threads; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
+    lines = [
+        head,
+        f"{'workload':<28} {'unpatched s':>12} {'patched s':>10} {'speed-up':>9}  "
+        f"{'max error':>9}  detail",
+    ]
+    for r in rows:
+        speed = f"{r.speedup:.1f}x" if r.speedup is not None else "WRONG"
+        lines.append(
+            f"{r.name:<28} {r.unpatched_s:>12.3f} {r.patched_s:>10.3f} {speed:>9}  "
+            f"{r.max_error:>9.1e}  {r.detail}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m parascan.cli.bench_transformers",
+        description="transformers' MambaForCausalLM (or Mamba2ForCausalLM) unpatched against "
+        "patched by parascan",
+    )
+    parser.add_argument("--model", choices=sorted(MODEL_CLASSES), default="mamba")
+    parser.add_argument("--quick", action="store_true", help="a small model (seconds)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (min)")
+    parser.add_argument(
+        "--train-repeat", type=int, default=1, help="runs of the training step (min)"
+    )
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run(
+        quick=args.quick, repeat=args.repeat, train_repeat=args.train_repeat,
+        tokens=args.tokens, new_tokens=args.new_tokens, model_name=args.model,
+        progress=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    print(format_rows(rows, args.model))
+    return 0 if all(r.correct for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,450 @@
+"""Packed variable-length sequences for the first-order scans (``cu_seqlens=``).
+
+The steps along ``dim`` are ``num_seqs`` sequences, sequence s holding the steps
+``cu_seqlens[s] .. cu_seqlens[s + 1] - 1``, each scanned as if alone: from its own
+initial state, ``reverse`` within it, its own final state. Semantics, as a loop::
+
+    for s in range(num_seqs):
+        lo, hi = cu_seqlens[s], cu_seqlens[s + 1]
+        out[lo:hi], final[s] = scan(gates[lo:hi], tokens[lo:hi], initial=initial[s],
+                                    return_final=True)
+
+Layout. Inside, a per-sequence state has the shape of the result with ``dim`` of size
+num_seqs (sequence s at index s), so that vmap's new leading dims and negative dims
+need no special case. The public functions take and return the states with a leading
+num_seqs dim in place of the batch (``to_internal``/``to_public``): a result of shape
+(1, T, D) along dim 1 has states (num_seqs, D); along dim 0, (T, D) has (num_seqs, D).
+
+Backends. ``cpu``: the C kernels' packed entries (cpu_packed.h), every input read
+once, each channel block walking every sequence in one parallel region. ``triton``:
+the Triton kernels in their usual launches, restarting the state where a sequence
+starts inside their tiles and chunks (triton.packed_forward). ``torch`` and ``loop``:
+the backend's own scan on each sequence in turn (a view of its steps), the results
+written into one output.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parascan._checks import accumulate_dtype, as_operand, check_dtype, describe
+from parascan._higher_order import tangent_mode
+from parascan._native import bindings
+from parascan._ops import register_batch_first_vmap, resolved, resolved_optional
+from parascan.first_order import api, triton
+from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
+from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
+
+__all__ = [
+    "check_cu_seqlens",
+    "packed_initial",
+    "public_state_shape",
+    "scan",
+    "to_internal",
+    "to_public",
+]
+
+
+def check_cu_seqlens(name: str, cu_seqlens: object, steps: int, device: torch.device) -> Tensor:
+    """``cu_seqlens`` validated: a 1-d integer tensor (num_seqs + 1,) of offsets
+    along the scanned dim, 0 first, ``steps`` last, non-decreasing, on the CPU or on
+    ``device`` (the operands'). Its values are
+    read (a device sync for a CUDA tensor) unless torch.compile is tracing; the
+    kernels check them again."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(
+            f"{name}: expected cu_seqlens to be an integer tensor of offsets, but got "
+            f"{describe(cu_seqlens)}"
+        )
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+        raise TypeError(
+            f"{name}: expected cu_seqlens to be a 1-d int32 or int64 tensor "
+            f"(num_seqs + 1 offsets), but got {describe(cu_seqlens)}"
+        )
+    if cu_seqlens.numel() == 0:
+        raise ValueError(f"{name}: expected cu_seqlens to hold at least one offset (0), got none")
+    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected cu_seqlens on the CPU or on {device}, but got it on "
+            f"{cu_seqlens.device}"
+        )
+    if not torch.compiler.is_compiling():
+        _check_values(name, cu_seqlens.tolist(), steps)
+    return cu_seqlens
+
+
+def _check_values(name: str, cu: list[int], steps: int) -> None:
+    # also the raw ops' own check (a compiled graph skips the public one)
+    if cu[0] != 0 or cu[-1] != steps or any(b < a for a, b in pairwise(cu)):
+        raise ValueError(
+            f"{name}: expected cu_seqlens to be non-decreasing offsets from 0 to the length "
+            f"along dim ({steps}), but got {cu}"
+        )
+
+
+def to_internal(state: Tensor, dim: int) -> Tensor:
+    """A public per-sequence state (num_seqs leading, in place of the batch) in the
+    internal layout (the result's shape with ``dim``, non-negative, of size num_seqs)."""
+    return state if dim == 0 else state.unsqueeze(0).movedim(1, dim)
+
+
+def to_public(state: Tensor, dim: int) -> Tensor:
+    """The inverse of ``to_internal``."""
+    return state if dim == 0 else state.movedim(dim, 1).select(0, 0)
+
+
+# ---- the raw ops and their backends ------------------------------------------------
+
+
+def _segments(cu_seqlens: Tensor, op: str, steps: int) -> list[tuple[int, int]]:
+    cu = cu_seqlens.tolist()
+    _check_values(op, cu, steps)
+    return list(pairwise(cu))
+
+
+def _piece(t: Tensor, dim: int, lo: int, hi: int) -> Tensor:
+    return t.narrow(dim, lo, hi - lo)
+
+
+def _by_segments_forward(
+    ring: Semiring, backend: str, gates: Tensor, tokens: Tensor, initial: Tensor | None,
+    cu_seqlens: Tensor, dim: int, reverse: bool,
+) -> Tensor:  # fmt: skip
+    """Any backend: its scan on each sequence's view, written into one output."""
+    out = torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+    scan = ROWS[ring.name].backends[backend].forward
+    for s, (lo, hi) in enumerate(_segments(cu_seqlens, ring.op, tokens.shape[dim])):
+        if hi > lo:
+            h = None if initial is None else initial.select(dim, s)
+            part = scan(ring, _piece(gates, dim, lo, hi), _piece(tokens, dim, lo, hi), h, dim,
+                        reverse)  # fmt: skip
+            _piece(out, dim, lo, hi).copy_(part)
+    return out
+
+
+def _by_segments_backward(
+    ring: Semiring, backend: str, gates: Tensor, tokens: Tensor | None, out: Tensor,
+    grad_out: Tensor, initial: Tensor | None, cu_seqlens: Tensor, dim: int, reverse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Any backend: its backward op on each sequence's view."""
+    grad_gates = torch.zeros_like(out)
+    grad_tokens = torch.zeros_like(out)
+    nseq = cu_seqlens.numel() - 1
+    seq_shape = (*out.shape[:dim], nseq, *out.shape[dim + 1 :])
+    grad_initial = out.new_zeros(seq_shape)
+    for s, (lo, hi) in enumerate(_segments(cu_seqlens, ring.op, out.shape[dim])):
+        if hi == lo:
+            continue
+        h = None if initial is None else initial.select(dim, s)
+        ga, gb, gh = backward_op(ring)(
+            _piece(gates, dim, lo, hi), None if tokens is None else _piece(tokens, dim, lo, hi),
+            _piece(out, dim, lo, hi), _piece(grad_out, dim, lo, hi), h, dim, reverse, backend,
+        )  # fmt: skip
+        _piece(grad_gates, dim, lo, hi).copy_(ga)
+        _piece(grad_tokens, dim, lo, hi).copy_(gb)
+        if initial is not None:
+            grad_initial.select(dim, s).copy_(gh)
+    return grad_gates, grad_tokens, grad_initial
+
+
+def _cpu_cu(cu_seqlens: Tensor) -> Tensor:
+    return cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _define(ring: Semiring) -> tuple[Any, Any]:
+    """``parascan::<op>_varlen`` and its backward, with fake kernels and vmap rules.
+    The tensors come first, then ``dim`` (the layout register_batch_first_vmap
+    batches); ``cu_seqlens`` is never batched."""
+    name = "parascan::" + ring.op.removeprefix("parascan.") + "_varlen"
+
+    def forward(
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, cu_seqlens: Tensor,
+        reverse: bool, backend: str,
+    ) -> Tensor:  # fmt: skip
+        gates, tokens, initial = resolved(gates), resolved(tokens), resolved_optional(initial)
+        dim %= tokens.dim()
+        if backend == "triton":
+            _check_values(ring.op, cu_seqlens.tolist(), tokens.shape[dim])
+        if backend == "cpu":
+            cu = _cpu_cu(cu_seqlens)
+            _check_values(ring.op, cu.tolist(), tokens.shape[dim])
+            return bindings.scan_forward(
+                ring.name, gates, tokens, initial, dim, reverse, cu_seqlens=cu
+            )
+        if backend == "triton":
+            return triton.packed_forward(ring, gates, tokens, initial, dim, reverse, cu_seqlens)
+        return _by_segments_forward(ring, backend, gates, tokens, initial, cu_seqlens, dim,
+                                    reverse)  # fmt: skip
+
+    forward.__doc__ = f"{ring.op} over packed sequences; a new contiguous tensor."
+    fwd = torch.library.custom_op(name, forward, mutates_args=())
+
+    @fwd.register_fake
+    def _(
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, cu_seqlens: Tensor,
+        reverse: bool, backend: str,
+    ) -> Tensor:  # fmt: skip
+        torch._check(gates.shape == tokens.shape, lambda: f"{name}: shape mismatch")
+        return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+
+    def backward(
+        gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
+        initial: Tensor | None, dim: int, cu_seqlens: Tensor, reverse: bool, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        gates, out, grad_out = resolved(gates), resolved(out), resolved(grad_out)
+        tokens, initial = resolved_optional(tokens), resolved_optional(initial)
+        dim %= out.dim()
+        if backend == "cpu":
+            cu = _cpu_cu(cu_seqlens)
+            _check_values(ring.op, cu.tolist(), out.shape[dim])
+            return bindings.scan_backward(
+                ring.name, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
+                initial, dim, reverse, cu_seqlens=cu,
+            )  # fmt: skip
+        if backend == "triton":
+            _check_values(ring.op, cu_seqlens.tolist(), out.shape[dim])
+            return triton.packed_backward(
+                ring, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
+                initial, dim, reverse, cu_seqlens,
+            )  # fmt: skip
+        return _by_segments_backward(ring, backend, gates, tokens, out, grad_out, initial,
+                                     cu_seqlens, dim, reverse)  # fmt: skip
+
+    backward.__doc__ = (
+        f"(grad_gates, grad_tokens, grad_initial) of {ring.op} over packed sequences."
+    )
+    bwd = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
+
+    @bwd.register_fake
+    def _(
+        gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
+        initial: Tensor | None, dim: int, cu_seqlens: Tensor, reverse: bool, backend: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        d = dim % out.dim()
+        seq_shape = (*out.shape[:d], cu_seqlens.shape[0] - 1, *out.shape[d + 1 :])
+        return (
+            torch.empty(out.shape, dtype=out.dtype, device=out.device),
+            torch.empty(out.shape, dtype=out.dtype, device=out.device),
+            torch.empty(seq_shape, dtype=out.dtype, device=out.device),
+        )
+
+    register_batch_first_vmap(name, fwd, tensors=3, outputs=1)
+    register_batch_first_vmap(f"{name}_backward", bwd, tensors=5, outputs=3)
+    return fwd, bwd
+
+
+_OPS = {name: _define(ring) for name, ring in SEMIRINGS.items()}
+
+
+# ---- autograd ---------------------------------------------------------------------
+
+
+class _PackedScan(torch.autograd.Function):
+    """The scan of packed sequences in the semiring named ``ring`` (see _FirstOrderScan)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, cu_seqlens: Tensor,
+        reverse: bool, backend: str, ring: str,
+    ) -> Tensor:  # fmt: skip
+        out: Tensor = _OPS[ring][0](gates, tokens, initial, dim, cu_seqlens, reverse, backend)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        gates, tokens, initial, dim, cu_seqlens, reverse, backend, ring = inputs
+        if not SEMIRINGS[ring].backward_reads_tokens:
+            tokens = None
+        ctx.save_for_backward(gates, tokens, output, initial, cu_seqlens)
+        ctx.save_for_forward(gates, tokens, output, initial, cu_seqlens)
+        ctx.dim, ctx.reverse, ctx.backend, ctx.ring = dim, reverse, backend, ring
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        gates, tokens, out, initial, cu_seqlens = ctx.saved_tensors
+        ring, dim, reverse = SEMIRINGS[ctx.ring], ctx.dim, ctx.reverse
+        if torch.is_grad_enabled():
+            # create_graph: each sequence's gradients through differentiable torch ops
+            grads = _differentiable_backward(
+                ring, ctx.backend, gates, tokens, out, grad_out, initial, cu_seqlens, dim,
+                reverse,
+            )  # fmt: skip
+        else:
+            grads = _OPS[ctx.ring][1](
+                gates, tokens, out, grad_out, initial, dim, cu_seqlens, reverse, ctx.backend
+            )
+        need = ctx.needs_input_grad
+        return (
+            grads[0] if need[0] else None,
+            grads[1] if need[1] else None,
+            grads[2] if initial is not None and need[2] else None,
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+class _PackedScanForwardMode(_PackedScan):
+    """_PackedScan with forward-mode AD (torch.func.jvp, jacfwd); kept apart because
+    dynamo cannot trace an autograd.Function that defines ``jvp``."""
+
+    @staticmethod
+    def jvp(
+        ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None,
+        *_: Any,
+    ) -> Tensor:  # fmt: skip
+        # Within each sequence the tangent obeys a linear recurrence with the steps'
+        # partials (w, d_a, d_b): dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),
+        # from the sequence's d initial: a packed linear scan, by the same backend.
+        # Differentiable by an outer forward-mode transform too, in tangent_mode.
+        ring = SEMIRINGS[ctx.ring]
+        with tangent_mode(ctx.saved_tensors, ring.op) as saved:
+            gates, tokens, out, initial, cu_seqlens = saved
+            w, d_gates, d_tokens = ring.partials(
+                gates, tokens, out, initial, ctx.dim, ctx.reverse, cu_seqlens
+            )
+            drive = torch.zeros_like(out)
+            if tokens_t is not None:
+                drive = tokens_t if d_tokens is None else d_tokens * tokens_t
+            if gates_t is not None:
+                drive = drive + d_gates * gates_t
+            return _apply(LINEAR.name, w, drive, initial_t, ctx.dim, cu_seqlens, ctx.reverse,
+                          ctx.backend)  # fmt: skip
+
+
+def _apply(
+    ring: str, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int,
+    cu_seqlens: Tensor, reverse: bool, backend: str,
+) -> Tensor:  # fmt: skip
+    """The differentiable packed scan (forward mode too, outside torch.compile)."""
+    fn = _PackedScan if torch.compiler.is_compiling() else _PackedScanForwardMode
+    out: Tensor = fn.apply(gates, tokens, initial, dim, cu_seqlens, reverse, backend, ring)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _differentiable_backward(
+    ring: Semiring, backend: str, gates: Tensor, tokens: Tensor | None, out: Tensor,
+    grad_out: Tensor, initial: Tensor | None, cu_seqlens: Tensor, dim: int, reverse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of every sequence (ops.backward_from_partials on its steps, the
+    chain a linear scan through the differentiable public path), side by side."""
+    from parascan.first_order.autograd import apply
+
+    def linear(a: Tensor, b: Tensor, h: Tensor | None, d: int, rev: bool) -> Tensor:
+        return apply(LINEAR.name, a, b, h, d, rev, backend)
+
+    acc = accumulate_dtype(out.dtype)
+    nseq = cu_seqlens.numel() - 1
+    ga, gb, gh = [], [], []
+    for s, (lo, hi) in enumerate(_segments(cu_seqlens, ring.op, out.shape[dim])):
+
+        def part(t: Tensor, lo: int = lo, hi: int = hi) -> Tensor:
+            return _piece(t, dim, lo, hi).to(acc)
+
+        h = None if initial is None else initial.select(dim, s).to(acc)
+        partials = ring.partials(part(gates), None if tokens is None else part(tokens), part(out),
+                                 h, dim, reverse)  # fmt: skip
+        a, b, i = backward_from_partials(linear, partials, part(grad_out), dim, reverse)
+        ga.append(a)
+        gb.append(b)
+        gh.append(i)
+    if nseq == 0:
+        zeros = torch.zeros_like(out)
+        return zeros, zeros.clone(), out.new_zeros((*out.shape[:dim], 0, *out.shape[dim + 1 :]))
+    return (
+        torch.cat(ga, dim).to(out.dtype),
+        torch.cat(gb, dim).to(out.dtype),
+        torch.stack(gh, dim).to(out.dtype),
+    )
+
+
+# ---- the public path ----------------------------------------------------------------
+
+
+def public_state_shape(name: str, shape: tuple[int, ...], dim: int, nseq: int) -> tuple[int, ...]:
+    if dim == 0:
+        return (nseq, *shape[1:])
+    if shape[0] != 1:
+        raise ValueError(
+            f"{name}: with cu_seqlens the sequences are packed along dim {dim} of a batch of one: "
+            f"expected the leading dim to be 1 (or dim to be 0), but got shape {tuple(shape)}"
+        )
+    return (nseq, *shape[1:dim], *shape[dim + 1 :])
+
+
+def scan(
+    ring: Semiring,
+    gates: object,
+    tokens: object,
+    dim: object,
+    initial: object,
+    reverse: object,
+    return_final: object,
+    backend: object,
+    cu_seqlens: object,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The public scan of ``ring`` over packed sequences: validation, then the op."""
+    name = ring.op
+    p: api.Prepared = api.prepare(ring, gates, tokens, dim, None, reverse, return_final, backend)
+    out_shape = tuple(p.tokens.shape)
+    d = p.dim % len(out_shape)
+    cu = check_cu_seqlens(name, cu_seqlens, out_shape[d], p.tokens.device)
+    nseq = cu.numel() - 1
+    public_shape = public_state_shape(name, out_shape, d, nseq)
+    h = None if initial is None else packed_initial(name, initial, p.tokens, public_shape, d)
+    rev = bool(reverse)  # validated by prepare
+    out = _apply(ring.name, p.gates, p.tokens, h, d, cu, rev, p.backend)
+    result = out.reshape(()) if p.scalar else out
+    if not return_final:
+        return result
+    return result, to_public(_finals(ring, out, h, cu, d, rev), d)
+
+
+def packed_initial(
+    name: str, initial: object, like: Tensor, public_shape: tuple[int, ...], dim: int
+) -> Tensor:
+    """``initial`` validated for packed sequences of a result like ``like``: broadcast
+    to the public per-sequence shape (num_seqs leading), converted to ``like``'s
+    dtype, returned in the internal layout (to_internal, ``dim`` non-negative)."""
+    h = as_operand(name, "initial", initial, allow_number=True, like=like)
+    check_dtype(name, "initial", h)
+    if h.device != like.device:
+        raise ValueError(f"{name}: expected initial on {like.device}, but got it on {h.device}")
+    if h.is_complex() and not like.is_complex():
+        raise TypeError(
+            f"{name}: expected a real initial for a real result ({like.dtype}), but got {h.dtype}"
+        )
+    try:
+        h = h.to(like.dtype).expand(public_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: expected initial broadcastable to (num_seqs, state...) = "
+            f"{public_shape} with cu_seqlens, but got {describe(initial)}"
+        ) from None
+    return to_internal(h, dim)
+
+
+def _finals(
+    ring: Semiring, out: Tensor, initial: Tensor | None, cu_seqlens: Tensor, dim: int,
+    reverse: bool,
+) -> Tensor:  # fmt: skip
+    """Each sequence's last state in the internal layout, with tensor ops (traceable
+    by torch.compile, differentiable): out at its last step in the scan's order, its
+    initial state (or the empty state) when it is empty."""
+    nseq = cu_seqlens.numel() - 1
+    shape = (*out.shape[:dim], nseq, *out.shape[dim + 1 :])
+    empty = out.new_full(shape, ring.zero) if initial is None else initial
+    if out.shape[dim] == 0 or nseq == 0:
+        return empty.clone()
+    cu = cu_seqlens.to(device=out.device, dtype=torch.int64)
+    starts, ends = cu[:-1], cu[1:]
+    last = starts if reverse else ends - 1
+    nonempty = ends > starts
+    picked = out.index_select(dim, torch.where(nonempty, last, torch.zeros_like(last)))
+    view = [1] * out.dim()
+    view[dim] = nseq
+    return torch.where(nonempty.view(view), picked, empty)

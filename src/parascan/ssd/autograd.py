@@ -1,0 +1,112 @@
+"""The SSD scan's op: its row of the backend table, and its torch.library ops and
+autograd.Functions, made by the core's builder (parascan._ops.checkpointed_scan) from
+the canonical operands of canonical.py (``cu_seqlens`` among them, as a tensor: its
+values are read inside the op, where torch.compile does not trace)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from parascan._backends import Backend, OpBackends, register
+from parascan._ops import CheckpointedScan, checkpointed_scan
+from parascan.ssd import cpu, reference, triton
+from parascan.ssd.canonical import n_chunks
+
+__all__ = ["ROW", "apply"]
+
+_STATE_DTYPES = (torch.float32, torch.float64)
+
+# The backend table's row: the dtypes are the state's (float32, or float64).
+ROW = register(
+    OpBackends(
+        op="parascan.ssd_scan",
+        backends={
+            # the first usable one is "auto"'s choice: the C kernel on CPU tensors
+            "cpu": Backend(cpu.forward, cpu.backward, _STATE_DTYPES),
+            # "auto" picks it for CUDA tensors only (the interpreter is a testing aid)
+            "triton": Backend(triton.forward, triton.backward, _STATE_DTYPES),
+            "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
+            "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
+        },
+    )
+)
+
+Opt = Tensor | None
+
+
+def _states(x: Tensor, cu_seqlens: Opt) -> int:
+    """The number of final states: the batch, or the packed sequences."""
+    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _forward(backend: str, *args: object) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, final, checkpoints); without ``want_final``, ``final`` has no rows (the C
+    kernel then stores none: with many packed sequences that was a state's write per
+    sequence nobody read)."""
+    *operands, want_final = args
+    forward = ROW.backends[backend].forward
+    if backend == "cpu":
+        result: tuple[Tensor, Tensor, Tensor] = forward(*operands, want_final=want_final)
+        return result
+    out, final, checkpoints = forward(*operands)
+    return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
+
+
+def _shapes(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, want_final: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    batch, length, heads, headdim = x.shape
+    n = B.shape[-1]
+    return (
+        x.new_empty(batch, length, heads, headdim),
+        x.new_empty(_states(x, cu_seqlens) if want_final else 0, heads, headdim, n),
+        x.new_empty(batch, n_chunks(length, backend), heads, headdim, n),
+    )
+
+
+def _backward(
+    backend: str, tensors: list[Opt], consts: list[object], checkpoints: Tensor,
+    grad_out: Tensor, grad_final: Tensor,
+) -> list[Tensor]:  # fmt: skip
+    """The 8 gradients of canonical.py's backward; ``grad_final`` with no rows stands
+    for zeros (the C kernel then reads none)."""
+    backward = ROW.backends[backend].backward
+    assert backward is not None
+    x, cu_seqlens = tensors[0], tensors[-1]
+    assert x is not None
+    if backend != "cpu" and grad_final.shape[0] != _states(x, cu_seqlens):
+        grad_final = grad_final.new_zeros(_states(x, cu_seqlens), *grad_final.shape[1:])
+    grads: list[Tensor] = backward(*tensors, checkpoints, grad_out, grad_final)
+    return grads
+
+
+def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
+    x, B = tensors[0], tensors[3]
+    return x.new_empty(0, x.shape[2], x.shape[3], B.shape[-1])  # no rows: zeros
+
+
+def _torch_forward(operands: tuple[Opt, ...], consts: tuple[object, ...]) -> tuple[Tensor, Tensor]:
+    out, final, _ = reference.forward_torch(*operands)
+    return out, final if consts[0] else final[:0]
+
+
+# apply(x, dt, A, B, C, D, z, initial, cu_seqlens, want_final, backend) -> (out, final):
+# canonical operands on a concrete backend, differentiable; ``final`` has no rows
+# without ``want_final``.
+apply = checkpointed_scan(
+    CheckpointedScan(
+        public="parascan.ssd_scan",
+        name="ssd_scan",
+        tensors="Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
+        "Tensor? initial, Tensor? cu_seqlens",
+        consts="bool want_final",
+        grads=8,
+        forward=_forward,
+        forward_shapes=_shapes,
+        backward=_backward,
+        zero_final=_zero_final,
+        torch_forward=_torch_forward,
+    )
+)

@@ -1,0 +1,405 @@
+/* The SSD scan's CPU kernel (Mamba-2's scan), forward and fused backward, float32 and
+ * float64. The ABI is in abi.h (ps_ssd_args), the contract and the math in
+ * ssd/canonical.py.
+ *
+ * Summary of algorithm.
+ *   Each (batch row, head) is an independent scan of a (headdim, N) state with one
+ *   scalar decay a[t] = exp(dt[t] A) per step. The kernel runs the recurrence itself,
+ *   step by step, with the head's state held in L1 (64 x 64 floats: 16 KiB), stored
+ *   transposed (hT[n][p]) so that every operation of a step is a vector over headdim
+ *   times a broadcast scalar of B[t] or C[t]:
+ *       hT[n] = a hT[n] + (dt x) B[t, n],   y += hT[n] C[t, n]     for n < N
+ *   The forward keeps the decays out of the state where it can (the state held as
+ *   h / scale, scale the product of the decays since it was last true, cpu_kernel.h,
+ *   ps_ssd_fwd_task): a step is then hT[n] += (dt x / scale) B[t, n] and y is scale
+ *   times the sum, two fused multiply-adds per state element instead of a multiply
+ *   and two, and steps go two in one pass over the state; the scale is folded back
+ *   (a full step) before each checkpoint, at each sequence's end and wherever it
+ *   would leave [SCALE_LO, SCALE_HI]. Vectors of dt x and y are kept in registers,
+ *   no lane sums. The rest of a step (dt x, D x, the silu(z) gate, and in the
+ *   backward the rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector
+ *   code too,
+ *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
+ *   per step and head (the decay) is all that is left scalar. Work units are (batch
+ *   row, head) pairs (split further along headdim when
+ *   there are fewer pairs than threads: rows of the state never interact); the
+ *   backward hands its units to threads one at a time, since a unit's cost grows with
+ *   its decays. The state entering every K-th step is stored as its checkpoint.
+ *   Packed sequences are walked
+ *   one after the other inside a unit: the state is reloaded from that sequence's
+ *   initial state (or zeros) at its first step and stored as its final state after
+ *   its last, so none crosses a boundary.
+ *
+ * Why the sequential recurrence and not the chunked (state-space duality) form.
+ *   The chunked form turns a chunk of Q steps into matrix products: C B^T (Q x Q x N),
+ *   its masked decays times x (Q x Q x headdim) and the chunk's state update and
+ *   output (2 Q N headdim), about (Q / 2) (N + headdim) + 2 N headdim multiply-adds a
+ *   step and head against the recurrence's 2 N headdim: at Q = 64 and N = headdim = 64
+ *   1.5 times the work, plus the decay matrices' exps and the intermediate (Q, Q)
+ *   tensors that go through memory. On a CPU the recurrence is not latency bound
+ *   here (the N headdim lanes of a step are independent, thousands of them), so it
+ *   runs at the vector units' multiply-add rate like a matrix product does, with
+ *   its state never leaving L1. Measured on two shared (loaded) Sapphire Rapids
+ *   cores at (1, L, 24 heads, 64, N 64), float32, against torch.bmm doing the
+ *   recurrence's 2 N headdim multiply-adds a step: forward 1.2x (L 512) and 1.8x
+ *   (L 4096) of that time, 5-10x faster than the chunked torch backend (forward
+ *   and backward 5-15x); with bmm on an idle moment (1.2 ms at L 512) the forward
+ *   is several times its limit, so the figures are bounds of a noisy machine. The
+ *   chunked form wins where the matrix units are much faster
+ *   than the vector ones (GPUs' tensor cores: the triton backend) or where N and
+ *   headdim are so small that a step's state does not fill the vectors.
+ *
+ *   The backward walks the chunks from last to first per unit. A chunk's states are
+ *   rebuilt from its checkpoint one at a time in place (pass 1, forward: grad_C,
+ *   grad_z), then the adjoint recurrence runs backwards (pass 2):
+ *       G[t] = a[t+1] G[t+1] + gy[t] (outer) C[t]    (G at a sequence's last step:
+ *                                                     its grad_final)
+ *       grad_B[t] = sum_p G[t] u[t],  grad_u[t] = G[t] B[t],  grad_a[t] = <G[t], h[t-1]>
+ *   where grad_a comes from the per-step sums <C, grad_C> and <B, grad_B> instead of a
+ *   multiply-add per state element (cpu_kernel.h, ps_ssd_bwd_chunk), so pass 2 reads no
+ *   state: only the few steps where that difference would cancel keep theirs. A
+ *   sequence's first step leaves a[t] G[t], its grad_initial. The sums over
+ *   headdim (grad_B, grad_C) take vector lanes: W rows are summed at once by a tree
+ *   of shuffles. grad_B and grad_C are kept per head for a span of chunks (at most
+ *   PS_SSD_PARTIAL_BYTES), then summed over each group's heads in head order; A's and
+ *   D's gradients are per unit, then summed over the batch in batch order: the same
+ *   bits for any number of threads. No buffer holds a (batch, L, heads, headdim, N)
+ *   tensor: at most one chunk of states per thread, the adjoint state per unit.
+ *
+ *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
+ *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the
+ *   CPU picks at run time (args.simd = 0 forces the baseline, for tests). The
+ *   instruction sets round differently (fused or not): results agree to rounding,
+ *   not bit for bit.
+ */
+#include "common.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The backward's per-head sums of grad_B and grad_C over a span of chunks, at most. */
+#define PS_SSD_PARTIAL_BYTES (INT64_C(1) << 24)
+
+/* 64-byte aligned memory, the size rounded up as aligned_alloc requires. */
+static void *ps_ssd_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+static int ps_ssd_check(const ps_ssd_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->heads < 0 || a->headdim < 0 || a->nstate < 0 ||
+        a->chunk < 1 || a->groups < 1 || a->heads % a->groups != 0)
+        return -1;
+    if (a->cu_seqlens) {
+        if (a->batch != 1 || a->nseq < 0 || a->cu_seqlens[0] != 0 ||
+            a->cu_seqlens[a->nseq] != a->length)
+            return -1;
+        for (int64_t s = 0; s < a->nseq; ++s)
+            if (a->cu_seqlens[s + 1] < a->cu_seqlens[s]) return -1;
+    }
+    const int64_t steps = a->batch * a->length * a->heads;
+    const int64_t elems = steps * a->headdim;
+    const int64_t bc = a->batch * a->length * a->groups * a->nstate;
+    if ((elems && !a->x) || (steps && !a->dt) || (a->heads && !a->A) || (bc && (!a->B || !a->C)))
+        return -1;
+    if (!backward)
+        return (elems && !a->out) || (steps * a->nstate * a->headdim != 0 && !a->checkpoints)
+                   ? -1
+                   : 0;
+    return (elems && (!a->grad_out || !a->grad_x || (a->z && !a->grad_z))) ||
+                   (steps && !a->grad_dt) ||
+                   (a->heads && !a->grad_A) || (bc && (!a->grad_B || !a->grad_C)) ||
+                   (a->D && a->heads * a->headdim != 0 && !a->grad_D) ||
+                   (steps * a->nstate * a->headdim != 0 && !a->checkpoints)
+               ? -1
+               : 0;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PS_SSD_X86 1
+#define PS_SSD_V4 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+#define PS_SSD_V3 __attribute__((target("arch=x86-64-v3"), optimize("fp-contract=fast")))
+#else
+#define PS_SSD_X86 0
+#endif
+
+/* ---- float32 ---------------------------------------------------------------------- */
+#define T float
+#define EXP expf
+#define LO (-80.0f)
+#define SCALE_LO 0x1p-30f /* the forward's scaled state (cpu_kernel.h, ps_ssd_fwd_task) */
+#define SCALE_HI 0x1p30f
+#define SFX f32
+/* the vector exp's constants (see ps_ssd_vexp): results of at least 2^-125 */
+#define PS_SSD_EXP_LO -86.9f
+#define PS_SSD_EXP_HI 88.7228317f
+#define PS_SSD_ROUND 12582912.0f /* 1.5 2^23 */
+#define PS_SSD_LOG2E 1.44269504088896341f
+#define PS_SSD_LN2_HI 0.693359375f /* 9 bits: times k (8 bits) is exact */
+#define PS_SSD_LN2_LO -2.12194440e-4f
+#define PS_SSD_MANT 23
+/* a near-minimax fit of (exp(r) - 1 - r) / r^2 on |r| <= 0.3467: relative error 8e-9 */
+#define PS_SSD_EXP_POLY(r, r2)                                                            \
+    ((T)1 + ((r) + (r2) * (0.5f + (r) * (0.166665769f + (r) * (0.0416665545f +              \
+                                   (r) * (0.00836319488f + (r) * 0.00139262034f))))))
+
+#if PS_SSD_X86
+typedef float ps_ssd_v16f __attribute__((vector_size(64)));
+typedef int32_t ps_ssd_v16i __attribute__((vector_size(64)));
+#define V ps_ssd_v16f
+typedef uint32_t ps_ssd_v16iu __attribute__((vector_size(64)));
+#define VI ps_ssd_v16i
+#define VU ps_ssd_v16iu
+#define W 16
+#define PB 4
+#define ATTR PS_SSD_V4
+#define F(name) name##_f32_v4
+#include "cpu_kernel.h"
+#include "cpu_layer.h"
+#undef V
+#undef VI
+#undef VU
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+typedef float ps_ssd_v8f __attribute__((vector_size(32)));
+typedef int32_t ps_ssd_v8i __attribute__((vector_size(32)));
+#define V ps_ssd_v8f
+typedef uint32_t ps_ssd_v8iu __attribute__((vector_size(32)));
+#define VI ps_ssd_v8i
+#define VU ps_ssd_v8iu
+#define W 8
+#define PB 3
+#define ATTR PS_SSD_V3
+#define F(name) name##_f32_v3
+#include "cpu_kernel.h"
+#include "cpu_layer.h"
+#undef V
+#undef VI
+#undef VU
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#endif
+typedef float ps_ssd_v4f __attribute__((vector_size(16)));
+typedef int32_t ps_ssd_v4i __attribute__((vector_size(16)));
+#define V ps_ssd_v4f
+typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
+#define VI ps_ssd_v4i
+#define VU ps_ssd_v4iu
+#define W 4
+#define PB 4
+#define ATTR
+#define F(name) name##_f32_base
+#include "cpu_kernel.h"
+#include "cpu_layer.h"
+#undef V
+#undef VI
+#undef VU
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#undef T
+#undef EXP
+#undef LO
+#undef SCALE_LO
+#undef SCALE_HI
+#undef SFX
+#undef PS_SSD_EXP_LO
+#undef PS_SSD_EXP_HI
+#undef PS_SSD_ROUND
+#undef PS_SSD_LOG2E
+#undef PS_SSD_LN2_HI
+#undef PS_SSD_LN2_LO
+#undef PS_SSD_MANT
+#undef PS_SSD_EXP_POLY
+
+/* ---- float64 ---------------------------------------------------------------------- */
+#define T double
+#define EXP exp
+#define LO (-700.0)
+#define SCALE_LO 0x1p-200
+#define SCALE_HI 0x1p200
+#define SFX f64
+/* the vector exp's constants: results of at least 2^-1021 */
+#define PS_SSD_EXP_LO -708.0
+#define PS_SSD_EXP_HI 709.782712893384
+#define PS_SSD_ROUND 6755399441055744.0 /* 1.5 2^52 */
+#define PS_SSD_LOG2E 1.4426950408889634
+#define PS_SSD_LN2_HI 6.93147180369123816490e-01 /* 32 bits: times k (11 bits) is exact */
+#define PS_SSD_LN2_LO 1.90821492927058770002e-10
+#define PS_SSD_MANT 52
+/* the same fit, degree 11: relative error 1.3e-17 */
+#define PS_SSD_EXP_POLY(r, r2)                                                            \
+    (1.0 + ((r) + (r2) * (0.5000000000000001 + (r) * (0.16666666666666667 +               \
+        (r) * (0.041666666666624038 + (r) * (0.0083333333333300549 +                      \
+        (r) * (0.0013888888917258758 + (r) * (0.00019841269863088254 +                    \
+        (r) * (2.4801521225986432e-05 + (r) * (2.7557268406190795e-06 +                   \
+        (r) * (2.7620121717381935e-07 + (r) * 2.5100411082014901e-08)))))))))))
+
+#if PS_SSD_X86
+typedef double ps_ssd_v8d __attribute__((vector_size(64)));
+typedef int64_t ps_ssd_v8l __attribute__((vector_size(64)));
+#define V ps_ssd_v8d
+typedef uint64_t ps_ssd_v8lu __attribute__((vector_size(64)));
+#define VI ps_ssd_v8l
+#define VU ps_ssd_v8lu
+#define W 8
+#define PB 4
+#define ATTR PS_SSD_V4
+#define F(name) name##_f64_v4
+#include "cpu_kernel.h"
+#include "cpu_layer.h"
+#undef V
+#undef VI
+#undef VU
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+typedef double ps_ssd_v4d __attribute__((vector_size(32)));
+typedef int64_t ps_ssd_v4l __attribute__((vector_size(32)));
+#define V ps_ssd_v4d
+typedef uint64_t ps_ssd_v4lu __attribute__((vector_size(32)));
+#define VI ps_ssd_v4l
+#define VU ps_ssd_v4lu
+#define W 4
+#define PB 3
+#define ATTR PS_SSD_V3
+#define F(name) name##_f64_v3
+#include "cpu_kernel.h"
+#include "cpu_layer.h"
+#undef V
+#undef VI
+#undef VU
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#endif
+typedef double ps_ssd_v2d __attribute__((vector_size(16)));
+typedef int64_t ps_ssd_v2l __attribute__((vector_size(16)));
+#define V ps_ssd_v2d
+typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
+#define VI ps_ssd_v2l
+#define VU ps_ssd_v2lu
+#define W 2
+#define PB 4
+#define ATTR
+#define F(name) name##_f64_base
+#include "cpu_kernel.h"
+#include "cpu_layer.h"
+#undef V
+#undef VI
+#undef VU
+#undef W
+#undef PB
+#undef ATTR
+#undef F
+#undef T
+#undef EXP
+#undef LO
+#undef SCALE_LO
+#undef SCALE_HI
+#undef SFX
+#undef PS_SSD_EXP_LO
+#undef PS_SSD_EXP_HI
+#undef PS_SSD_ROUND
+#undef PS_SSD_LOG2E
+#undef PS_SSD_LN2_HI
+#undef PS_SSD_LN2_LO
+#undef PS_SSD_MANT
+#undef PS_SSD_EXP_POLY
+
+/* ---- entry points ----------------------------------------------------------------- */
+
+/* 2: x86-64-v4, 1: x86-64-v3, 0: the baseline (always when simd is 0). */
+static int ps_ssd_isa_of(int64_t simd) {
+#if PS_SSD_X86
+    if (!simd) return 0;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return 2;
+    if (__builtin_cpu_supports("x86-64-v3")) return 1;
+#else
+    (void)simd;
+#endif
+    return 0;
+}
+#define ps_ssd_isa(a) ps_ssd_isa_of((a)->simd)
+
+#if PS_SSD_X86
+#define PS_SSD_DISPATCH(fn, sfx, a)                                     \
+    switch (ps_ssd_isa(a)) {                                            \
+    case 2: return fn##_##sfx##_v4(a);                                  \
+    case 1: return fn##_##sfx##_v3(a);                                  \
+    default: return fn##_##sfx##_base(a);                              \
+    }
+#else
+#define PS_SSD_DISPATCH(fn, sfx, a) return fn##_##sfx##_base(a);
+#endif
+
+PS_API int ps_ssd_fwd_f32(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 0)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_fwd, f32, a)
+}
+PS_API int ps_ssd_fwd_f64(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 0)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_fwd, f64, a)
+}
+PS_API int ps_ssd_bwd_f32(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 1)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_bwd, f32, a)
+}
+PS_API int ps_ssd_bwd_f64(ps_ssd_args *a) {
+    if (ps_ssd_check(a, 1)) return -1;
+    a->failed = 0;
+    PS_SSD_DISPATCH(ps_ssd_bwd, f64, a)
+}
+
+/* The layer's convolution and gated norm (cpu_layer.h). */
+static int ps_ssd_conv_check(const ps_ssd_conv_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->channels < 0 || a->width < 1 ||
+        a->width > PS_SSD_CONV_MAX_WIDTH || a->split[0] < 0 || a->split[1] < 0 ||
+        a->split[2] < 0 || a->split[0] + a->split[1] + a->split[2] != a->channels)
+        return -1;
+    const int64_t rows = a->batch * a->length;
+    if (rows * a->channels != 0 && !a->x) return -1;
+    if (a->channels && !a->weight) return -1;
+    for (int p = 0; p < 3; ++p)
+        if (rows * a->split[p] != 0 && !(backward ? a->grad_out[p] : a->out[p])) return -1;
+    if (backward && ((rows * a->channels != 0 && !a->grad_x) || (a->channels && !a->grad_weight) ||
+                     (a->channels && a->bias && !a->grad_bias)))
+        return -1;
+    return 0;
+}
+
+static int ps_ssd_norm_check(const ps_ssd_norm_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->dim < 1 || a->groups < 1 || a->dim % a->groups)
+        return -1; /* dim 0: no norm (its rows' rstd would be 0 / 0) */
+    const int64_t elems = a->batch * a->length * a->dim;
+    if (elems && (!a->y || !a->z || !a->rstd)) return -1;
+    if (a->dim && !a->weight) return -1;
+    if (!backward) return elems && !a->out ? -1 : 0;
+    return (elems && (!a->grad_out || !a->grad_y || !a->grad_z)) || (a->dim && !a->grad_weight)
+               ? -1
+               : 0;
+}
+
+#define PS_SSD_LAYER_ENTRY(name, check, backward, sfx, args_t)  \
+    PS_API int name##_##sfx(args_t *a) {                          \
+        if (check(a, backward)) return -1;                        \
+        a->failed = 0;                                            \
+        PS_SSD_DISPATCH(name, sfx, a)                             \
+    }
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f32, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f64, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f32, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f64, ps_ssd_conv_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f32, ps_ssd_norm_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f64, ps_ssd_norm_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f32, ps_ssd_norm_args)
+PS_SSD_LAYER_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f64, ps_ssd_norm_args)

@@ -1,0 +1,180 @@
+"""The ``cpu`` backend of the SSD scan: ctypes bindings to ssd.c.
+
+Both functions take the canonical operands of ssd_canonical.py and return new
+contiguous tensors. The kernel reads contiguous operands only: any other strides are
+copied here first (one pass over an input, small next to the scan's N multiply-adds
+per element). It runs on torch's thread count (``torch.get_num_threads()``) and gives
+the same bits with any count.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from parascan._native.bindings import ARG_FIELDS, ARG_STRUCTS, check_operands, kernel
+from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks
+
+__all__ = ["backward", "forward"]
+
+_K = CHECKPOINT_STEPS["cpu"]
+_FN = "parascan.ssd_scan"
+_FIELDS = {name: i for i, name in enumerate(ARG_FIELDS["ssd"])}
+
+Opt = Tensor | None
+
+# Tests set this to False to run the portable build of the kernel (no AVX2/AVX-512).
+SIMD = True
+
+
+def _flat(t: Opt) -> Opt:
+    """An optional operand as _dense makes it; None stays None."""
+    return None if t is None else _dense(t)
+
+
+def _dense(t: Tensor) -> Tensor:
+    """A required operand contiguous, with any lazy conjugate or negative bit applied."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def _ptr(t: Opt) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _cu(cu_seqlens: Opt, length: int) -> Opt:
+    """``cu_seqlens`` as the kernel reads it (a contiguous int64 CPU vector), checked
+    (in Python on its values: a handful of tensor ops cost more than the list here)."""
+    if cu_seqlens is None:
+        return None
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    values = cu.tolist() if cu.dim() == 1 else []
+    if (
+        not values
+        or values[0] != 0
+        or values[-1] != length
+        or any(hi < lo for lo, hi in itertools.pairwise(values))
+    ):
+        raise ValueError(
+            f"{_FN}: expected cu_seqlens to be non-decreasing offsets from 0 to L = {length}, "
+            f"but got {cu.tolist()}"
+        )
+    return cu
+
+
+class _Operands:
+    """The canonical operands made contiguous and checked by the guard, with the
+    struct's members they fill (the tensors are held here while the kernel runs)."""
+
+    def __init__(
+        self, entry: str, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt,
+        z: Opt, initial: Opt, cu_seqlens: Opt,
+    ) -> None:  # fmt: skip
+        x, dt, A, B, C = (_dense(t) for t in (x, dt, A, B, C))
+        D, z, initial = _flat(D), _flat(z), _flat(initial)
+        if x.dim() != 4 or B.dim() != 4:
+            raise RuntimeError(
+                f"parascan: internal error: the {entry} CPU kernel takes x (batch, L, heads, "
+                f"headdim) and B (batch, L, groups, N), but was handed x {tuple(x.shape)} "
+                f"and B {tuple(B.shape)}"
+            )
+        batch, length, heads, headdim = x.shape
+        groups, n = B.shape[2], B.shape[3]
+        self.cu = _cu(cu_seqlens, length)
+        self.states = batch if self.cu is None else self.cu.numel() - 1
+        self.dtype = x.dtype
+        self.shape = (batch, length, heads, headdim, groups, n)
+        check_operands(
+            entry, x.dtype, (x, tuple(x.shape)), (dt, (batch, length, heads)), (A, (heads,)),
+            (B, (batch, length, groups, n)), (C, (batch, length, groups, n)),
+            (D, (heads, headdim)), (z, (batch, length, heads, headdim)),
+            (initial, (self.states, heads, headdim, n)),
+        )  # fmt: skip
+        if groups < 1 or heads % groups != 0 or (self.cu is not None and batch != 1):
+            raise RuntimeError(
+                f"parascan: internal error: the {entry} CPU kernel got {heads} heads in "
+                f"{groups} groups, batch {batch}, packed {self.cu is not None}"
+            )
+        self.x, self.dt, self.A, self.B, self.C = x, dt, A, B, C
+        self.D, self.z, self.initial = D, z, initial
+        self.state_shape = (self.states, heads, headdim, n)
+        self.checkpoint_shape = (batch, n_chunks(length, "cpu"), heads, headdim, n)
+
+    def args(self, **tensors: Opt) -> object:
+        batch, length, heads, headdim, groups, n = self.shape
+        values = [0] * len(_FIELDS)
+        plain = {
+            "batch": batch, "length": length, "heads": heads, "headdim": headdim,
+            "groups": groups, "nstate": n, "chunk": _K,
+            "nseq": 0 if self.cu is None else self.cu.numel() - 1,
+            "nthreads": torch.get_num_threads(), "simd": int(SIMD),
+        }  # fmt: skip
+        for name, value in plain.items():
+            values[_FIELDS[name]] = value
+        operands = {
+            "cu_seqlens": self.cu, "x": self.x, "dt": self.dt, "A": self.A, "B": self.B,
+            "C": self.C, "D": self.D, "z": self.z, "initial": self.initial, **tensors,
+        }  # fmt: skip
+        for name, t in operands.items():
+            values[_FIELDS[name]] = _ptr(t)
+        if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
+            values[_FIELDS["cu_seqlens"]] = self.cu.data_ptr()
+        return ARG_STRUCTS["ssd"](*values)
+
+    def run(self, entry: str, args: object) -> None:
+        if kernel(entry, self.dtype)(args) != 0:
+            raise RuntimeError(
+                f"parascan: the {entry} CPU kernel failed (out of memory?) on x "
+                f"{tuple(self.x.shape)}, B {tuple(self.B.shape)}"
+            )
+
+
+def forward(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, want_final: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The SSD scan of canonical operands (ssd_canonical.py): ``(out, final,
+    checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps. Without
+    ``want_final`` the kernel stores no final state and ``final`` has no rows."""
+    ops = _Operands("ssd_fwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
+    out = torch.empty(ops.x.shape, dtype=ops.dtype)
+    rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
+    final = torch.empty(rows, dtype=ops.dtype)
+    checkpoints = torch.empty(ops.checkpoint_shape, dtype=ops.dtype)
+    ops.run("ssd_fwd", ops.args(out=out, final=final, checkpoints=checkpoints))
+    return out, final, checkpoints
+
+
+def backward(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
+    cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of ``x, dt, A, B, C, D, z, initial`` (ssd_canonical.py; EMPTY for
+    an absent operand) from the forward's ``checkpoints``, ``grad_out`` and
+    ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
+    ops = _Operands("ssd_bwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
+    checkpoints, grad_out, grad_final = (_dense(t) for t in (checkpoints, grad_out, grad_final))
+    finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
+    check_operands(
+        "ssd_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),
+        (grad_out, tuple(ops.x.shape)), (grad_final, finals),
+    )  # fmt: skip
+    grads = {
+        "grad_x": torch.empty_like(ops.x),
+        "grad_dt": torch.empty_like(ops.dt),
+        "grad_A": torch.empty_like(ops.A),
+        "grad_B": torch.empty_like(ops.B),
+        "grad_C": torch.empty_like(ops.C),
+        "grad_D": None if ops.D is None else torch.empty_like(ops.D),
+        "grad_z": None if ops.z is None else torch.empty_like(ops.z),
+        "grad_initial": None if ops.initial is None else torch.empty(ops.state_shape,
+                                                                     dtype=ops.dtype),
+    }  # fmt: skip
+    ops.run(
+        "ssd_bwd",
+        ops.args(checkpoints=checkpoints, grad_out=grad_out, grad_final=grad_final, **grads),
+    )
+    del checkpoints, grad_out, grad_final  # held until the kernel returned
+    g = [EMPTY(ops.x) if t is None else t for t in grads.values()]
+    return g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]

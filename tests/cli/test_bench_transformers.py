@@ -1,0 +1,64 @@
+"""parascan.cli.bench_transformers: the end-to-end table runs on a small model, checks
+that patched and unpatched agree, and leaves transformers unpatched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from parascan.cli import bench_transformers
+from parascan.integrations import transformers as integration
+
+
+def test_quick_run_gives_a_checked_row_per_workload() -> None:
+    lines: list[str] = []
+    rows = bench_transformers.run(
+        quick=True, tokens=16, new_tokens=3, repeat=1, progress=lines.append
+    )
+    assert [r.name for r in rows] == ["forward, 16 tokens", "train step, 16 tokens",
+                                      "generate 3 tokens"]  # fmt: skip
+    for r in rows:
+        assert r.correct, r
+        assert r.speedup == pytest.approx(r.unpatched_s / r.patched_s)
+        assert r.unpatched_s > 0 and r.patched_s > 0
+    assert len(lines) == 6
+    table = bench_transformers.format_rows(rows)
+    assert "transformers" in table and "train step, 16 tokens" in table
+    assert integration.patched() == []
+
+
+def test_quick_mamba2_run() -> None:
+    rows = bench_transformers.run(quick=True, tokens=20, new_tokens=2, repeat=1,
+                                  model_name="mamba2")  # fmt: skip
+    assert len(rows) == 3 and all(r.correct for r in rows), rows
+    assert bench_transformers.format_rows(rows, "mamba2").startswith("Mamba2ForCausalLM on")
+    assert integration.patched() == []
+    with pytest.raises(ValueError, match="expected model 'mamba' or 'mamba2'"):
+        bench_transformers.run(quick=True, model_name="mamba3")
+
+
+def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:
+    real = integration.selective_scan
+
+    def off_by_a_little(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (out[0] * 1.01, *out[1:])
+        return out * 1.01
+
+    family = integration._MAMBA1
+    functions = tuple(
+        dataclasses.replace(f, replacement=off_by_a_little)
+        if f.name == "mamba_selective_scan" else f
+        for f in family.functions
+    )  # fmt: skip
+    monkeypatch.setattr(
+        integration, "_FAMILIES", (dataclasses.replace(family, functions=functions),)
+    )
+    rows = bench_transformers.run(quick=True, tokens=8, new_tokens=2, repeat=1)
+    forward = rows[0]
+    assert not forward.correct and forward.speedup is None
+    assert "WRONG" in bench_transformers.format_rows(rows)

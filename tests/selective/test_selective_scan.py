@@ -1,0 +1,596 @@
+"""ps.selective_scan and ps.selective_state_update against the float64 loop
+(oracles.selective_loop), on every backend of the selective scan's row."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import parascan as ps
+from parascan.selective import autograd as ops
+from parascan.selective.canonical import CHECKPOINT_STEPS
+
+from conftest import DTYPES, assert_matches, targets
+from harness import forward_mode_checks
+from oracles import selective_loop
+
+# The backends of the selective scan's row that run here (the Triton interpreter on
+# tiny shapes only: see test_selective_triton.py for its own cases).
+TARGETS = [t for t in targets(interpreter=False) if t.backend in ops.ROW.backends]
+IDS = [str(t) for t in TARGETS]
+# Lengths around every backend's checkpoint interval, and the edge cases.
+CHUNKS = sorted(set(CHECKPOINT_STEPS.values()))
+LENGTHS = sorted({0, 1, 2, 3, 17, 1031, *(k + d for k in CHUNKS for d in (-1, 0, 1))})
+FORMS = ("invariant", "shared", "grouped")
+
+
+def _bc(form: str, batch: int, dim: int, n: int, length: int, gen: torch.Generator,
+        complex_: bool = False) -> torch.Tensor:  # fmt: skip
+    shape = {
+        "invariant": (dim, n), "shared": (batch, n, length), "grouped": (batch, 3, n, length)
+    }[form]  # fmt: skip
+    m = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if complex_:
+        m = torch.complex(m, torch.randn(shape, generator=gen, dtype=torch.float64))
+    return m
+
+
+def _problem(
+    gen: torch.Generator, batch: int = 2, dim: int = 6, n: int = 3, length: int = 20,
+    b_form: str = "shared", c_form: str = "shared", extras: bool = True,
+    complex_a: bool = False, complex_bc: bool = False,
+) -> dict[str, torch.Tensor | bool | None]:  # fmt: skip
+    """A float64 problem; dim is a multiple of 3 (the grouped form's G)."""
+    f64 = torch.float64
+    a = -0.5 - torch.rand(dim, n, generator=gen, dtype=f64)
+    if complex_a:
+        a = torch.complex(a, torch.randn(dim, n, generator=gen, dtype=f64))
+    p: dict[str, torch.Tensor | bool | None] = {
+        "u": torch.randn(batch, dim, length, generator=gen, dtype=f64),
+        "delta": torch.rand(batch, dim, length, generator=gen, dtype=f64) - 0.5,
+        "A": a,
+        "B": _bc(b_form, batch, dim, n, length, gen, complex_bc),
+        "C": _bc(c_form, batch, dim, n, length, gen, complex_bc),
+        "D": None, "z": None, "delta_bias": None, "delta_softplus": False, "initial": None,
+    }  # fmt: skip
+    if extras:
+        p["D"] = torch.randn(dim, generator=gen, dtype=f64)
+        p["z"] = torch.randn(batch, dim, length, generator=gen, dtype=f64)
+        p["delta_bias"] = torch.randn(dim, generator=gen, dtype=f64) * 0.5
+        p["delta_softplus"] = True
+        p["initial"] = torch.randn(batch, dim, n, generator=gen, dtype=a.dtype)
+    return p
+
+
+def _cast(p: dict, dtype: torch.dtype, device: str) -> dict:
+    """The problem's inputs in ``dtype`` on ``device``; A and the initial state (and
+    complex operands) in the state's precision: float32 for the half types."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    out = {}
+    for k, v in p.items():
+        if isinstance(v, torch.Tensor):
+            if v.is_complex():
+                v = v.to(torch.complex128 if wide == torch.float64 else torch.complex64)
+            else:
+                v = v.to(wide if k in ("A", "initial") else dtype)
+            v = v.to(device)
+        out[k] = v
+    return out
+
+
+def _run(p: dict, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q = dict(p)
+    initial = q.pop("initial")
+    return ps.selective_scan(**q, initial=initial, return_final=True, backend=backend)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_lengths_against_loop(where, gen, length):
+    p = _problem(gen, length=length, b_form="grouped", c_form="shared")
+    want_out, want_final = selective_loop(**p)
+    out, final = _run(_cast(p, torch.float32, where.device), where.backend)
+    assert out.dtype == torch.float32 and final.dtype == torch.float32
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize(("b_form", "c_form"), list(itertools.product(FORMS, FORMS)))
+@pytest.mark.parametrize("extras", [False, True])
+def test_forms_against_loop(where, gen, b_form, c_form, extras):
+    p = _problem(gen, length=CHUNKS[0] + 3, b_form=b_form, c_form=c_form, extras=extras)
+    want_out, want_final = selective_loop(**p)
+    out, final = _run(_cast(p, torch.float32, where.device), where.backend)
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("complex_bc", [False, True])
+def test_complex_a_against_loop(where, gen, complex_bc):
+    p = _problem(gen, length=CHUNKS[0] + 1, b_form="invariant", c_form="grouped",
+                 complex_a=True, complex_bc=complex_bc)  # fmt: skip
+    want_out, want_final = selective_loop(**p)
+    out, final = _run(_cast(p, torch.float32, where.device), where.backend)
+    assert out.dtype == torch.float32 and final.dtype == torch.complex64
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.complex64)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not d.is_complex])
+def test_dtypes(where, gen, dtype):
+    """Inputs of every float dtype; the state and sums in float32 (float64 for float64):
+    the reference runs on the same rounded inputs."""
+    p = _cast(_problem(gen, length=33), dtype, where.device)
+    want_out, want_final = selective_loop(**_cast(p, torch.float64, "cpu"))
+    out, final = _run(p, where.backend)
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.dtype == dtype and final.dtype == state
+    # the output is rounded to the input dtype; the sums are at least float32
+    assert_matches(out, want_out, dtype if dtype != torch.float16 else torch.float16)
+    assert_matches(final, want_final, state)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_non_contiguous_inputs(where, gen):
+    p = _cast(_problem(gen, length=40, b_form="grouped", c_form="invariant"), torch.float32,
+              where.device)  # fmt: skip
+    q = dict(p)
+    for k in ("u", "delta", "z"):
+        q[k] = p[k].transpose(0, 2).contiguous().transpose(0, 2)  # batch-innermost strides
+    q["B"] = p["B"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    q["C"] = p["C"].t().contiguous().t()
+    q["A"] = p["A"].t().contiguous().t()
+    q["D"] = torch.stack([p["D"], p["D"]], 1)[:, 0]
+    assert not q["u"].is_contiguous() and not q["B"].is_contiguous()
+    want_out, want_final = selective_loop(**_cast(p, torch.float64, "cpu"))
+    out, final = _run(q, where.backend)
+    assert_matches(out, want_out, torch.float32)
+    assert_matches(final, want_final, torch.float32)
+
+
+def _grads(p: dict, fn, use: tuple[str, ...] = ("out", "final")) -> dict[str, torch.Tensor]:
+    """The gradients of a weighted sum of the outputs named in ``use``."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in p.items()
+              if isinstance(v, torch.Tensor)}  # fmt: skip
+    q = {**p, **leaves}
+    out, final = fn(q)
+    gen = torch.Generator().manual_seed(7)
+    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    w_fin = torch.randn(final.shape, generator=gen, dtype=torch.float64).to(final.dtype)
+    loss = 0
+    if "out" in use:
+        loss = loss + (out * w_out).sum()
+    if "final" in use:
+        loss = loss + (final * w_fin.conj()).real.sum()
+    loss.backward()
+    return {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize(
+    ("b_form", "c_form", "complex_a", "complex_bc"),
+    [("grouped", "shared", False, False), ("invariant", "grouped", False, False),
+     ("shared", "invariant", True, False), ("grouped", "shared", True, True)],
+)  # fmt: skip
+def test_gradients_against_loop(where, gen, b_form, c_form, complex_a, complex_bc):
+    """The gradient of every input (including the final state's) against autograd
+    through the float64 loop."""
+    p = _problem(gen, length=CHUNKS[0] + 5, b_form=b_form, c_form=c_form,
+                 complex_a=complex_a, complex_bc=complex_bc)  # fmt: skip
+    want = _grads(p, lambda q: selective_loop(**q))
+    got = _grads(_cast(p, torch.float32, where.device), lambda q: _run(q, where.backend))
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] is not None, k
+        assert_matches(got[k], want[k], torch.complex64 if want[k].is_complex() else torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("use", ["out", "final"])
+def test_gradients_of_one_output_alone(where, gen, use):
+    """A loss of only out, or only the final state: the other output's gradient never
+    arrives (no zeros are materialized for it) and the gradients still match the loop's."""
+    p = _problem(gen, length=CHUNKS[0] + 5, b_form="grouped", c_form="shared")
+    want = _grads(p, lambda q: selective_loop(**q), (use,))
+    got = _grads(_cast(p, torch.float32, where.device), lambda q: _run(q, where.backend), (use,))
+    for k in want:
+        assert_matches(got[k], want[k], torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("complex_a", [False, True])
+def test_gradients_of_an_empty_scan(where, gen, complex_a):
+    """L = 0 with an initial state: the final state is the initial one, so d(initial) is
+    the final state's gradient and every other gradient is zero. Before, the loop and
+    torch backends handed that gradient back as d(initial) itself, an output aliasing
+    an input, which torch.library refuses: backward raised."""
+    p = _problem(gen, length=0, b_form="grouped", c_form="shared", complex_a=complex_a)
+    q = _cast(p, torch.float32, where.device)
+    leaves = {k: v.requires_grad_() for k, v in q.items() if isinstance(v, torch.Tensor)}
+    out, final = _run(q, where.backend)
+    assert out.shape == q["u"].shape
+    torch.testing.assert_close(final, q["initial"].detach())
+    seed = torch.randn(final.shape, generator=gen, dtype=torch.float64).to(final.dtype)
+    grads = torch.autograd.grad(final, list(leaves.values()), seed, allow_unused=True)
+    for (k, v), g in zip(leaves.items(), grads, strict=True):
+        want = seed if k == "initial" else torch.zeros_like(v)
+        torch.testing.assert_close(torch.zeros_like(v) if g is None else g, want.to(v.device))
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_gradcheck_float64(where, gen):
+    p = _problem(gen, batch=1, dim=3, n=2, length=CHUNKS[0] + 2, b_form="grouped",
+                 c_form="invariant")  # fmt: skip
+    p["B"] = p["B"][:, :3]
+    names = [k for k, v in p.items() if isinstance(v, torch.Tensor)]
+    inputs = tuple(p[k].requires_grad_() for k in names)
+
+    def fn(*ts):
+        q = {**p, **dict(zip(names, ts, strict=True))}
+        return _run(q, where.backend)
+
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_vmap_and_grad(where, gen):
+    p = _cast(_problem(gen, batch=1, length=30, extras=False), torch.float32, where.device)
+    us = torch.randn(4, *p["u"].shape, generator=gen).to(where.device)
+    As = -torch.rand(4, *p["A"].shape, generator=gen).to(where.device)
+
+    def f(u, A):
+        return ps.selective_scan(u, p["delta"], A, p["B"], p["C"], backend=where.backend)
+
+    got = torch.vmap(f)(us, As)
+    want = torch.stack([f(us[i], As[i]) for i in range(4)])
+    torch.testing.assert_close(got, want)
+    grad = torch.func.grad(lambda A: f(us[0], A).square().sum())(As[0])
+    A0 = As[0].clone().requires_grad_()
+    f(us[0], A0).square().sum().backward()
+    torch.testing.assert_close(grad, A0.grad)
+    per = torch.vmap(torch.func.grad(lambda u, A: f(u, A).sum()))(us, As)
+    assert per.shape == us.shape
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_dual_tensors_of_an_empty_scan(where, gen):
+    """L = 0 under torch.autograd.forward_ad: out has no steps and the final state is
+    the initial one, its tangent the initial's (an internal assert of torch before: an
+    output built from no dual had no tangent)."""
+    p = _cast(_problem(gen, length=0), torch.float64, where.device)
+    fwd = torch.autograd.forward_ad
+    t = torch.randn(p["initial"].shape, generator=gen, dtype=torch.float64)
+    with fwd.dual_level():
+        q = {**p, "initial": fwd.make_dual(p["initial"], t)}
+        out, final = _run(q, where.backend)
+        assert fwd.unpack_dual(out).tangent is None or not fwd.unpack_dual(out).tangent.numel()
+        torch.testing.assert_close(fwd.unpack_dual(final).tangent, t)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("complex_a", [False, True])
+def test_forward_mode_against_loop(where, gen, complex_a):
+    """torch.func.jvp, jacfwd and torch.autograd.forward_ad (the kernels have no
+    forward mode: the tangents come from the torch backend's forward under forward-mode
+    AD) against the float64 loop's, across a checkpoint boundary."""
+    p = _problem(gen, batch=2, dim=3, n=2, length=CHUNKS[0] + 3, b_form="grouped",
+                 c_form="shared", complex_a=complex_a)  # fmt: skip
+    forward_mode_checks(
+        lambda q: _run(q, where.backend), lambda q: selective_loop(**q), p, "u",
+        r"parascan\.selective_scan", gen,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_compile_fullgraph(where, gen):
+    p = _cast(_problem(gen, length=CHUNKS[0] + 1), torch.float32, where.device)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if isinstance(v, torch.Tensor)}
+
+    def f(q):
+        return _run(q, where.backend)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out, final = compiled({**p, **leaves})
+    want_out, _want_final = f(p)
+    torch.testing.assert_close(out, want_out)
+    (out.sum() + final.sum()).backward()
+    assert all(v.grad is not None for v in leaves.values())
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_decode_steps_equal_the_scan(where, gen):
+    """selective_state_update over L steps, one at a time, equals the scan (both
+    layouts: the multi-head one is the scan over heads * headdim channels)."""
+    p = _cast(_problem(gen, length=9, b_form="grouped", c_form="grouped"), torch.float32,
+              where.device)  # fmt: skip
+    out, final = _run(p, where.backend)
+    state = p["initial"].clone()
+    steps = [
+        ps.selective_state_update(
+            state, p["u"][..., t], p["delta"][..., t], p["A"], p["B"][..., t], p["C"][..., t],
+            p["D"], p["z"][..., t], p["delta_bias"], dt_softplus=True,
+        )
+        for t in range(9)
+    ]  # fmt: skip
+    torch.testing.assert_close(torch.stack(steps, -1), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
+    # heads layout: dim 6 = 3 heads x 2 headdim, B/C in 3 groups
+    state4 = p["initial"].clone().view(2, 3, 2, -1)
+    for t in range(9):
+        y = ps.selective_state_update(
+            state4, p["u"][..., t].view(2, 3, 2), p["delta"][..., t].view(2, 3, 2),
+            p["A"].view(3, 2, -1), p["B"][..., t], p["C"][..., t], p["D"].view(3, 2),
+            p["z"][..., t].view(2, 3, 2), p["delta_bias"].view(3, 2), dt_softplus=True,
+        )  # fmt: skip
+        torch.testing.assert_close(y.view(2, 6), out[..., t], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state4.view(2, 6, -1), final, rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_are_not_modified(gen):
+    p = _cast(_problem(gen, length=70), torch.float32, "cpu")
+    before = {k: v.clone() for k, v in p.items() if isinstance(v, torch.Tensor)}
+    _run(p, "auto")
+    for k, v in before.items():
+        torch.testing.assert_close(p[k], v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda p: p.update(u=p["u"][:, :, :-1]), ValueError, "delta of shape"),
+        (lambda p: p.update(B=torch.randn(2, 4, 3, 20)), ValueError, "group count"),
+        (lambda p: p.update(u=p["u"].to(torch.int64)), TypeError, "expected u to have"),
+        (lambda p: p.update(B=p["B"].to(torch.complex64)), TypeError, "complex B needs"),
+        (lambda p: p.update(A=p["A"][:-1]), ValueError, "expected A of shape"),
+        (lambda p: p.update(D=torch.randn(5)), ValueError, "expected D of shape"),
+        (lambda p: p.update(initial=torch.randn(2, 6, 4)), ValueError, "expected initial"),
+        (lambda p: p.update(C=torch.randn(2, 3, 21)), ValueError, "expected C of shape"),
+        (lambda p: p.update(u=[1.0]), TypeError, "expected u to be a Tensor"),
+    ],
+)  # fmt: skip
+def test_errors(gen, change, error, match):
+    p = _cast(_problem(gen), torch.float32, "cpu")
+    change(p)
+    with pytest.raises(error, match="parascan.selective_scan: .*" + match):
+        _run(p, "auto")
+
+
+def test_state_update_errors(gen):
+    state = torch.zeros(2, 6, 3)
+    x = torch.randn(2, 6)
+    with pytest.raises(ValueError, match=r"parascan\.selective_state_update: expected B"):
+        ps.selective_state_update(state, x, x, -torch.rand(6, 3), torch.randn(2, 4, 3),
+                                  torch.randn(2, 3))  # fmt: skip
+    with pytest.raises(ValueError, match=r"parascan\.selective_state_update: expected x"):
+        ps.selective_state_update(state, x[:, :5], x, -torch.rand(6, 3), torch.randn(2, 3),
+                                  torch.randn(2, 3))  # fmt: skip
+
+
+# the torch backend's case takes 10-30 s on 2 cores: in the slow suite
+_FAST = [
+    pytest.param(t, id=str(t), marks=[pytest.mark.slow] if t.backend == "torch" else [])
+    for t in TARGETS
+    if t.backend != "loop"
+]
+
+
+@pytest.mark.parametrize("where", _FAST)
+def test_never_materializes_the_state_over_time(where):
+    """Memory grows with L by the inputs, outputs and checkpoints only: doubling L from
+    2048 to 4096 grows the peak resident set of forward + backward (Linux VmHWM, reset
+    before the call, malloc made to return freed blocks) by well under the 64 MiB that
+    one more (batch, dim, L, N) float32 tensor's worth of steps would take. (The loop
+    backend, a Python loop over the steps, holds one step's state at a time and is too
+    slow at these lengths.)"""
+    from parascan.cli.bench_selective import _peak_extra_mib
+
+    gen = torch.Generator().manual_seed(3)
+    batch, dim, n = 1, 128, 64
+    peaks = []
+    for length in (2048, 4096):
+        u = torch.randn(batch, dim, length, generator=gen, requires_grad=True)
+        delta = torch.rand(batch, dim, length, generator=gen, requires_grad=True)
+        A = (-torch.rand(dim, n, generator=gen)).requires_grad_()
+        B = torch.randn(batch, n, length, generator=gen, requires_grad=True)
+        C = torch.randn(batch, n, length, generator=gen, requires_grad=True)
+
+        def run(u=u, delta=delta, A=A, B=B, C=C) -> None:
+            ps.selective_scan(u, delta, A, B, C, backend=where.backend).sum().backward()
+
+        run()  # warm up (lazy imports, thread pools)
+        peaks.append(_peak_extra_mib(run))
+    assert None not in peaks
+    step_mib = batch * dim * 2048 * n * 4 / 2**20
+    assert peaks[1] - peaks[0] < step_mib / 4, (peaks, step_mib)
+
+
+_INTERPRETED = [t for t in targets(interpreter=True) if t.interpreted]
+
+
+@pytest.mark.parametrize("where", _INTERPRETED, ids=[str(t) for t in _INTERPRETED])
+def test_triton_through_the_public_function(where, gen):
+    """The op, its autograd and the backend table route to the Triton kernels (tiny,
+    interpreted); the kernels' own cases are in test_selective_triton.py."""
+    p = _problem(gen, batch=1, dim=3, n=2, length=CHUNKS[0] + 2, b_form="grouped")
+    p["B"] = p["B"][:, :3]
+    want = _grads(p, lambda q: selective_loop(**q))
+    got = _grads(_cast(p, torch.float32, "cpu"), lambda q: _run(q, "triton"))
+    for k in want:
+        assert_matches(got[k], want[k], torch.float32)
+    with pytest.raises(RuntimeError, match=r"backend 'triton' is not available for .*complex A"):
+        q = _problem(gen, complex_a=True)
+        _run(_cast(q, torch.float32, "cpu"), "triton")
+
+
+# --- the decoding step's C kernel (no autograd) against a float64 formula ----------------
+
+
+def _step_oracle(state, x, dt, A, B, C, D, z, dt_bias, softplus):  # type: ignore[no-untyped-def]
+    """(new state, out) of one decoding step in float64, heads layout, from the formula
+    (written here, independent of the code under test)."""
+    heads, groups = state.shape[1], B.shape[1]
+    step = dt.double() + (0 if dt_bias is None else dt_bias.double())
+    if softplus:
+        step = torch.where(step > 20, step, torch.log1p(torch.exp(step)))
+    rows = heads // groups
+    Bh = B.double().repeat_interleave(rows, dim=1)[:, :, None]
+    Ch = C.double().repeat_interleave(rows, dim=1)[:, :, None]
+    new = (
+        torch.exp(step[..., None] * A.double()) * state.double()
+        + (step * x.double())[..., None] * Bh
+    )
+    y = (new * Ch).sum(-1) + (0 if D is None else D.double() * x.double())
+    if z is not None:
+        y = y * z.double() * torch.sigmoid(z.double())
+    return new, y
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor whose every dimension has a stride of 2 or more
+    (the kernel must read through strides, not assume packed rows)."""
+    big = torch.full([2 * s for s in t.shape], float("nan"), dtype=t.dtype)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize(
+    ("layout", "n", "state_dtype", "x_dtype", "strided", "extras"),
+    [
+        ("dim", 16, torch.float32, torch.float32, False, True),
+        ("dim", 3, torch.float32, torch.float32, True, True),
+        ("dim", 1, torch.float64, torch.float64, False, False),
+        ("heads", 16, torch.float32, torch.float32, False, True),
+        ("heads", 17, torch.float32, torch.bfloat16, True, True),
+        ("heads", 70, torch.float64, torch.float64, True, False),
+        ("heads", 8, torch.float32, torch.float16, False, False),
+    ],
+)  # fmt: skip
+def test_state_update_kernel_matches_the_formula(layout, n, state_dtype, x_dtype, strided,
+                                                 extras, gen, monkeypatch):  # fmt: skip
+    """The C decoding step (taken without autograd on a float CPU state) against the
+    float64 formula: both layouts, N around the vector width and past a tile (70),
+    blocks of units that cross head and batch boundaries (headdim 3, 5 heads), groups
+    (B and C in different ones: a regression, the kernel once read C in B's groups),
+    strided and broadcast (stride 0) operands, a lower-precision x, with and without
+    D, z, dt_bias and softplus."""
+    from parascan.mixer import step as api
+
+    calls = []
+    real_kernel = api._step_kernel
+    monkeypatch.setattr(api, "_step_kernel", lambda *a: calls.append(1) or real_kernel(*a))
+    batch, heads, headdim, groups = 3, 5, 3, 5
+    if layout == "dim":
+        heads, headdim, groups = 7, 1, 1
+
+    def r(*shape, scale=1.0):  # type: ignore[no-untyped-def]
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
+    args = dict(
+        x=r(batch, heads, headdim).to(x_dtype),
+        # one step size per head, broadcast over its rows (stride 0), as Mamba-2 calls it
+        dt=r(batch, heads, 1, scale=0.5).expand(batch, heads, headdim).to(x_dtype),
+        A=-r(heads, headdim, n).abs(),
+        B=r(batch, groups, n).to(x_dtype),
+        # C in other groups than B (here one, shared by every head)
+        C=r(batch, 1 if n % 2 else groups, n).to(x_dtype),
+        D=r(heads, headdim) if extras else None,
+        z=r(batch, heads, headdim).to(x_dtype) if extras else None,
+        dt_bias=r(heads, headdim, scale=0.1) if extras else None,
+    )
+    if layout == "heads":
+        args["A"] = args["A"][:, :1, :1].expand(heads, headdim, n)  # one decay per head
+    if strided:
+        args = {k: None if v is None else _strided(v.contiguous()) for k, v in args.items()}
+    args["A"] = args["A"].to(state_dtype)
+    state = r(batch, heads, headdim, n).to(state_dtype)
+    want_state, want_out = _step_oracle(state, **args, softplus=extras)
+    if layout == "dim":
+        drop = {"x": 2, "dt": 2, "z": 2, "A": 1, "D": 1, "dt_bias": 1, "B": None, "C": None}
+        args = {k: v if v is None or drop[k] is None else v.squeeze(drop[k])
+                for k, v in args.items()}  # fmt: skip
+        state, want_state, want_out = state[:, :, 0], want_state[:, :, 0], want_out[:, :, 0]
+    if strided:
+        state = _strided(state)
+    with torch.no_grad():
+        out = ps.selective_state_update(state, **args, dt_softplus=extras)
+    assert calls, "the C decoding step was not taken"
+    assert out.dtype == x_dtype and out.shape == args["x"].shape
+    tol = dict(rtol=1e-12, atol=1e-12) if state_dtype == torch.float64 else dict(
+        rtol=2e-5, atol=2e-5)  # fmt: skip
+    torch.testing.assert_close(state.double(), want_state, **tol)
+    out_tol = tol if x_dtype in (torch.float32, torch.float64) else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.double(), want_out, **out_tol)
+
+
+def test_state_update_with_autograd_takes_the_torch_path(gen):
+    """A step whose inputs need gradients is differentiable (the C step is not), and
+    its results equal the C step's."""
+    state = torch.randn(2, 6, 4, generator=gen)
+    x = torch.randn(2, 6, generator=gen, requires_grad=True)
+    dt = torch.rand(2, 6, generator=gen)
+    A = -torch.rand(6, 4, generator=gen)
+    B, C = torch.randn(2, 4, generator=gen), torch.randn(2, 4, generator=gen)
+    s1, s2 = state.clone(), state.clone()
+    y = ps.selective_state_update(s1, x, dt, A, B, C, dt_softplus=True)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with torch.no_grad():
+        y2 = ps.selective_state_update(s2, x, dt, A, B, C, dt_softplus=True)
+    torch.testing.assert_close(y2, y.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s2, s1, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_state_update_refuses_an_overlapping_state(gen, grad):
+    """A state whose elements share memory (an expanded tensor) cannot be updated in
+    place: a parascan error naming the strides before anything runs, never a race in
+    the kernel, with or without autograd."""
+    state = torch.zeros(1, 1, 4).expand(3, 6, 4)
+    x = torch.randn(3, 6, generator=gen, requires_grad=grad)
+    with (
+        torch.set_grad_enabled(grad),
+        pytest.raises(ValueError, match=r"parascan.selective_state_update: .*strides \(0, 0, 1\)"),
+    ):
+        ps.selective_state_update(state, x, x, -torch.rand(6, 4), torch.randn(3, 4),
+                                  torch.randn(3, 4))  # fmt: skip
+    assert not state.any()
+
+
+@pytest.mark.parametrize("heads_layout", [False, True])
+def test_state_update_gradcheck(gen, heads_layout):
+    """The differentiable step (every operand but the cache needing gradients, the
+    cache a plain tensor as in decoding) in float64: its output and the new state.
+    Before, the product with the old state saved the state itself, which the in-place
+    write then bumped: backward raised autograd's version error whenever dt (or A)
+    needed a gradient."""
+    f64 = torch.float64
+    batch, n = 2, 3
+    lead = (2, 3) if heads_layout else (4,)
+    state = torch.randn(batch, *lead, n, generator=gen, dtype=f64)
+    ops_ = {
+        "x": torch.randn(batch, *lead, generator=gen, dtype=f64),
+        "dt": torch.rand(batch, *lead, generator=gen, dtype=f64),
+        "A": -torch.rand(*lead, n, generator=gen, dtype=f64),
+        "B": torch.randn(batch, 1, n, generator=gen, dtype=f64),
+        "C": torch.randn(batch, 2, n, generator=gen, dtype=f64),
+        "D": torch.randn(*lead, generator=gen, dtype=f64),
+        "z": torch.randn(batch, *lead, generator=gen, dtype=f64),
+        "dt_bias": torch.randn(*lead, generator=gen, dtype=f64),
+    }
+    if heads_layout:  # one state decay per head, as Mamba-2's A
+        ops_["A"] = ops_["A"][:, :1, :1].expand(*lead, n).contiguous()
+    names = list(ops_)
+
+    def step(*ts):
+        s = state.clone()
+        y = ps.selective_state_update(s, **dict(zip(names, ts, strict=True)), dt_softplus=True)
+        return y, s
+
+    inputs = tuple(t.requires_grad_() for t in ops_.values())
+    assert torch.autograd.gradcheck(step, inputs)
