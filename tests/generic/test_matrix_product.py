@@ -34,7 +34,7 @@ def well_conditioned(*shape, dtype, seed):
 @pytest.fixture(params=[True, False], ids=["simd", "portable"])
 def block_products(request, monkeypatch):
     """Both block-product kernels: AVX2 where the CPU has it, and the portable one."""
-    monkeypatch.setattr(matmul, "_SIMD", request.param)
+    monkeypatch.setenv("PARASCAN_SIMD", "1" if request.param else "0")
 
 
 def assert_product(got, x, dim):

@@ -7,6 +7,7 @@ next to the checkpoint interval, the same bits with any thread count, and that
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,12 +28,15 @@ NAMES = ("x", "dt", "A", "B", "C", "D", "z", "initial")
 
 @contextmanager
 def _simd(on: bool) -> Iterator[None]:
-    saved = ssd_cpu.SIMD
-    ssd_cpu.SIMD = on
+    saved = os.environ.get("PARASCAN_SIMD")
+    os.environ["PARASCAN_SIMD"] = "1" if on else "0"
     try:
         yield
     finally:
-        ssd_cpu.SIMD = saved
+        if saved is None:
+            del os.environ["PARASCAN_SIMD"]
+        else:
+            os.environ["PARASCAN_SIMD"] = saved
 
 
 @contextmanager

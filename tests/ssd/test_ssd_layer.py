@@ -11,6 +11,7 @@ against mamba_ssm's math in float64 is tests/compat/test_compat_mamba_split_conv
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,7 +19,6 @@ import pytest
 import torch
 
 from parascan.compat import mamba_ssm
-from parascan.ssd import cpu as ssd_cpu
 from parascan.ssd import layer as ssd_layer
 
 F64 = torch.float64
@@ -26,12 +26,15 @@ F64 = torch.float64
 
 @contextmanager
 def _simd(on: bool) -> Iterator[None]:
-    saved = ssd_cpu.SIMD
-    ssd_cpu.SIMD = on
+    saved = os.environ.get("PARASCAN_SIMD")
+    os.environ["PARASCAN_SIMD"] = "1" if on else "0"
     try:
         yield
     finally:
-        ssd_cpu.SIMD = saved
+        if saved is None:
+            del os.environ["PARASCAN_SIMD"]
+        else:
+            os.environ["PARASCAN_SIMD"] = saved
 
 
 @contextmanager

@@ -183,7 +183,7 @@ CHUNKED = [
 def test_chunked_forward_matches_the_loop(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward by the dual form (blocks of 16 steps in the interpreter; headdim and
     N padded to 16): out, final, checkpoints, and the backward from its checkpoints."""
-    monkeypatch.setattr(backend, "FORWARD", "chunked")
+    monkeypatch.setenv("PARASCAN_SSD_TRITON_FORWARD", "chunked")
     launch, *_ = backend.forward_launch(*operands(case))
     assert launch.constexprs["BLOCK_T"] == 16
     check(case, operands(case))
@@ -235,7 +235,7 @@ def test_chunked_forward_with_a_growing_state(
     float64 loop, head by head; and the gradients wherever the loop's are finite and
     fit the dtype (and the float32 loop's are finite, in float32). The normal regime
     (dt A <= 0) keeps the dual form."""
-    monkeypatch.setattr(backend, "FORWARD", "chunked")
+    monkeypatch.setenv("PARASCAN_SSD_TRITON_FORWARD", "chunked")
     dtype, make = GROWING[name]
     ops = [t.to(dtype) if t is not None else None for t in make()]
     tensors = ops[:-1]

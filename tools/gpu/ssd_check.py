@@ -3,13 +3,13 @@ on a machine with CUDA (not collected by pytest: it needs a GPU, and the CPU sui
 proves the kernels in Triton's interpreter and compiles them for sm_80/sm_90).
 
 1. Validation: ``ps.ssd_scan(backend="triton")``, with each forward algorithm
-   (``ssd_triton.FORWARD``: "sequential", "chunked"), against the float64 loop
+   (``PARASCAN_SSD_TRITON_FORWARD``: "sequential", "chunked"), against the float64 loop
    (oracles.ssd_loop, on the CPU) on small shapes, and against the ``torch`` backend
    on the model shapes below: out, final and the gradients of every input, plain and
    packed (cu_seqlens with an empty sequence and boundaries next to the checkpoints).
 2. Timing (CUDA events, the median of repetitions after a warm-up) of the forward
    and the forward + backward of both backends (triton with each forward algorithm:
-   the faster is the one to make ``ssd_triton.FORWARD``'s default), next to the HBM
+   the faster is the one to make ``PARASCAN_SSD_TRITON_FORWARD``'s default), next to the HBM
    limit measured in the same run: the time a device-to-device copy takes to move
    the bytes the forward must move at least (read x, dt, B, C, z; write out), and 3.5x that for the
    forward + backward (the backward reads them again with grad_out and writes the
@@ -21,6 +21,7 @@ Exits non-zero when a comparison fails. ``--quick`` runs the validation only.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -29,7 +30,6 @@ from pathlib import Path
 import torch
 
 import parascan as ps
-from parascan.ssd import triton as ssd_triton
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
@@ -115,10 +115,10 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], what: str, rtol: 
 def validate() -> bool:
     ok = True
     for algorithm in ("sequential", "chunked"):  # the triton forward's two algorithms
-        ssd_triton.FORWARD = algorithm
+        os.environ["PARASCAN_SSD_TRITON_FORWARD"] = algorithm
         print(f"triton, forward {algorithm}:")
         ok &= _validate()
-    ssd_triton.FORWARD = "sequential"
+    os.environ["PARASCAN_SSD_TRITON_FORWARD"] = "sequential"
     return ok
 
 
@@ -187,7 +187,7 @@ def benchmark() -> None:
         io = 4 * batch * length * (3 * heads * headdim + heads + 2 * groups * n)
         limit = hbm_seconds(io)
         for backend, algorithm in (("triton", "sequential"), ("triton", "chunked"), ("torch", "")):
-            ssd_triton.FORWARD = algorithm or "sequential"
+            os.environ["PARASCAN_SSD_TRITON_FORWARD"] = algorithm or "sequential"
             forward = cuda_time(lambda b=backend, q=p: run(q, b))
 
             def step(b: str = backend, q: dict[str, torch.Tensor] = leaves) -> None:

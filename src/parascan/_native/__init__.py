@@ -14,9 +14,18 @@ import importlib.machinery
 import os
 from pathlib import Path
 
-__all__ = ["kernel_library", "kernel_library_error", "kernel_library_path"]
+__all__ = ["kernel_library", "kernel_library_error", "kernel_library_path", "simd"]
 
 _STEM = "_kernels"
+
+
+def simd() -> bool:
+    """Whether the C kernels that have a portable path besides their vector one (the SSD
+    scan and layer, the generic block products) take the vector one where the CPU has
+    it: yes, unless the environment sets ``PARASCAN_SIMD=0`` (the tests run both)."""
+    return os.environ.get("PARASCAN_SIMD", "1") != "0"
+
+
 ABI_VERSION = 12  # abi.h: PS_ABI_VERSION
 
 

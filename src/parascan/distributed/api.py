@@ -392,7 +392,7 @@ def _distributed(
             sharded, p.gates, p.tokens, p.initial, d, reverse, p.backend, group, header,
         )  # type: ignore[no-untyped-call]  # fmt: skip
     out, final = out.to(dtype), final.to(dtype)
-    return (out, final) if return_final else out  # type: ignore[no-any-return]
+    return (out, final) if return_final else out
 
 
 @overload

@@ -61,7 +61,9 @@ def _keys_in_order_of(tree: Any, like: Any) -> Any:
     return tree
 
 
-def _same_tuple_type(tree: tuple, items: list) -> tuple:
+def _same_tuple_type(
+    tree: tuple[Any, ...] | list[Any], items: list[Any]
+) -> tuple[Any, ...] | list[Any]:
     """A tuple of ``tree``'s type (a namedtuple takes its fields) holding ``items``."""
     return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
 

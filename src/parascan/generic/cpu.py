@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._native import kernel_library_error
+from parascan._native import kernel_library_error, simd
 from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
 from parascan._ops import plain_eager
 
@@ -30,8 +30,6 @@ _MATMULS = (torch.matmul, operator.matmul, torch.Tensor.matmul, torch.Tensor.__m
 # ahead, and a few calls more cost nothing next to the products.
 _MAX_D = 256
 _DTYPES = (torch.float32, torch.float64)
-# False runs the portable block products even on a CPU with AVX2 (for the tests).
-_SIMD = True
 
 
 def matrix_product_fast_path(
@@ -80,7 +78,7 @@ def matrix_product_fast_path(
         *x.stride(),
         out.data_ptr(),
         torch.get_num_threads(),
-        _SIMD,
+        simd(),
     )
     status = kernel("matmul_reduce", dtype)(args)
     if status == 2:  # no memory for the kernel's scratch: the tree needs none

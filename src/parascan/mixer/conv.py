@@ -141,7 +141,7 @@ class _NativeCausalConv1d(torch.autograd.Function):
             # version's graph (the C backward is not differentiable).
             inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
             with torch.enable_grad():
-                out = _CausalConv1d.apply(x, weight, bias, None, ctx.silu)[0]
+                out = _CausalConv1d.apply(x, weight, bias, None, ctx.silu)[0]  # type: ignore[no-untyped-call]
             found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
             grads = [
                 next(found) if t is not None and t.requires_grad else None

@@ -14,6 +14,7 @@ import itertools
 import torch
 from torch import Tensor
 
+from parascan._native import simd
 from parascan._native.bindings import ARG_FIELDS, ARG_STRUCTS, check_operands, kernel
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks
 
@@ -24,9 +25,6 @@ _FN = "parascan.ssd_scan"
 _FIELDS = {name: i for i, name in enumerate(ARG_FIELDS["ssd"])}
 
 Opt = Tensor | None
-
-# Tests set this to False to run the portable build of the kernel (no AVX2/AVX-512).
-SIMD = True
 
 
 def _flat(t: Opt) -> Opt:
@@ -108,7 +106,7 @@ class _Operands:
             "batch": batch, "length": length, "heads": heads, "headdim": headdim,
             "groups": groups, "nstate": n, "chunk": _K,
             "nseq": 0 if self.cu is None else self.cu.numel() - 1,
-            "nthreads": torch.get_num_threads(), "simd": int(SIMD),
+            "nthreads": torch.get_num_threads(), "simd": int(simd()),
         }  # fmt: skip
         for name, value in plain.items():
             values[_FIELDS[name]] = value

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._native import kernel_library_error
+from parascan._native import kernel_library_error, simd
 from parascan._native.bindings import ARG_FIELDS, ARG_STRUCTS, check_operands, kernel
 from parascan._ops import plain_eager, refuse_second_derivatives
 from parascan.ssd import cpu as ssd_cpu
@@ -131,7 +131,7 @@ def conv_forward(
         "weight": _ptr(weight), "bias": _ptr(bias), "silu": int(silu),
         **{f"split[{i}]": s for i, s in enumerate(split)},
         **{f"out[{i}]": _ptr(o) for i, o in enumerate(outs)},
-        "nthreads": torch.get_num_threads(), "simd": int(ssd_cpu.SIMD),
+        "nthreads": torch.get_num_threads(), "simd": int(simd()),
     })  # fmt: skip
     _run("ssd_conv_fwd", x.dtype, args, f"x {tuple(x.shape)}")
     return outs[0], outs[1], outs[2]
@@ -170,7 +170,7 @@ def conv_backward(
         "grad_x": _ptr(grad_x), "grad_x_stride[0]": gs[0],
         "grad_x_stride[1]": gs[1], "grad_weight": _ptr(grad_weight),
         "grad_bias": _ptr(grad_bias), "nthreads": torch.get_num_threads(),
-        "simd": int(ssd_cpu.SIMD),
+        "simd": int(simd()),
     })  # fmt: skip
     _run("ssd_conv_bwd", x.dtype, args, f"x {tuple(x.shape)}")
     return grad_weight, grad_bias
@@ -204,7 +204,7 @@ def norm_forward(
         "z": _ptr(z), "z_stride[0]": zs[0], "z_stride[1]": zs[1],
         "weight": _ptr(weight), "eps_bits": _eps_bits(eps), "before_gate": int(before_gate),
         "out": _ptr(out), "rstd": _ptr(rstd), "nthreads": torch.get_num_threads(),
-        "simd": int(ssd_cpu.SIMD),
+        "simd": int(simd()),
     })  # fmt: skip
     _run("ssd_norm_fwd", y.dtype, args, f"y {tuple(y.shape)}")
     return out, rstd
@@ -241,7 +241,7 @@ def norm_backward(
         "grad_out": _ptr(grad_out), "grad_y": _ptr(grad_y), "grad_z": _ptr(grad_z),
         "grad_z_stride[0]": gs[0], "grad_z_stride[1]": gs[1],
         "grad_weight": _ptr(grad_weight), "nthreads": torch.get_num_threads(),
-        "simd": int(ssd_cpu.SIMD),
+        "simd": int(simd()),
     })  # fmt: skip
     _run("ssd_norm_bwd", y.dtype, args, f"y {tuple(y.shape)}")
     return grad_y, grad_weight

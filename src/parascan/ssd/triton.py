@@ -25,8 +25,8 @@ forwards, both with the same checkpoints (so one backward serves both):
 
 Which wins where is to be measured (tools/gpu/ssd_check.py times both; no GPU
 has run them yet): the expectation from the counts above is the dual form, by up to
-the 16 of the shorter chain while the programs do not fill the GPU. ``FORWARD``
-picks; the sequential walk until measured, and always for packed sequences (whose
+the 16 of the shorter chain while the programs do not fill the GPU. ``PARASCAN_SSD_TRITON_FORWARD``
+(the environment) picks; the sequential walk until measured, and always for packed sequences (whose
 boundaries would cut the blocks). The backward walks step by step. Packed
 sequences: the kernels read ``cu_seqlens`` and, per step, the sequence holding it
 (``_sequence_of_steps``, computed here on the device).
@@ -52,7 +52,6 @@ from parascan.ssd.reference import dual_form_steps
 
 __all__ = [
     "CHUNKED_TILES",
-    "FORWARD",
     "INTERPRETED_CHUNKED",
     "INTERPRETED_TILES",
     "TILES",
@@ -66,12 +65,13 @@ __all__ = [
 ]
 
 _FN = "parascan.ssd_scan"
-# The forward's algorithm when not packed: "sequential" (the walk step by step) or
+# The forward's algorithm when not packed, from the environment's
+# PARASCAN_SSD_TRITON_FORWARD: "sequential" (the walk step by step, the default) or
 # "chunked" (the state-space dual form in blocks of steps, matrix products). Both are
 # proven in the interpreter and compile without spills; neither has run on a GPU yet,
-# so the default is the simpler walk until tools/gpu/ssd_check.py, which times
-# both, has been run on one.
-FORWARD = "sequential"
+# so the default is the simpler walk until tools/gpu/ssd_check.py, which times both,
+# has been run on one.
+_FORWARD_VARIABLE = "PARASCAN_SSD_TRITON_FORWARD"
 
 
 @dataclass(frozen=True)
@@ -234,8 +234,10 @@ def _states(x: Tensor, cu_seqlens: Tensor | None) -> int:
 
 def _chunked(algorithm: str | None, cu_seqlens: Tensor | None) -> bool:
     """Whether the forward runs the dual form: ``algorithm`` ("sequential",
-    "chunked", or None for ``FORWARD``); packed sequences always walk step by step."""
-    algorithm = FORWARD if algorithm is None else algorithm
+    "chunked", or None for the environment's ``PARASCAN_SSD_TRITON_FORWARD``, by
+    default "sequential"); packed sequences always walk step by step."""
+    if algorithm is None:
+        algorithm = os.environ.get(_FORWARD_VARIABLE, "sequential")
     if algorithm not in ("sequential", "chunked"):
         raise ValueError(
             f"{_FN}: expected algorithm 'sequential' or 'chunked', but got {algorithm!r}"
@@ -287,7 +289,7 @@ def forward(
     """ssd_canonical.py's forward: (out, final, checkpoints). ``algorithm``:
     "sequential" or "chunked" (the dual form; not for packed sequences, nor for a
     state growing too fast for its blocks: ``ssd_reference.dual_form_steps``),
-    ``FORWARD`` when None."""
+    ``PARASCAN_SSD_TRITON_FORWARD`` when None."""
     _check(x)
     from parascan.ssd import triton_kernels as kernels
 
