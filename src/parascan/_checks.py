@@ -120,6 +120,35 @@ def as_operand(
     raise TypeError(f"{fn}: expected {name} to be {expected}, but got {describe(value)}")
 
 
+REAL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+
+
+def check_tensor(fn: str, name: str, value: object, *, complex_ok: bool = False) -> torch.Tensor:
+    """``value`` if it is a strided tensor of a real floating dtype (or a complex one,
+    with ``complex_ok``), else a TypeError naming ``fn``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{fn}: expected {name} to be a Tensor, but got {describe(value)}")
+    check_layout(fn, name, value)
+    allowed = REAL_DTYPES + COMPLEX_DTYPES if complex_ok else REAL_DTYPES
+    if value.dtype not in allowed:
+        kinds = "a floating or complex" if complex_ok else "a real floating"
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(
+            f"{fn}: expected {name} to have {kinds} dtype ({names}), but got {value.dtype}"
+        )
+    return value
+
+
+def check_shape(fn: str, name: str, t: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    """A ValueError naming ``fn`` unless ``t`` has the shape ``expected`` (``what``
+    names its dimensions, e.g. "(batch, dim, L)")."""
+    if tuple(t.shape) != expected:
+        raise ValueError(
+            f"{fn}: expected {name} of shape {what} = {expected}, but got {describe(t)}"
+        )
+
+
 def check_dtype(fn: str, name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)

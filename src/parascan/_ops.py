@@ -183,13 +183,13 @@ def jvp_through(
         # torch.func.jvp, jacfwd: functorch's transforms nest (a dual level of
         # torch.autograd.forward_ad under or over vmap or grad takes the duals below:
         # torch.func.jvp would open a second dual level, which torch refuses)
-        _, out_tangents = torch.func.jvp(partial, values, directions)  # type: ignore[arg-type]
+        out_tangents = torch.func.jvp(partial, values, directions)[1]
         return tuple(out_tangents)
     # torch.autograd.forward_ad's dual level is open (and cannot be nested): duals at it
     # (autograd runs a Function's jvp with forward grad off: on again for the duals)
     with forward_ad._set_fwd_grad_enabled(True):
         duals = [
-            forward_ad.make_dual(forward_ad.unpack_dual(v).primal, d)  # type: ignore[arg-type]
+            forward_ad.make_dual(forward_ad.unpack_dual(v).primal, d)
             for v, d in zip(values, directions, strict=True)
         ]
         outs = partial(*duals)
@@ -222,7 +222,7 @@ def custom_op(
     return op
 
 
-def _contiguous(ts: Any) -> Any:
+def _contiguous(ts: Any) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in ts)
 
 
@@ -434,7 +434,7 @@ class _Scan(torch.autograd.Function):
         if grad_final is None:
             grad_final = built.spec.zero_final(tensors, ctx.consts)
         fn = built.functions[2] if torch.compiler.is_compiling() else built.functions[3]
-        grads = fn.apply(  # type: ignore[no-untyped-call]
+        grads = fn.apply(
             *tensors, checkpoints, grad_out, grad_final, *ctx.consts, ctx.backend, ctx.name
         )
         need = ctx.needs_input_grad

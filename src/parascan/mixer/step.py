@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._checks import check_flag, check_in_place, describe
+from parascan._checks import check_flag, check_in_place, check_shape, check_tensor, describe
 from parascan._native.bindings import ARG_STRUCTS, kernel
 from parascan._ops import plain_eager
-from parascan.selective.api import _complex_of, _shape, _tensor
+from parascan.selective.api import _complex_of
 
 __all__ = ["selective_state_update"]
 
@@ -43,7 +43,7 @@ def selective_state_update(
     """
     fn = _UPDATE
     dt_softplus = check_flag(fn, "dt_softplus", dt_softplus)
-    state = _tensor(fn, "state", state, complex_ok=True)
+    state = check_tensor(fn, "state", state, complex_ok=True)
     if state.dim() not in (3, 4):
         raise ValueError(
             f"{fn}: expected state of shape (batch, dim, N) or (batch, heads, headdim, N), "
@@ -54,12 +54,12 @@ def selective_state_update(
     batch, n = state.shape[0], state.shape[-1]
     lead = tuple(state.shape[1:-1])  # (dim,) or (heads, headdim)
     what = "(dim,)" if not heads_layout else "(heads, headdim)"
-    x = _tensor(fn, "x", x)
-    _shape(fn, "x", x, (batch, *lead), f"(batch, *{what})")
-    dt = _tensor(fn, "dt", dt)
-    _shape(fn, "dt", dt, (batch, *lead), f"(batch, *{what})")
-    A = _tensor(fn, "A", A, complex_ok=True)
-    _shape(fn, "A", A, (*lead, n), f"({what[1:-1]}, N)".replace(",,", ","))
+    x = check_tensor(fn, "x", x)
+    check_shape(fn, "x", x, (batch, *lead), f"(batch, *{what})")
+    dt = check_tensor(fn, "dt", dt)
+    check_shape(fn, "dt", dt, (batch, *lead), f"(batch, *{what})")
+    A = check_tensor(fn, "A", A, complex_ok=True)
+    check_shape(fn, "A", A, (*lead, n), f"({what[1:-1]}, N)".replace(",,", ","))
     if A.is_complex() != state.is_complex():
         raise TypeError(
             f"{fn}: expected a complex state with a complex A and a real one with a real A, "
@@ -68,14 +68,14 @@ def selective_state_update(
     units = lead[0]  # channels (Mamba-1) or heads: what the groups split
     mats = []
     for name, m in (("B", B), ("C", C)):
-        m = _tensor(fn, name, m, complex_ok=True)
+        m = check_tensor(fn, name, m, complex_ok=True)
         if m.is_complex() and not A.is_complex():
             raise TypeError(f"{fn}: expected a real {name} with a real A, but got {describe(m)}")
         if m.dim() == 2 and not heads_layout:
-            _shape(fn, name, m, (batch, n), "(batch, N)")
+            check_shape(fn, name, m, (batch, n), "(batch, N)")
             m = m.unsqueeze(1)
         elif m.dim() == 3 and m.shape[1] >= 1 and units % m.shape[1] == 0:
-            _shape(fn, name, m, (batch, m.shape[1], n), "(batch, G, N)")
+            check_shape(fn, name, m, (batch, m.shape[1], n), "(batch, G, N)")
         else:
             raise ValueError(
                 f"{fn}: expected {name} of shape (batch, N) or (batch, G, N) with G dividing "
@@ -87,8 +87,8 @@ def selective_state_update(
         ("D", D, lead), ("z", z, (batch, *lead)), ("dt_bias", dt_bias, lead)
     ):  # fmt: skip
         if value is not None:
-            t = _tensor(fn, name, value)
-            _shape(fn, name, t, shape, "(batch, *" + what + ")" if name == "z" else what)
+            t = check_tensor(fn, name, value)
+            check_shape(fn, name, t, shape, "(batch, *" + what + ")" if name == "z" else what)
             extras[name] = t
     for name, t in (
         ("x", x),

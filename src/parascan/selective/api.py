@@ -6,45 +6,22 @@ import torch
 from torch import Tensor
 
 from parascan._backends import resolve
-from parascan._checks import check_flag, check_layout, describe
+from parascan._checks import check_flag, check_shape, check_tensor, describe
 from parascan.selective import autograd as ops
 
 __all__ = ["selective_scan"]
 
 _FN = "parascan.selective_scan"
-_REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_COMPLEX = (torch.complex64, torch.complex128)
 Opt = Tensor | None
-
-
-def _tensor(fn: str, name: str, value: object, *, complex_ok: bool = False) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{fn}: expected {name} to be a Tensor, but got {describe(value)}")
-    check_layout(fn, name, value)
-    allowed = _REAL + _COMPLEX if complex_ok else _REAL
-    if value.dtype not in allowed:
-        kinds = "a floating or complex" if complex_ok else "a real floating"
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise TypeError(
-            f"{fn}: expected {name} to have {kinds} dtype ({names}), but got {value.dtype}"
-        )
-    return value
-
-
-def _shape(fn: str, name: str, t: Tensor, expected: tuple[int, ...], what: str) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(
-            f"{fn}: expected {name} of shape {what} = {expected}, but got {describe(t)}"
-        )
 
 
 def _bc(fn: str, name: str, m: Tensor, batch: int, dim: int, n: int, length: int) -> Tensor:
     """B or C in canonical form: (dim, N), or (batch, G, N, L)."""
     if m.dim() == 2:
-        _shape(fn, name, m, (dim, n), "(dim, N)")
+        check_shape(fn, name, m, (dim, n), "(dim, N)")
         return m
     if m.dim() == 3:
-        _shape(fn, name, m, (batch, n, length), "(batch, N, L)")
+        check_shape(fn, name, m, (batch, n, length), "(batch, N, L)")
         return m.unsqueeze(1)
     if m.dim() == 4:
         groups = m.shape[1]
@@ -53,7 +30,7 @@ def _bc(fn: str, name: str, m: Tensor, batch: int, dim: int, n: int, length: int
                 f"{fn}: expected {name}'s group count (dim 1 of (batch, G, N, L)) to divide "
                 f"dim = {dim}, but got {describe(m)}"
             )
-        _shape(fn, name, m, (batch, groups, n, length), "(batch, G, N, L)")
+        check_shape(fn, name, m, (batch, groups, n, length), "(batch, G, N, L)")
         return m
     raise ValueError(
         f"{fn}: expected {name} of shape (dim, N), (batch, N, L) or (batch, G, N, L), "
@@ -102,21 +79,21 @@ def selective_scan(
     torch.Size([2, 8, 100])
     """
     fn = _FN
-    u = _tensor(fn, "u", u)
+    u = check_tensor(fn, "u", u)
     if u.dim() != 3:
         raise ValueError(f"{fn}: expected u of shape (batch, dim, L), but got {describe(u)}")
     batch, dim, length = u.shape
-    delta = _tensor(fn, "delta", delta)
-    _shape(fn, "delta", delta, (batch, dim, length), "(batch, dim, L) like u")
-    A = _tensor(fn, "A", A, complex_ok=True)
+    delta = check_tensor(fn, "delta", delta)
+    check_shape(fn, "delta", delta, (batch, dim, length), "(batch, dim, L) like u")
+    A = check_tensor(fn, "A", A, complex_ok=True)
     if A.dim() != 2 or A.shape[0] != dim:
         raise ValueError(
             f"{fn}: expected A of shape (dim, N) with dim = {dim}, but got {describe(A)}"
         )
     n = A.shape[1]
     named: list[tuple[str, Tensor]] = [("u", u), ("delta", delta), ("A", A)]
-    B = _tensor(fn, "B", B, complex_ok=True)
-    C = _tensor(fn, "C", C, complex_ok=True)
+    B = check_tensor(fn, "B", B, complex_ok=True)
+    C = check_tensor(fn, "C", C, complex_ok=True)
     for name, m in (("B", B), ("C", C)):
         if m.is_complex() and not A.is_complex():
             raise TypeError(
@@ -129,15 +106,15 @@ def selective_scan(
     optional = {"D": D, "z": z, "delta_bias": delta_bias}
     for name, value in optional.items():
         if value is not None:
-            t = _tensor(fn, name, value)
+            t = check_tensor(fn, name, value)
             if name == "z":
-                _shape(fn, name, t, (batch, dim, length), "(batch, dim, L) like u")
+                check_shape(fn, name, t, (batch, dim, length), "(batch, dim, L) like u")
             else:
-                _shape(fn, name, t, (dim,), "(dim,)")
+                check_shape(fn, name, t, (dim,), "(dim,)")
             named.append((name, t))
     if initial is not None:
-        initial = _tensor(fn, "initial", initial, complex_ok=True)
-        _shape(fn, "initial", initial, (batch, dim, n), "(batch, dim, N)")
+        initial = check_tensor(fn, "initial", initial, complex_ok=True)
+        check_shape(fn, "initial", initial, (batch, dim, n), "(batch, dim, N)")
         if initial.is_complex() and not A.is_complex():
             raise TypeError(
                 f"{fn}: expected a real initial with a real A, but got {describe(initial)}"

@@ -10,35 +10,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._backends import resolve
-from parascan._checks import check_flag, check_layout, describe
+from parascan._checks import check_flag, check_shape, check_tensor, describe
 from parascan.first_order.packed import check_cu_seqlens
 from parascan.ssd import autograd as ssd_ops
 
 __all__ = ["ssd_scan"]
 
 _FN = "parascan.ssd_scan"
-_REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NO_LIMIT = (0.0, math.inf)
 Opt = Tensor | None
-
-
-def _tensor(name: str, value: object) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got {describe(value)}")
-    check_layout(_FN, name, value)
-    if value.dtype not in _REAL:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _REAL)
-        raise TypeError(
-            f"{_FN}: expected {name} to have a real floating dtype ({names}), but got {value.dtype}"
-        )
-    return value
-
-
-def _shape(name: str, t: Tensor, expected: tuple[int, ...], what: str) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(
-            f"{_FN}: expected {name} of shape {what} = {expected}, but got {describe(t)}"
-        )
 
 
 def _limit(dt_limit: object) -> tuple[float, float]:
@@ -117,17 +97,17 @@ def ssd_scan(
     >>> out.shape, final.shape
     (torch.Size([2, 100, 4, 8]), torch.Size([2, 4, 8, 16]))
     """
-    x = _tensor("x", x)
+    x = check_tensor(_FN, "x", x)
     if x.dim() != 4:
         raise ValueError(
             f"{_FN}: expected x of shape (batch, L, heads, headdim), but got {describe(x)}"
         )
     batch, length, heads, headdim = x.shape
-    dt = _tensor("dt", dt)
-    _shape("dt", dt, (batch, length, heads), "(batch, L, heads)")
-    A = _tensor("A", A)
-    _shape("A", A, (heads,), "(heads,)")
-    B = _tensor("B", B)
+    dt = check_tensor(_FN, "dt", dt)
+    check_shape(_FN, "dt", dt, (batch, length, heads), "(batch, L, heads)")
+    A = check_tensor(_FN, "A", A)
+    check_shape(_FN, "A", A, (heads,), "(heads,)")
+    B = check_tensor(_FN, "B", B)
     if B.dim() != 4 or B.shape[:2] != (batch, length):
         raise ValueError(
             f"{_FN}: expected B of shape (batch, L, groups, N) with (batch, L) = "
@@ -139,11 +119,11 @@ def ssd_scan(
             f"{_FN}: expected B's group count (dim 2 of (batch, L, groups, N)) to divide "
             f"heads = {heads}, but got {describe(B)}"
         )
-    C = _tensor("C", C)
-    _shape("C", C, (batch, length, groups, n), "(batch, L, groups, N) like B")
+    C = check_tensor(_FN, "C", C)
+    check_shape(_FN, "C", C, (batch, length, groups, n), "(batch, L, groups, N) like B")
     named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)]
     if D is not None:
-        D = _tensor("D", D)
+        D = check_tensor(_FN, "D", D)
         if tuple(D.shape) not in ((heads, headdim), (heads,)):
             raise ValueError(
                 f"{_FN}: expected D of shape (heads, headdim) = {(heads, headdim)} or (heads,) "
@@ -151,12 +131,14 @@ def ssd_scan(
             )
         named.append(("D", D))
     if z is not None:
-        z = _tensor("z", z)
-        _shape("z", z, (batch, length, heads, headdim), "(batch, L, heads, headdim) like x")
+        z = check_tensor(_FN, "z", z)
+        check_shape(
+            _FN, "z", z, (batch, length, heads, headdim), "(batch, L, heads, headdim) like x"
+        )
         named.append(("z", z))
     if dt_bias is not None:
-        dt_bias = _tensor("dt_bias", dt_bias)
-        _shape("dt_bias", dt_bias, (heads,), "(heads,)")
+        dt_bias = check_tensor(_FN, "dt_bias", dt_bias)
+        check_shape(_FN, "dt_bias", dt_bias, (heads,), "(heads,)")
         named.append(("dt_bias", dt_bias))
     states = batch
     if cu_seqlens is not None:
@@ -168,9 +150,9 @@ def ssd_scan(
             )
         states = cu_seqlens.shape[0] - 1
     if initial is not None:
-        initial = _tensor("initial", initial)
+        initial = check_tensor(_FN, "initial", initial)
         what = f"({'num_seqs' if cu_seqlens is not None else 'batch'}, heads, headdim, N)"
-        _shape("initial", initial, (states, heads, headdim, n), what)
+        check_shape(_FN, "initial", initial, (states, heads, headdim, n), what)
         named.append(("initial", initial))
     for name, t in named:
         if t.device != x.device:
