@@ -5,7 +5,7 @@ scan, whose wrapper is selective/cpu.py).
 Each tensor goes to a kernel as a strided 3-d view (outer, T, inner) around the
 scan dim, without copying when its strides allow it (contiguous, transposed,
 sliced and broadcast inputs all do). Outputs are new contiguous tensors. Inputs
-arrive with lazy conj/neg views resolved (each op's ops.py).
+arrive with lazy conj/neg views resolved (each family's autograd.py or ops.py).
 
 The argument structs of abi.h are passed as flat int64 arrays, in the structs'
 member order (every member is 64 bits wide): building one array is a single call,

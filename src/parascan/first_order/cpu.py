@@ -1,6 +1,6 @@
 """The ``cpu`` backend of the first-order scans: the C kernels of this folder (one
 forward and one fused backward template, cpu_forward.h and cpu_backward.h,
-instantiated per semiring and dtype in scan.c), through parascan._native.bindings."""
+instantiated per semiring and dtype in cpu.c), through parascan._native.bindings."""
 
 from __future__ import annotations
 

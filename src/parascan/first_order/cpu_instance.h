@@ -1,7 +1,7 @@
 /* One instantiation block of the first-order scan: the forward (cpu_forward.h) and
  * the fused backward (cpu_backward.h) of one semiring over one dtype, exported as
  * ps_<OP>_fwd_<SFX> and ps_<OP>_bwd_<SFX>, and their packed-sequence entries
- * ps_<OP>_{fwd,bwd}_varlen_<SFX> (cpu_packed.h; ABI in abi.h). scan.c includes this
+ * ps_<OP>_{fwd,bwd}_varlen_<SFX> (cpu_packed.h; ABI in abi.h). cpu.c includes this
  * header once per (semiring, dtype), having defined:
  *   SEMIRING, OP   in its semiring section: linear and linear_scan (cpu_semiring_linear.h),
  *                  or log and log_linear_scan (cpu_semiring_log.h)

@@ -1,4 +1,4 @@
-/* linear_scan's AVX2 paths (scan.c names them per dtype; the portable templates
+/* linear_scan's AVX2 paths (cpu.c names them per dtype; the portable templates
  * call them where the CPU and the strides allow, else do the work themselves):
  * time-contiguous data (inner == 1) in float32, bfloat16, float16 (cpu_x86_float.h)
  * and complex64, when the CPU has AVX2 (and F16C) and every operand steps through

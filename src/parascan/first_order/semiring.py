@@ -78,7 +78,7 @@ def previous_states(
 ) -> Tensor:  # fmt: skip
     """x[t-1] for every t (x[t+1] when reversed), the initial state (or ``empty``,
     the state before any step) at the start: the states each step's gate acts on.
-    With ``cu_seqlens`` (packed sequences, varlen.py) every sequence starts from its
+    With ``cu_seqlens`` (packed sequences, packed.py) every sequence starts from its
     own: ``initial`` then has ``out``'s shape with ``dim`` of size num_seqs."""
     steps = out.shape[dim]
     if steps == 0:

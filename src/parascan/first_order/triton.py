@@ -70,7 +70,7 @@ def packed_forward(
     ring: Semiring, gates: torch.Tensor, tokens: torch.Tensor, initial: torch.Tensor | None,
     dim: int, reverse: bool, cu_seqlens: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """``forward`` of packed sequences (varlen.py): ``initial`` has the result's shape
+    """``forward`` of packed sequences (packed.py): ``initial`` has the result's shape
     with ``dim`` (non-negative) of size num_seqs."""
     from parascan.first_order import triton_kernels as kernels
 

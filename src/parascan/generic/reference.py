@@ -1,6 +1,6 @@
 """Sequential folds: the reference of the generic scans (``parascan check`` compares
 the batched algorithms with it; the tests have their own). One combine call per
-element, written with nothing but indexing, so it shares no code with algorithms.py."""
+element, written with nothing but indexing, so it shares no code with chunked.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``parascan::matrix_linear_scan`` takes validated inputs of one dtype whose batch
 dims have one rank (they broadcast), ``initial`` or None, and a concrete backend.
 It carries a fake kernel (torch.compile) and a vmap rule; api.py puts an
-autograd.Function around it (see linear/ops.py for why not register_autograd).
+autograd.Function around it (see first_order/ops.py for why not register_autograd).
 """
 
 from __future__ import annotations

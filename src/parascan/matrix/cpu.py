@@ -1,4 +1,4 @@
-"""The ``cpu`` backend of matrix_linear_scan: ctypes bindings to recurrence.c."""
+"""The ``cpu`` backend of matrix_linear_scan: ctypes bindings to cpu.c."""
 
 from __future__ import annotations
 

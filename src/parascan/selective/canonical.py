@@ -2,7 +2,7 @@
 
 The public function (api.py) validates its arguments, then brings them to this one
 form with differentiable torch ops (so autograd handles the casts and the
-broadcasts), and the op (ops.py) hands them to a backend. Each backend of the
+broadcasts), and the op (autograd.py) hands them to a backend. Each backend of the
 selective scan implements the two functions below with these exact conventions;
 the float64 loop in the tests is the judge of all of them.
 

@@ -1,4 +1,4 @@
-"""The ``cpu`` backend of the selective scan: ctypes bindings to selective.c.
+"""The ``cpu`` backend of the selective scan: ctypes bindings to cpu.c.
 
 Both functions take the canonical operands of canonical.py (any strides: the kernel
 reads every tensor through its own strides, so nothing is copied) and return new

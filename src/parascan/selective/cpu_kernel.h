@@ -1,4 +1,4 @@
-/* One instantiation of the selective scan's CPU kernel (selective.c explains the
+/* One instantiation of the selective scan's CPU kernel (cpu.c explains the
  * algorithm), for one real type T: the entries ps_selective_{fwd,bwd}_<SFX> (a real
  * state) and ps_selective_{fwd,bwd}_<CSFX> (a complex state of T pairs). The includer
  * defines:
@@ -164,7 +164,7 @@ typedef struct {
     int64_t bper, cper;         /* channels per group of B and C (0: invariant) */
     int64_t bshared, cshared;   /* groups of more than one channel: packed once per
                                    unit, their gradients summed over units */
-    /* work units (selective.c): segments of seg channels (nseg per batch element),
+    /* work units (cpu.c): segments of seg channels (nseg per batch element),
      * each cut into upseg units of at most `unit` channels; units in all */
     int64_t seg, nseg, unit, upseg, units;
     int64_t scratch_len;        /* T elements per member */

@@ -1,5 +1,5 @@
 /* The decoding step of the selective and SSD scans (ps_selective_step_*): one step of
- * the recurrence on a cached state, in place. Included by selective.c once per real
+ * the recurrence on a cached state, in place. Included by cpu.c once per real
  * type, right after cpu_kernel.h, whose vector exp it uses (T, V, W, SFX and
  * the PS_SEL_* constants are the including type's).
  *

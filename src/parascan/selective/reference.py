@@ -110,7 +110,7 @@ def _forward(
     h = _initial_state(u, A, initial)
     checkpoints, outs = [], []
     # No torch.no_grad here: inside the op autograd does not record anyway, and the
-    # forward mode (ops.py) runs this under reverse mode too (jacrev of jacfwd)
+    # forward mode (autograd.py) runs this under reverse mode too (jacrev of jacfwd)
     for start in range(0, steps, k):
         stop = min(start + k, steps)
         checkpoints.append(h)

@@ -1,6 +1,6 @@
 """The SSD scan (Mamba-2) as every backend sees it: canonical, validated operands.
 
-The public function (ssd_api.py) validates its arguments and brings them to this one
+The public function (api.py) validates its arguments and brings them to this one
 form with differentiable torch ops: the casts, ``D``'s broadcast over the head's
 channels, and the whole step-size pipeline (``dt_bias``, softplus, ``dt_limit``), so
 that a backend sees only the final step sizes and autograd carries their gradient

@@ -1,6 +1,6 @@
-"""The ``cpu`` backend of the SSD scan: ctypes bindings to ssd.c.
+"""The ``cpu`` backend of the SSD scan: ctypes bindings to cpu.c.
 
-Both functions take the canonical operands of ssd_canonical.py and return new
+Both functions take the canonical operands of canonical.py and return new
 contiguous tensors. The kernel reads contiguous operands only: any other strides are
 copied here first (one pass over an input, small next to the scan's N multiply-adds
 per element). It runs on torch's thread count (``torch.get_num_threads()``) and gives
@@ -132,7 +132,7 @@ def forward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
     cu_seqlens: Opt, want_final: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The SSD scan of canonical operands (ssd_canonical.py): ``(out, final,
+    """The SSD scan of canonical operands (canonical.py): ``(out, final,
     checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps. Without
     ``want_final`` the kernel stores no final state and ``final`` has no rows."""
     ops = _Operands("ssd_fwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
@@ -148,7 +148,7 @@ def backward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
     cu_seqlens: Opt, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """The gradients of ``x, dt, A, B, C, D, z, initial`` (ssd_canonical.py; EMPTY for
+    """The gradients of ``x, dt, A, B, C, D, z, initial`` (canonical.py; EMPTY for
     an absent operand) from the forward's ``checkpoints``, ``grad_out`` and
     ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
     ops = _Operands("ssd_bwd", x, dt, A, B, C, D, z, initial, cu_seqlens)

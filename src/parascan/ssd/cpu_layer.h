@@ -1,7 +1,7 @@
 /* The Mamba-2 layer's neighbours of the SSD scan, one instantiation: the depthwise
  * causal convolution (+ bias, + silu) that feeds the scan and the gated RMS norm that
  * follows it, forward and backward (the math and the ABI: abi.h, ps_ssd_conv_args and
- * ps_ssd_norm_args). Included by ssd.c after cpu_kernel.h, with the same T, V, VI, W,
+ * ps_ssd_norm_args). Included by cpu.c after cpu_kernel.h, with the same T, V, VI, W,
  * ATTR and F, and its vector exp (ps_ssd_vexp, ps_ssd_vsigmoid).
  *
  * Summary of algorithm.

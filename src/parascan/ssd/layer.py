@@ -25,7 +25,7 @@ convolution and the norm are C kernels of one pass each way (ssd/cpu_layer.h),
 the convolution writing the scan's ``x``, ``B`` and ``C`` contiguous (the scan's C
 kernel reads them without a copy), and the backward writes the gradients of ``z``,
 ``xBC`` and ``dt`` straight into the slices of one ``zxbcdt``-shaped gradient. The
-scan is the ``cpu`` backend of :func:`parascan.ssd_scan` (ssd_cpu.py), called on the
+scan is the ``cpu`` backend of :func:`parascan.ssd_scan` (cpu.py), called on the
 canonical operands directly; the step pipeline (``dt + dt_bias``, softplus, the clamp)
 is torch's own ops, so its rounding and its gradient are those of ``ssd_scan``.
 """

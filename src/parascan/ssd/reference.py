@@ -1,4 +1,4 @@
-"""The ``torch`` and ``loop`` backends of the SSD scan (ssd_canonical.py's contract).
+"""The ``torch`` and ``loop`` backends of the SSD scan (canonical.py's contract).
 
 Both walk L one checkpoint interval (a "chunk" of K steps) at a time, holding the
 state entering each chunk and never a state per step over all of L:
@@ -33,7 +33,7 @@ state entering each chunk and never a state per step over all of L:
 Packed sequences: each chunk is cut into pieces at the sequence boundaries inside
 it; a piece that starts a sequence starts from that sequence's initial state, and
 the state at the end of a piece that ends a sequence is that sequence's final
-state. The chunks stay aligned to L (see the checkpoints in ssd_canonical.py).
+state. The chunks stay aligned to L (see the checkpoints in canonical.py).
 
 The backward is exact activation checkpointing: for each chunk from the last, the
 chunk's forward runs again from its checkpoint under ``torch.func.vjp`` (inside a

@@ -1,12 +1,12 @@
 """The ``triton`` backend of the SSD scan: the Triton kernels of
-ssd_triton_kernels.py (imported when the backend first runs), with ssd_canonical.py's
+triton_kernels.py (imported when the backend first runs), with canonical.py's
 contract.
 
 ``forward`` and ``backward`` take CUDA tensors, or CPU tensors in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before triton is imported), in float32 or
 float64 (the canonical operands' compute dtype).
 
-How the work is cut (ssd_triton_kernels.py): one program per (batch row, head, block
+How the work is cut (triton_kernels.py): one program per (batch row, head, block
 of ``Plan.rows`` rows of the head's (headdim, N) state), walking L with its tile of
 the state in registers; checkpoints every ``CHECKPOINT_STEPS["triton"]`` steps. Two
 forwards, both with the same checkpoints (so one backward serves both):
@@ -21,7 +21,7 @@ forwards, both with the same checkpoints (so one backward serves both):
   block's, 16 times fewer links, for about the same multiply-adds at headdim = N =
   64 (per step 16 (N + headdim) + 2 headdim N against 3 headdim N). Its block
   weights reach exp(16 max(dt A)): a state growing that fast (dt A > 0, allowed by
-  the contract) walks step by step instead (``ssd_reference.dual_form_steps``).
+  the contract) walks step by step instead (``reference.dual_form_steps``).
 
 Which wins where is to be measured (tools/gpu/ssd_check.py times both; no GPU
 has run them yet): the expectation from the counts above is the dual form, by up to
@@ -286,9 +286,9 @@ def forward(
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None, *,
     algorithm: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """ssd_canonical.py's forward: (out, final, checkpoints). ``algorithm``:
+    """canonical.py's forward: (out, final, checkpoints). ``algorithm``:
     "sequential" or "chunked" (the dual form; not for packed sequences, nor for a
-    state growing too fast for its blocks: ``ssd_reference.dual_form_steps``),
+    state growing too fast for its blocks: ``reference.dual_form_steps``),
     ``PARASCAN_SSD_TRITON_FORWARD`` when None."""
     _check(x)
     from parascan.ssd import triton_kernels as kernels
@@ -387,7 +387,7 @@ def backward(
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
     checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """ssd_canonical.py's backward: the gradients of (x, dt, A, B, C, D, z,
+    """canonical.py's backward: the gradients of (x, dt, A, B, C, D, z,
     initial), from the checkpoints ``forward`` stored."""
     _check(x)
     from parascan.ssd import triton_kernels as kernels

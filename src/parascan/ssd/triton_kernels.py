@@ -28,7 +28,7 @@ Packed sequences (``PACKED``, batch 1): ``seq[t]`` is the sequence holding step 
 and ``cu`` the offsets; the state is reset to the sequence's initial state (or
 zeros) at its first step and stored as its final state after its last, so no state
 crosses a boundary. Checkpoints: before step t with t % K == 0 (after such a reset),
-the state entering step t is stored: the contract's checkpoints (ssd_canonical.py).
+the state entering step t is stored: the contract's checkpoints (canonical.py).
 
 Backward (``backward_kernel``). With g_h[t] = dL/dh[t] (the state after step t),
 g_y[t] = dL/dy[t] = grad_out[t] silu(z[t]) and u[t] = dt[t] x[t] (outer) B[t]:
