@@ -27,6 +27,7 @@ Opt = Tensor | None
 __all__ = [
     "CheckpointedScan",
     "batch_first",
+    "batch_first_vmap",
     "checkpointed_scan",
     "conj",
     "custom_op",
@@ -34,7 +35,6 @@ __all__ = [
     "nested_forward_mode",
     "plain_eager",
     "refuse_second_derivatives",
-    "register_batch_first_vmap",
     "resolved",
     "resolved_optional",
     "state_shape",
@@ -69,25 +69,27 @@ def batch_first(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
     return t.expand(size, *t.shape) if bdim is None else t.movedim(bdim, 0)
 
 
-def register_batch_first_vmap(
-    name: str, op: Callable[..., Any], tensors: int, outputs: int
-) -> None:
-    """A vmap rule for an op whose first ``tensors`` arguments are tensors (or None)
-    of one logical shape (states: without ``dim``), followed by ``dim`` and plain
-    arguments. A vmapped dimension becomes a new leading batch dimension of all of
-    them (unbatched operands are expanded, no copy), ``dim`` shifts when it counts
-    from the front, and every output is batched at 0."""
+def batch_first_vmap(tensors: int, outputs: int) -> Callable[[Any], Callable[..., Any]]:
+    """The vmap rule (given the op: ``custom_op``'s ``vmap``) of an op whose first
+    ``tensors`` arguments are tensors (or None) of one logical shape (states: without
+    ``dim``), followed by ``dim`` and plain arguments. A vmapped dimension becomes a
+    new leading batch dimension of all of them (unbatched operands are expanded, no
+    copy), ``dim`` shifts when it counts from the front, and every output is batched
+    at 0."""
 
-    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
-        n = info.batch_size
-        batched = [
-            batch_first(t, d, n) for t, d in zip(args[:tensors], in_dims[:tensors], strict=True)
-        ]
-        dim = args[tensors]
-        result = op(*batched, dim + 1 if dim >= 0 else dim, *args[tensors + 1 :])
-        return result, 0 if outputs == 1 else (0,) * outputs
+    def rule_of(op: Any) -> Callable[..., Any]:
+        def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+            n = info.batch_size
+            batched = [
+                batch_first(t, d, n) for t, d in zip(args[:tensors], in_dims[:tensors], strict=True)
+            ]
+            dim = args[tensors]
+            result = op(*batched, dim + 1 if dim >= 0 else dim, *args[tensors + 1 :])
+            return result, 0 if outputs == 1 else (0,) * outputs
 
-    torch.library.register_vmap(name, rule)
+        return rule
+
+    return rule_of
 
 
 def plain_eager() -> bool:
@@ -209,16 +211,16 @@ def custom_op(
     schema: str,
     impl: Callable[..., Any],
     fake: Callable[..., Any],
-    vmap: Callable[..., Any] | None = None,
+    vmap: Callable[[Any], Callable[..., Any]] | None = None,
 ) -> Any:
     """The torch.library op ``parascan::<name>`` of ``schema`` (torch's schema language,
     e.g. ``"(Tensor x, Tensor? D, bool flag, str backend) -> Tensor[]"``): ``impl`` its
-    body, ``fake`` its fake kernel (torch.compile), ``vmap`` its vmap rule (default: one
-    call per vmapped element, ``loop_vmap``). Both functions take the schema's
-    arguments positionally."""
+    body, ``fake`` its fake kernel (torch.compile), ``vmap`` the op's vmap rule given
+    the op (default: one call per vmapped element, ``loop_vmap``). Both functions take
+    the schema's arguments positionally."""
     op = torch.library.custom_op(f"parascan::{name}", impl, mutates_args=(), schema=schema)
     op.register_fake(fake)
-    torch.library.register_vmap(f"parascan::{name}", vmap or loop_vmap(op))
+    torch.library.register_vmap(f"parascan::{name}", (vmap or loop_vmap)(op))
     return op
 
 

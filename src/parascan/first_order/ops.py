@@ -24,8 +24,9 @@ from torch import Tensor
 from parascan._backends import Backend, OpBackends, register
 from parascan._checks import FLOAT_DTYPES, accumulate_dtype
 from parascan._ops import (
+    batch_first_vmap,
     conj,
-    register_batch_first_vmap,
+    custom_op,
     resolved,
     resolved_optional,
     state_shape,
@@ -145,7 +146,7 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
     """The forward and backward ops of ``ring``, with fake kernels and vmap rules."""
     row = ROWS[ring.name]
     linear_forward = ROWS["linear"].backends
-    name = "parascan::" + ring.op.removeprefix("parascan.")  # parascan::linear_scan
+    name = ring.op.removeprefix("parascan.")  # linear_scan: the op parascan::linear_scan
 
     def forward(
         gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
@@ -155,17 +156,19 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
             ring, resolved(gates), resolved(tokens), resolved_optional(initial), dim, reverse
         )
 
-    forward.__doc__ = f"{ring.op} along ``dim``; a new contiguous tensor."
-    forward_op = torch.library.custom_op(name, forward, mutates_args=())
-
-    @forward_op.register_fake
-    def _(
-        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
-        backend: str,
-    ) -> Tensor:  # fmt: skip
-        torch._check(gates.shape == tokens.shape, lambda: f"{name}: shape mismatch")
-        torch._check(gates.dtype == tokens.dtype, lambda: f"{name}: dtype mismatch")
+    def forward_fake(gates: Tensor, tokens: Tensor, *_: object) -> Tensor:
+        torch._check(gates.shape == tokens.shape, lambda: f"parascan::{name}: shape mismatch")
+        torch._check(gates.dtype == tokens.dtype, lambda: f"parascan::{name}: dtype mismatch")
         return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+
+    forward_op = custom_op(
+        name,
+        "(Tensor gates, Tensor tokens, Tensor? initial, int dim, bool reverse, str backend)"
+        " -> Tensor",
+        forward,
+        forward_fake,
+        batch_first_vmap(tensors=3, outputs=1),
+    )
 
     def backward(
         gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
@@ -190,24 +193,26 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         grads = backward_from_partials(scan, partials, grad_out.to(acc), dim, reverse)
         return tuple(g.to(out.dtype) for g in grads)  # type: ignore[return-value]
 
-    backward.__doc__ = f"(grad_gates, grad_tokens, grad_initial) of {ring.op}, given its output."
-    backward_op = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
-
-    @backward_op.register_fake
-    def _(
+    def backward_fake(
         gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
-        initial: Tensor | None, dim: int, reverse: bool, backend: str,
+        initial: Tensor | None, dim: int, *_: object,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        torch._check(gates.shape == out.shape, lambda: f"{name}_backward: shapes")
-        torch._check(grad_out.shape == out.shape, lambda: f"{name}_backward: shapes")
+        torch._check(gates.shape == out.shape, lambda: f"parascan::{name}_backward: shapes")
+        torch._check(grad_out.shape == out.shape, lambda: f"parascan::{name}_backward: shapes")
         return (
             torch.empty(out.shape, dtype=out.dtype, device=out.device),
             torch.empty(out.shape, dtype=out.dtype, device=out.device),
             torch.empty(state_shape(out, dim), dtype=out.dtype, device=out.device),
         )
 
-    register_batch_first_vmap(name, forward_op, tensors=3, outputs=1)
-    register_batch_first_vmap(f"{name}_backward", backward_op, tensors=5, outputs=3)
+    backward_op = custom_op(
+        f"{name}_backward",
+        "(Tensor gates, Tensor? tokens, Tensor out, Tensor grad_out, Tensor? initial, int dim,"
+        " bool reverse, str backend) -> (Tensor, Tensor, Tensor)",
+        backward,
+        backward_fake,
+        batch_first_vmap(tensors=5, outputs=3),
+    )
     return forward_op, backward_op
 
 

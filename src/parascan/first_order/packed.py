@@ -34,7 +34,7 @@ from torch import Tensor
 from parascan._checks import accumulate_dtype, as_operand, check_dtype, describe
 from parascan._higher_order import tangent_mode
 from parascan._native import bindings
-from parascan._ops import register_batch_first_vmap, resolved, resolved_optional
+from parascan._ops import batch_first_vmap, custom_op, resolved, resolved_optional
 from parascan.first_order import api, triton
 from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
@@ -157,9 +157,9 @@ def _cpu_cu(cu_seqlens: Tensor) -> Tensor:
 
 def _define(ring: Semiring) -> tuple[Any, Any]:
     """``parascan::<op>_varlen`` and its backward, with fake kernels and vmap rules.
-    The tensors come first, then ``dim`` (the layout register_batch_first_vmap
+    The tensors come first, then ``dim`` (the layout batch_first_vmap
     batches); ``cu_seqlens`` is never batched."""
-    name = "parascan::" + ring.op.removeprefix("parascan.") + "_varlen"
+    name = ring.op.removeprefix("parascan.") + "_varlen"  # the op parascan::<name>
 
     def forward(
         gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, cu_seqlens: Tensor,
@@ -180,16 +180,18 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         return _by_segments_forward(ring, backend, gates, tokens, initial, cu_seqlens, dim,
                                     reverse)  # fmt: skip
 
-    forward.__doc__ = f"{ring.op} over packed sequences; a new contiguous tensor."
-    fwd = torch.library.custom_op(name, forward, mutates_args=())
-
-    @fwd.register_fake
-    def _(
-        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, cu_seqlens: Tensor,
-        reverse: bool, backend: str,
-    ) -> Tensor:  # fmt: skip
-        torch._check(gates.shape == tokens.shape, lambda: f"{name}: shape mismatch")
+    def forward_fake(gates: Tensor, tokens: Tensor, *_: object) -> Tensor:
+        torch._check(gates.shape == tokens.shape, lambda: f"parascan::{name}: shape mismatch")
         return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+
+    fwd = custom_op(
+        name,
+        "(Tensor gates, Tensor tokens, Tensor? initial, int dim, Tensor cu_seqlens,"
+        " bool reverse, str backend) -> Tensor",
+        forward,
+        forward_fake,
+        batch_first_vmap(tensors=3, outputs=1),
+    )
 
     def backward(
         gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
@@ -214,15 +216,9 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         return _by_segments_backward(ring, backend, gates, tokens, out, grad_out, initial,
                                      cu_seqlens, dim, reverse)  # fmt: skip
 
-    backward.__doc__ = (
-        f"(grad_gates, grad_tokens, grad_initial) of {ring.op} over packed sequences."
-    )
-    bwd = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
-
-    @bwd.register_fake
-    def _(
+    def backward_fake(
         gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
-        initial: Tensor | None, dim: int, cu_seqlens: Tensor, reverse: bool, backend: str,
+        initial: Tensor | None, dim: int, cu_seqlens: Tensor, *_: object,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         d = dim % out.dim()
         seq_shape = (*out.shape[:d], cu_seqlens.shape[0] - 1, *out.shape[d + 1 :])
@@ -232,8 +228,14 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
             torch.empty(seq_shape, dtype=out.dtype, device=out.device),
         )
 
-    register_batch_first_vmap(name, fwd, tensors=3, outputs=1)
-    register_batch_first_vmap(f"{name}_backward", bwd, tensors=5, outputs=3)
+    bwd = custom_op(
+        f"{name}_backward",
+        "(Tensor gates, Tensor? tokens, Tensor out, Tensor grad_out, Tensor? initial, int dim,"
+        " Tensor cu_seqlens, bool reverse, str backend) -> (Tensor, Tensor, Tensor)",
+        backward,
+        backward_fake,
+        batch_first_vmap(tensors=5, outputs=3),
+    )
     return fwd, bwd
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._checks import FLOAT_DTYPES, accumulate_dtype
-from parascan._ops import batch_first, resolved, resolved_optional
+from parascan._ops import batch_first, custom_op, resolved, resolved_optional
 from parascan.matrix import chunked, cpu, reference
 
 __all__ = ["ROW", "matrix_linear_scan_op", "result_shape"]
@@ -50,8 +50,7 @@ def result_shape(weights: Tensor, biases: Tensor, initial: Tensor | None) -> tup
     return (*batch, *biases.shape[-2:])
 
 
-@torch.library.custom_op("parascan::matrix_linear_scan", mutates_args=())
-def matrix_linear_scan_op(
+def _forward(
     weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bool, backend: str
 ) -> Tensor:
     """x[t] = weights[t] @ x[t-1] + biases[t]; a new contiguous tensor. Half types
@@ -65,25 +64,31 @@ def matrix_linear_scan_op(
     return out.to(dtype)
 
 
-@matrix_linear_scan_op.register_fake
-def _(
-    weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bool, backend: str
-) -> Tensor:
+def _fake(weights: Tensor, biases: Tensor, initial: Tensor | None, *_: object) -> Tensor:
     torch._check(weights.dtype == biases.dtype, lambda: "parascan::matrix_linear_scan: dtypes")
     shape = result_shape(weights, biases, initial)
     return torch.empty(shape, dtype=biases.dtype, device=biases.device)
 
 
-def _vmap_rule(
-    info: Any, in_dims: tuple[Any, ...], weights: Tensor, biases: Tensor,
-    initial: Tensor | None, reverse: bool, backend: str,
-) -> tuple[Tensor, int]:  # fmt: skip
-    # The vmapped dim becomes the first batch dim of every operand; the batch dims
-    # have one rank, so the operands still broadcast.
-    n = info.batch_size
-    operands = (weights, biases, initial)
-    w, b, h = (batch_first(t, d, n) for t, d in zip(operands, in_dims[:3], strict=True))
-    return matrix_linear_scan_op(w, b, h, reverse, backend), 0
+def _vmap_rule(op: Any) -> Any:
+    def rule(
+        info: Any, in_dims: tuple[Any, ...], weights: Tensor, biases: Tensor,
+        initial: Tensor | None, reverse: bool, backend: str,
+    ) -> tuple[Tensor, int]:  # fmt: skip
+        # The vmapped dim becomes the first batch dim of every operand; the batch dims
+        # have one rank, so the operands still broadcast.
+        n = info.batch_size
+        operands = (weights, biases, initial)
+        w, b, h = (batch_first(t, d, n) for t, d in zip(operands, in_dims[:3], strict=True))
+        return op(w, b, h, reverse, backend), 0
+
+    return rule
 
 
-torch.library.register_vmap("parascan::matrix_linear_scan", _vmap_rule)
+matrix_linear_scan_op = custom_op(
+    "matrix_linear_scan",
+    "(Tensor weights, Tensor biases, Tensor? initial, bool reverse, str backend) -> Tensor",
+    _forward,
+    _fake,
+    _vmap_rule,
+)
