@@ -3,7 +3,9 @@
 api.py              selective_scan: the public function and its validation
 canonical.py        the backends' contract: operand forms, math, checkpoints
 autograd.py         the op: its backend-table row, torch.library ops and autograd.Function
-reference.py        the ``loop`` backend (sequential) and the ``torch`` backend (chunked)
+reference.py        the ``loop`` backend: the recurrence a step at a time
+chunked.py          the ``torch`` backend (a chunk's states by linear_scan) and the
+                    checkpointed driver both share
 cpu.py              the ``cpu`` backend: bindings to cpu.c (cpu_kernel.h)
 triton.py           the ``triton`` backend: launches of triton_kernels.py
 """

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._ops import CheckpointedScan, checkpointed_scan
-from parascan.selective import cpu, reference, triton
+from parascan.selective import chunked, cpu, reference, triton
 from parascan.selective.canonical import n_chunks, state_dtype
 
 __all__ = ["ROW", "apply"]
@@ -29,7 +29,7 @@ ROW = register(
                 unsupported="{dtype} states (a complex A): its kernels take a real A; use "
                 "'torch' (or 'auto')",
             ),
-            "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
+            "torch": Backend(chunked.forward_torch, chunked.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
     )
@@ -73,7 +73,7 @@ def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
 
 
 def _torch_forward(operands: tuple[Opt, ...], consts: tuple[object, ...]) -> tuple[Tensor, Tensor]:
-    out, final, _ = reference.forward_torch(*operands, *consts)
+    out, final, _ = chunked.forward_torch(*operands, *consts)
     return out, final
 
 

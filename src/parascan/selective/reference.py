@@ -1,208 +1,31 @@
-"""The ``torch`` and ``loop`` backends of the selective scan (canonical.py's contract).
-
-Both walk the sequence a chunk of steps at a time, holding one chunk's (batch, dim,
-K, N) states at most, never (batch, dim, L, N):
-
-- ``loop`` (the semantics in one loop): each step is a few torch ops on the
-  (batch, dim, N) state.
-- ``torch`` (any device, fast): a chunk's decays and inputs are built at once and its
-  states come from parascan's own first-order ``linear_scan`` along time (the C
-  kernel on CPU, Triton on GPU), from the chunk's entering state.
-
-Their backward is exact activation checkpointing: for each chunk from the last, the
-chunk's forward runs again from its checkpoint under autograd, and
-``torch.autograd.grad`` carries the output's and the carried state's gradients to
-the chunk's inputs and to the state entering it. The gradient math is therefore the
-forward's own, whatever the operands' forms (complex A, invariant or grouped B/C).
-"""
+"""The ``loop`` backend of the selective scan: the recurrence one step at a time, a
+few torch ops on the (batch, dim, N) state per step, run a chunk at a time by the
+checkpointed driver it shares with the ``torch`` backend (chunked.py)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from parascan.selective.canonical import CHECKPOINT_STEPS, EMPTY, state_dtype
+from parascan.selective import chunked
 
-__all__ = ["backward_loop", "backward_torch", "chunk_forward", "forward_loop", "forward_torch"]
-
-Optional = Tensor | None
+__all__ = ["backward_loop", "forward_loop"]
 
 
-def _per_channel(m: Tensor, dim: int) -> Tensor:
-    """B or C of one chunk as (batch or 1, dim, K or 1, N): invariant (dim, N) gives
-    (1, dim, 1, N); variable (batch, G, N, K) gives each channel its group's rows."""
-    if m.dim() == 2:
-        return m[None, :, None, :]
-    batch, groups, n, k = m.shape
-    per_group = m.transpose(-1, -2)[:, :, None]  # (batch, G, 1, K, N)
-    return per_group.expand(batch, groups, dim // groups, k, n).reshape(batch, dim, k, n)
+def _loop_states(
+    dt: Tensor, dtu: Tensor, A: Tensor, b_full: Tensor, c_full: Tensor, h0: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One chunk's outputs (before the skip and the gate) and last state, a step at a
+    time."""
+    h, ys = h0, []
+    for t in range(dt.shape[2]):
+        decay = torch.exp(dt[:, :, t, None] * A)
+        b_t = b_full[:, :, min(t, b_full.shape[2] - 1)]
+        c_t = c_full[:, :, min(t, c_full.shape[2] - 1)]
+        h = decay * h + dtu[:, :, t, None] * b_t
+        ys.append((c_t * h).sum(-1))
+    y = torch.stack(ys, dim=-1) if ys else dtu.new_zeros(dtu.shape).to(h.dtype)
+    return y, h
 
 
-def chunk_forward(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional, z: Optional,
-    delta_bias: Optional, h0: Tensor, softplus: bool, loop: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """One chunk's (out, last state) from its entering state ``h0``, in torch ops
-    (differentiable). The chunk's variable B/C are (batch, G, N, K), the rest as in
-    canonical.py with K steps."""
-    dim, steps = u.shape[1], u.shape[2]
-    dt = delta if delta_bias is None else delta + delta_bias[:, None]
-    if softplus:
-        dt = F.softplus(dt)  # threshold 20: x itself above, as the contract says
-    dtu = dt * u
-    b_full, c_full = _per_channel(B, dim), _per_channel(C, dim)
-    if loop:
-        h, ys = h0, []
-        for t in range(steps):
-            decay = torch.exp(dt[:, :, t, None] * A)
-            b_t = b_full[:, :, min(t, b_full.shape[2] - 1)]
-            c_t = c_full[:, :, min(t, c_full.shape[2] - 1)]
-            h = decay * h + dtu[:, :, t, None] * b_t
-            ys.append((c_t * h).sum(-1))
-        y = torch.stack(ys, dim=-1) if ys else u.new_zeros(u.shape).to(h.dtype)
-        last = h
-    else:
-        # Imported here: the first-order family imports nothing of this one.
-        from parascan.first_order import linear_scan
-
-        decay = torch.exp(dt[..., None] * A[:, None, :])  # (batch, dim, K, N)
-        states = linear_scan(decay, dtu[..., None] * b_full, dim=2, initial=h0)
-        y = (c_full * states).sum(-1)
-        # a copy: a view would keep the chunk's (batch, dim, K, N) states alive
-        last = states[:, :, -1].clone() if steps else h0
-    y = 2 * y.real if y.is_complex() else y
-    if D is not None:
-        y = y + D[:, None] * u
-    if z is not None:
-        y = y * F.silu(z)
-    return y, last
-
-
-def _time_slice(m: Optional, start: int, stop: int) -> Optional:
-    return m if m is None else m[..., start:stop]
-
-
-def _bc_slice(m: Tensor, start: int, stop: int) -> Tensor:
-    return m if m.dim() == 2 else m[..., start:stop]
-
-
-def _initial_state(u: Tensor, A: Tensor, initial: Optional) -> Tensor:
-    batch, dim, _ = u.shape
-    dtype = state_dtype(A, u)
-    if initial is None:
-        return torch.zeros(batch, dim, A.shape[-1], dtype=dtype, device=u.device)
-    return initial.to(dtype)
-
-
-Forward = tuple[Tensor, Tensor, Tensor]
-
-
-def _forward(
-    backend: str, loop: bool, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional, z: Optional, delta_bias: Optional, initial: Optional, softplus: bool,
-) -> Forward:  # fmt: skip
-    steps = u.shape[2]
-    k = CHECKPOINT_STEPS[backend]
-    h = _initial_state(u, A, initial)
-    checkpoints, outs = [], []
-    # No torch.no_grad here: inside the op autograd does not record anyway, and the
-    # forward mode (autograd.py) runs this under reverse mode too (jacrev of jacfwd)
-    for start in range(0, steps, k):
-        stop = min(start + k, steps)
-        checkpoints.append(h)
-        y, h = chunk_forward(
-            u[..., start:stop], delta[..., start:stop], A, _bc_slice(B, start, stop),
-            _bc_slice(C, start, stop), D, _time_slice(z, start, stop), delta_bias, h,
-            softplus, loop,
-        )  # fmt: skip
-        outs.append(y)
-    out = torch.cat(outs, dim=-1) if outs else u.new_zeros(u.shape)
-    ckpt = (
-        torch.stack(checkpoints, dim=2)
-        if checkpoints
-        else h.new_zeros(h.shape[0], h.shape[1], 0, h.shape[2])
-    )
-    return out, h.clone() if h is initial else h, ckpt
-
-
-def _backward(
-    backend: str, loop: bool, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional, z: Optional, delta_bias: Optional, initial: Optional, softplus: bool,
-    checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
-) -> tuple[Tensor, ...]:  # fmt: skip
-    steps = u.shape[2]
-    k = CHECKPOINT_STEPS[backend]
-    grad_u, grad_delta = torch.zeros_like(u), torch.zeros_like(delta)
-    grad_z = EMPTY(u) if z is None else torch.zeros_like(z)
-    grad_b, grad_c = torch.zeros_like(B), torch.zeros_like(C)
-    shared = {"A": A, "D": D, "delta_bias": delta_bias}
-    shared_grads: dict[str, Tensor] = {
-        name: torch.zeros_like(t) for name, t in shared.items() if t is not None
-    }
-    if B.dim() == 2:
-        shared["B"], shared_grads["B"] = B, grad_b
-    if C.dim() == 2:
-        shared["C"], shared_grads["C"] = C, grad_c
-    # a copy: with no steps it becomes d(initial), which may not alias an input of the op
-    carry = grad_final.to(state_dtype(A, u), copy=True)
-    for chunk in reversed(range(math.ceil(steps / k) if steps else 0)):
-        start, stop = chunk * k, min(chunk * k + k, steps)
-        primals = {n: t for n, t in shared.items() if t is not None}
-        primals |= {
-            "u": u[..., start:stop], "delta": delta[..., start:stop],
-            "h0": checkpoints[:, :, chunk],
-        }  # fmt: skip
-        if z is not None:
-            primals["z"] = z[..., start:stop]
-        if B.dim() != 2:
-            primals["B"] = B[..., start:stop]
-        if C.dim() != 2:
-            primals["C"] = C[..., start:stop]
-
-        def run(p: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-            return chunk_forward(
-                p["u"], p["delta"], p["A"], p["B"], p["C"], p.get("D"), p.get("z"),
-                p.get("delta_bias"), p["h0"], softplus, loop,
-            )  # fmt: skip
-
-        # torch.func.vjp, not torch.autograd.grad: inside a custom op the autograd keys
-        # are excluded, and functorch's transform brings its own.
-        pullback = torch.func.vjp(run, primals)[1]
-        (found,) = pullback((grad_out[..., start:stop], carry))
-        for name, g in found.items():
-            if name in shared_grads:
-                shared_grads[name] += g
-        for name, full in (("u", grad_u), ("delta", grad_delta), ("z", grad_z)):
-            if name in found:
-                full[..., start:stop] = found[name]
-        if B.dim() != 2:
-            grad_b[..., start:stop] = found["B"]
-        if C.dim() != 2:
-            grad_c[..., start:stop] = found["C"]
-        carry = found["h0"]
-    grad_initial = EMPTY(u) if initial is None else carry.to(initial.dtype)
-    return (
-        grad_u, grad_delta, shared_grads["A"], grad_b, grad_c,
-        shared_grads.get("D", EMPTY(u)), grad_z, shared_grads.get("delta_bias", EMPTY(u)),
-        grad_initial,
-    )  # fmt: skip
-
-
-def _bind(
-    backend: str, loop: bool
-) -> tuple[Callable[..., Forward], Callable[..., tuple[Tensor, ...]]]:
-    def forward(*args: object) -> Forward:
-        return _forward(backend, loop, *args)  # type: ignore[arg-type]
-
-    def backward(*args: object) -> tuple[Tensor, ...]:
-        return _backward(backend, loop, *args)  # type: ignore[arg-type]
-
-    return forward, backward
-
-
-forward_loop, backward_loop = _bind("loop", loop=True)
-forward_torch, backward_torch = _bind("torch", loop=False)
+forward_loop, backward_loop = chunked.bind("loop", _loop_states)
