@@ -27,7 +27,7 @@ import parascan as ps
 from parascan.ssd import autograd as ssd_ops
 from parascan.ssd import triton as backend
 from parascan.ssd.canonical import CHECKPOINT_STEPS
-from parascan.ssd.reference import dual_form_steps
+from parascan.ssd.chunked import dual_form_steps
 
 from conftest import assert_matches
 from oracles import ssd_loop

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from parascan._backends import Backend, OpBackends, register
 from parascan._ops import CheckpointedScan, checkpointed_scan
-from parascan.ssd import cpu, reference, triton
+from parascan.ssd import chunked, cpu, reference, triton
 from parascan.ssd.canonical import n_chunks
 
 __all__ = ["ROW", "apply"]
@@ -26,7 +26,7 @@ ROW = register(
             "cpu": Backend(cpu.forward, cpu.backward, _STATE_DTYPES),
             # "auto" picks it for CUDA tensors only (the interpreter is a testing aid)
             "triton": Backend(triton.forward, triton.backward, _STATE_DTYPES),
-            "torch": Backend(reference.forward_torch, reference.backward_torch, _STATE_DTYPES),
+            "torch": Backend(chunked.forward_torch, chunked.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
     )
@@ -88,7 +88,7 @@ def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
 
 
 def _torch_forward(operands: tuple[Opt, ...], consts: tuple[object, ...]) -> tuple[Tensor, Tensor]:
-    out, final, _ = reference.forward_torch(*operands)
+    out, final, _ = chunked.forward_torch(*operands)
     return out, final if consts[0] else final[:0]
 
 

@@ -21,7 +21,7 @@ forwards, both with the same checkpoints (so one backward serves both):
   block's, 16 times fewer links, for about the same multiply-adds at headdim = N =
   64 (per step 16 (N + headdim) + 2 headdim N against 3 headdim N). Its block
   weights reach exp(16 max(dt A)): a state growing that fast (dt A > 0, allowed by
-  the contract) walks step by step instead (``reference.dual_form_steps``).
+  the contract) walks step by step instead (``chunked.dual_form_steps``).
 
 Which wins where is to be measured (tools/gpu/ssd_check.py times both; no GPU
 has run them yet): the expectation from the counts above is the dual form, by up to
@@ -48,7 +48,7 @@ from torch import Tensor
 
 from parascan.selective.triton import Launch
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
-from parascan.ssd.reference import dual_form_steps
+from parascan.ssd.chunked import dual_form_steps
 
 __all__ = [
     "CHUNKED_TILES",
@@ -288,7 +288,7 @@ def forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """canonical.py's forward: (out, final, checkpoints). ``algorithm``:
     "sequential" or "chunked" (the dual form; not for packed sequences, nor for a
-    state growing too fast for its blocks: ``reference.dual_form_steps``),
+    state growing too fast for its blocks: ``chunked.dual_form_steps``),
     ``PARASCAN_SSD_TRITON_FORWARD`` when None."""
     _check(x)
     from parascan.ssd import triton_kernels as kernels
