@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from parascan._checks import check_dtype, describe
+from parascan._checks import check_dtype
+from parascan.compat._checks import check_same_3d
 from parascan.first_order import linear_scan
 
 __all__ = ["scan"]
@@ -35,14 +36,7 @@ def scan(gates: Tensor, tokens: Tensor) -> Tensor:
         tensor([[[1.0000, 1.5000, 1.7500]]])
     """
     fn = "parascan.compat.accelerated_scan.scan"
-    for name, t in (("gates", gates), ("tokens", tokens)):
-        if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{fn}: expected {name} of shape (B, C, T), but got {describe(t)}")
-    if gates.shape != tokens.shape:
-        raise ValueError(
-            f"{fn}: expected gates and tokens of one shape (B, C, T), but got gates "
-            f"{tuple(gates.shape)} and tokens {tuple(tokens.shape)}"
-        )
+    check_same_3d(fn, ("gates", gates), ("tokens", tokens), "(B, C, T)")
     check_dtype(fn, "gates", gates)
     check_dtype(fn, "tokens", tokens)
     return linear_scan(gates, tokens, -1)

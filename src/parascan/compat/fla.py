@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from parascan._checks import check_dtype, check_flag, check_same_device, describe
+from parascan.compat._checks import check_same_3d
 from parascan.first_order import linear_scan
 from parascan.first_order.packed import check_cu_seqlens
 
@@ -33,14 +34,7 @@ def _hgrn(
     cu_seqlens: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     output_final_state = check_flag(fn, "output_final_state", output_final_state)
-    for name, t in (("x", x), ("g", g)):
-        if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{fn}: expected {name} of shape (B, T, D), but got {describe(t)}")
-    if x.shape != g.shape:
-        raise ValueError(
-            f"{fn}: expected x and g of one shape (B, T, D), but got x {tuple(x.shape)} "
-            f"and g {tuple(g.shape)}"
-        )
+    check_same_3d(fn, ("x", x), ("g", g), "(B, T, D)")
     batch, steps, width = x.shape
     n = batch
     if cu_seqlens is not None:

@@ -59,7 +59,8 @@ import torch
 from torch import Tensor
 
 import parascan as ps
-from parascan._checks import check_flag, check_in_place, describe
+from parascan._checks import check_flag, check_in_place, check_tensor, describe
+from parascan.compat._checks import is_integer_tensor
 from parascan.first_order.packed import check_cu_seqlens
 from parascan.mixer.conv import causal_conv1d
 from parascan.ssd import layer as ssd_layer
@@ -246,13 +247,7 @@ def selective_state_update(
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"{fn}: expected x to be a Tensor (batch, ...), but got {describe(x)}")
     idx = state_batch_indices
-    if (
-        not isinstance(idx, Tensor)
-        or idx.dtype.is_floating_point
-        or idx.is_complex()
-        or idx.dtype == torch.bool
-        or tuple(idx.shape) != (x.shape[0],)
-    ):
+    if not is_integer_tensor(idx) or tuple(idx.shape) != (x.shape[0],):
         raise ValueError(
             f"{fn}: expected state_batch_indices to be an integer tensor of shape (batch,) = "
             f"({x.shape[0]},), but got {describe(idx)}"
@@ -283,20 +278,14 @@ def selective_state_update(
 _CHUNK = "parascan.compat.mamba_ssm.mamba_chunk_scan_combined"
 
 
-_REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _real(fn: str, name: str, value: object) -> Tensor:
     """``value`` if it is a strided tensor of a real floating dtype, else a TypeError
-    naming ``fn`` (an integer one would be cast silently by the ops it meets)."""
+    naming ``fn`` (an integer one would be cast silently by the ops it meets). A
+    non-tensor and a non-strided one share this module's message; the dtype is the
+    core's check."""
     if not isinstance(value, Tensor) or value.layout != torch.strided or value.is_nested:
         raise TypeError(f"{fn}: expected {name} to be a strided Tensor, but got {describe(value)}")
-    if value.dtype not in _REAL:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _REAL)
-        raise TypeError(
-            f"{fn}: expected {name} to have a real floating dtype ({names}), but got {value.dtype}"
-        )
-    return value
+    return check_tensor(fn, name, value)
 
 
 def _check_chunk_size(fn: str, chunk_size: object) -> None:
@@ -307,24 +296,26 @@ def _check_chunk_size(fn: str, chunk_size: object) -> None:
         )
 
 
-def _sequence_starts(fn: str, seq_idx: Tensor | None, batch: int, length: int) -> list[int]:
-    """Where the scan's sequences start in the (batch * L) flattened steps: each row's
-    first step, and with ``seq_idx`` every step whose id differs from the step before
-    it in the same row. A row of length 0 is one empty sequence."""
-    starts = [b * length for b in range(batch)]
-    if seq_idx is None:
-        return starts
-    if (
-        not isinstance(seq_idx, Tensor)
-        or seq_idx.dtype.is_floating_point
-        or seq_idx.is_complex()
-        or seq_idx.dtype == torch.bool
-        or tuple(seq_idx.shape) != (batch, length)
+def _check_seq_idx(fn: str, seq_idx: Tensor | None, batch: int, length: int) -> None:
+    """``seq_idx`` None, or the sequence ids ``(batch, seqlen)`` of the scan (and of
+    the layer's convolution before it)."""
+    if seq_idx is not None and (
+        not is_integer_tensor(seq_idx) or tuple(seq_idx.shape) != (batch, length)
     ):
         raise ValueError(
             f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
             f"{(batch, length)}, but got {describe(seq_idx)}"
         )
+
+
+def _sequence_starts(fn: str, seq_idx: Tensor | None, batch: int, length: int) -> list[int]:
+    """Where the scan's sequences start in the (batch * L) flattened steps: each row's
+    first step, and with ``seq_idx`` every step whose id differs from the step before
+    it in the same row. A row of length 0 is one empty sequence."""
+    starts = [b * length for b in range(batch)]
+    _check_seq_idx(fn, seq_idx, batch, length)
+    if seq_idx is None:
+        return starts
     changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).nonzero()  # (row, t - 1), row-major
     inner = (changes[:, 0] * length + changes[:, 1] + 1).tolist()
     return sorted(starts + inner)
@@ -675,17 +666,7 @@ def mamba_split_conv1d_scan_combined(
             raise ValueError(f"{fn}: expected all tensors on one device, but zxbcdt is on "
                              f"{zxbcdt.device} and {name} is on {t.device}")  # fmt: skip
     zx0, z, xBC, dt = zxbcdt.split([nonssm2, dim, conv_dim, nheads], dim=-1)
-    if seq_idx is not None and (
-        not isinstance(seq_idx, Tensor)
-        or seq_idx.dtype.is_floating_point
-        or seq_idx.is_complex()
-        or seq_idx.dtype == torch.bool
-        or tuple(seq_idx.shape) != (batch, length)
-    ):
-        raise ValueError(
-            f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
-            f"{(batch, length)}, but got {describe(seq_idx)}"
-        )
+    _check_seq_idx(fn, seq_idx, batch, length)
     # On the CPU, the convolution, scan and gated norm fused (parascan.ssd.layer).
     if (
         rmsnorm_weight is not None

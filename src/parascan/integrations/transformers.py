@@ -115,6 +115,7 @@ from torch import Tensor
 
 from parascan._checks import check_in_place, describe
 from parascan.compat import mamba_ssm
+from parascan.compat._checks import is_integer_tensor
 from parascan.mixer import conv
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
@@ -404,10 +405,7 @@ def _conv_ids(seq_idx: Tensor, x: Tensor) -> Tensor:
     the input without a cache is taken the same way."""
     batch, steps = x.shape[:2]
     if (
-        not isinstance(seq_idx, Tensor)
-        or seq_idx.dtype.is_floating_point
-        or seq_idx.is_complex()
-        or seq_idx.dtype == torch.bool
+        not is_integer_tensor(seq_idx)
         or seq_idx.dim() != 2
         or seq_idx.shape[0] != batch
         or not 1 <= seq_idx.shape[1] <= steps

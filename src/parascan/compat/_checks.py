@@ -1,0 +1,42 @@
+"""Argument checks that several drop-ins share (parascan._checks holds the library's
+own): each states a convention of the originals once, so that the drop-ins that
+follow it check it, and word its errors, alike."""
+
+from __future__ import annotations
+
+from typing import TypeGuard
+
+import torch
+from torch import Tensor
+
+from parascan._checks import describe
+
+__all__ = ["check_same_3d", "is_integer_tensor"]
+
+
+def check_same_3d(
+    fn: str, first: tuple[str, Tensor], second: tuple[str, Tensor], dims: str
+) -> None:
+    """Two operands that are 3-dim tensors of one shape, ``dims`` naming it (e.g.
+    ``"(B, T, D)"``): the inputs of the elementwise recurrences, which their originals
+    take only so."""
+    for name, t in (first, second):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{fn}: expected {name} of shape {dims}, but got {describe(t)}")
+    (a_name, a), (b_name, b) = first, second
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{fn}: expected {a_name} and {b_name} of one shape {dims}, but got {a_name} "
+            f"{tuple(a.shape)} and {b_name} {tuple(b.shape)}"
+        )
+
+
+def is_integer_tensor(value: object) -> TypeGuard[Tensor]:
+    """Whether ``value`` is a tensor of an integer dtype (not bool): sequence ids and
+    state indices, which a float or bool tensor would stand for silently."""
+    return (
+        isinstance(value, Tensor)
+        and not value.dtype.is_floating_point
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
