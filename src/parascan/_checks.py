@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -19,11 +20,15 @@ __all__ = [
     "accumulate_dtype",
     "as_operand",
     "broadcast_shape",
+    "check_cu_seqlens",
     "check_dtype",
     "check_flag",
     "check_in_place",
     "check_layout",
+    "check_offsets",
     "check_same_device",
+    "check_shape",
+    "check_tensor",
     "describe",
     "normalize_dim",
     "result_dtype",
@@ -247,3 +252,43 @@ def normalize_dim(fn: str, dim: object, ndim: int) -> int:
             f"{ndim} dimensions, but got {dim}"
         )
     return dim % ndim
+
+
+def check_cu_seqlens(
+    name: str, cu_seqlens: object, steps: int, device: torch.device
+) -> torch.Tensor:
+    """``cu_seqlens`` validated: a 1-d integer tensor (num_seqs + 1,) of offsets
+    along the scanned dim, 0 first, ``steps`` last, non-decreasing, on the CPU or on
+    ``device`` (the operands'). Its values are
+    read (a device sync for a CUDA tensor) unless torch.compile is tracing; the
+    kernels check them again."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(
+            f"{name}: expected cu_seqlens to be an integer tensor of offsets, but got "
+            f"{describe(cu_seqlens)}"
+        )
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+        raise TypeError(
+            f"{name}: expected cu_seqlens to be a 1-d int32 or int64 tensor "
+            f"(num_seqs + 1 offsets), but got {describe(cu_seqlens)}"
+        )
+    if cu_seqlens.numel() == 0:
+        raise ValueError(f"{name}: expected cu_seqlens to hold at least one offset (0), got none")
+    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected cu_seqlens on the CPU or on {device}, but got it on "
+            f"{cu_seqlens.device}"
+        )
+    if not torch.compiler.is_compiling():
+        check_offsets(name, cu_seqlens.tolist(), steps)
+    return cu_seqlens
+
+
+def check_offsets(name: str, cu: list[int], steps: int) -> None:
+    """A ValueError naming ``name`` unless ``cu`` are non-decreasing offsets from 0 to
+    ``steps``: also the raw ops' own check (a compiled graph skips the public one)."""
+    if cu[0] != 0 or cu[-1] != steps or any(b < a for a, b in pairwise(cu)):
+        raise ValueError(
+            f"{name}: expected cu_seqlens to be non-decreasing offsets from 0 to the length "
+            f"along dim ({steps}), but got {cu}"
+        )

@@ -59,9 +59,8 @@ import torch
 from torch import Tensor
 
 import parascan as ps
-from parascan._checks import check_flag, check_in_place, check_tensor, describe
+from parascan._checks import check_cu_seqlens, check_flag, check_in_place, check_tensor, describe
 from parascan.compat._checks import is_integer_tensor
-from parascan.first_order.packed import check_cu_seqlens
 from parascan.mixer.conv import causal_conv1d
 from parascan.ssd import layer as ssd_layer
 from parascan.ssd.api import _limit

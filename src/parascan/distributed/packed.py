@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parascan._checks import check_cu_seqlens
 from parascan._higher_order import once_differentiable
 from parascan._ops import state_shape
 from parascan.distributed.api import (
@@ -67,7 +68,7 @@ from parascan.distributed.api import (
     carry_back,
 )
 from parascan.first_order.api import Prepared
-from parascan.first_order.packed import _OPS, _finals, check_cu_seqlens
+from parascan.first_order.packed import _OPS, _finals
 
 __all__ = ["check_offsets", "packed_scan"]
 

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._checks import accumulate_dtype, as_operand, check_dtype, describe
+from parascan._checks import (
+    accumulate_dtype,
+    as_operand,
+    check_cu_seqlens,
+    check_dtype,
+    check_offsets,
+    describe,
+)
 from parascan._higher_order import tangent_mode
 from parascan._native import bindings
 from parascan._ops import batch_first_vmap, custom_op, resolved, resolved_optional
@@ -40,50 +47,12 @@ from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
 
 __all__ = [
-    "check_cu_seqlens",
     "packed_initial",
     "public_state_shape",
     "scan",
     "to_internal",
     "to_public",
 ]
-
-
-def check_cu_seqlens(name: str, cu_seqlens: object, steps: int, device: torch.device) -> Tensor:
-    """``cu_seqlens`` validated: a 1-d integer tensor (num_seqs + 1,) of offsets
-    along the scanned dim, 0 first, ``steps`` last, non-decreasing, on the CPU or on
-    ``device`` (the operands'). Its values are
-    read (a device sync for a CUDA tensor) unless torch.compile is tracing; the
-    kernels check them again."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(
-            f"{name}: expected cu_seqlens to be an integer tensor of offsets, but got "
-            f"{describe(cu_seqlens)}"
-        )
-    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
-        raise TypeError(
-            f"{name}: expected cu_seqlens to be a 1-d int32 or int64 tensor "
-            f"(num_seqs + 1 offsets), but got {describe(cu_seqlens)}"
-        )
-    if cu_seqlens.numel() == 0:
-        raise ValueError(f"{name}: expected cu_seqlens to hold at least one offset (0), got none")
-    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
-        raise ValueError(
-            f"{name}: expected cu_seqlens on the CPU or on {device}, but got it on "
-            f"{cu_seqlens.device}"
-        )
-    if not torch.compiler.is_compiling():
-        _check_values(name, cu_seqlens.tolist(), steps)
-    return cu_seqlens
-
-
-def _check_values(name: str, cu: list[int], steps: int) -> None:
-    # also the raw ops' own check (a compiled graph skips the public one)
-    if cu[0] != 0 or cu[-1] != steps or any(b < a for a, b in pairwise(cu)):
-        raise ValueError(
-            f"{name}: expected cu_seqlens to be non-decreasing offsets from 0 to the length "
-            f"along dim ({steps}), but got {cu}"
-        )
 
 
 def to_internal(state: Tensor, dim: int) -> Tensor:
@@ -102,7 +71,7 @@ def to_public(state: Tensor, dim: int) -> Tensor:
 
 def _segments(cu_seqlens: Tensor, op: str, steps: int) -> list[tuple[int, int]]:
     cu = cu_seqlens.tolist()
-    _check_values(op, cu, steps)
+    check_offsets(op, cu, steps)
     return list(pairwise(cu))
 
 
@@ -168,10 +137,10 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         gates, tokens, initial = resolved(gates), resolved(tokens), resolved_optional(initial)
         dim %= tokens.dim()
         if backend == "triton":
-            _check_values(ring.op, cu_seqlens.tolist(), tokens.shape[dim])
+            check_offsets(ring.op, cu_seqlens.tolist(), tokens.shape[dim])
         if backend == "cpu":
             cu = _cpu_cu(cu_seqlens)
-            _check_values(ring.op, cu.tolist(), tokens.shape[dim])
+            check_offsets(ring.op, cu.tolist(), tokens.shape[dim])
             return bindings.scan_forward(
                 ring.name, gates, tokens, initial, dim, reverse, cu_seqlens=cu
             )
@@ -202,13 +171,13 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         dim %= out.dim()
         if backend == "cpu":
             cu = _cpu_cu(cu_seqlens)
-            _check_values(ring.op, cu.tolist(), out.shape[dim])
+            check_offsets(ring.op, cu.tolist(), out.shape[dim])
             return bindings.scan_backward(
                 ring.name, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
                 initial, dim, reverse, cu_seqlens=cu,
             )  # fmt: skip
         if backend == "triton":
-            _check_values(ring.op, cu_seqlens.tolist(), out.shape[dim])
+            check_offsets(ring.op, cu_seqlens.tolist(), out.shape[dim])
             return triton.packed_backward(
                 ring, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
                 initial, dim, reverse, cu_seqlens,
