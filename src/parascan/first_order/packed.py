@@ -39,10 +39,9 @@ from parascan._checks import (
     check_offsets,
     describe,
 )
-from parascan._higher_order import tangent_mode
 from parascan._native import bindings
 from parascan._ops import batch_first_vmap, custom_op, resolved, resolved_optional
-from parascan.first_order import api, triton
+from parascan.first_order import api, autograd, triton
 from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
 
@@ -214,99 +213,20 @@ _OPS = {name: _define(ring) for name, ring in SEMIRINGS.items()}
 # ---- autograd ---------------------------------------------------------------------
 
 
-class _PackedScan(torch.autograd.Function):
-    """The scan of packed sequences in the semiring named ``ring`` (see _FirstOrderScan)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, cu_seqlens: Tensor,
-        reverse: bool, backend: str, ring: str,
-    ) -> Tensor:  # fmt: skip
-        out: Tensor = _OPS[ring][0](gates, tokens, initial, dim, cu_seqlens, reverse, backend)
-        return out
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        gates, tokens, initial, dim, cu_seqlens, reverse, backend, ring = inputs
-        if not SEMIRINGS[ring].backward_reads_tokens:
-            tokens = None
-        ctx.save_for_backward(gates, tokens, output, initial, cu_seqlens)
-        ctx.save_for_forward(gates, tokens, output, initial, cu_seqlens)
-        ctx.dim, ctx.reverse, ctx.backend, ctx.ring = dim, reverse, backend, ring
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        gates, tokens, out, initial, cu_seqlens = ctx.saved_tensors
-        ring, dim, reverse = SEMIRINGS[ctx.ring], ctx.dim, ctx.reverse
-        if torch.is_grad_enabled():
-            # create_graph: each sequence's gradients through differentiable torch ops
-            grads = _differentiable_backward(
-                ring, ctx.backend, gates, tokens, out, grad_out, initial, cu_seqlens, dim,
-                reverse,
-            )  # fmt: skip
-        else:
-            grads = _OPS[ctx.ring][1](
-                gates, tokens, out, grad_out, initial, dim, cu_seqlens, reverse, ctx.backend
-            )
-        need = ctx.needs_input_grad
-        return (
-            grads[0] if need[0] else None,
-            grads[1] if need[1] else None,
-            grads[2] if initial is not None and need[2] else None,
-            None, None, None, None, None,
-        )  # fmt: skip
+def ops(ring: str) -> tuple[Any, Any]:
+    """``parascan::<op>_varlen`` and its backward, of the semiring named ``ring``."""
+    return _OPS[ring]
 
 
-class _PackedScanForwardMode(_PackedScan):
-    """_PackedScan with forward-mode AD (torch.func.jvp, jacfwd); kept apart because
-    dynamo cannot trace an autograd.Function that defines ``jvp``."""
-
-    @staticmethod
-    def jvp(
-        ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None,
-        *_: Any,
-    ) -> Tensor:  # fmt: skip
-        # Within each sequence the tangent obeys a linear recurrence with the steps'
-        # partials (w, d_a, d_b): dx[t] = w[t] dx[t-1] + (d_a[t] da[t] + d_b[t] db[t]),
-        # from the sequence's d initial: a packed linear scan, by the same backend.
-        # Differentiable by an outer forward-mode transform too, in tangent_mode.
-        ring = SEMIRINGS[ctx.ring]
-        with tangent_mode(ctx.saved_tensors, ring.op) as saved:
-            gates, tokens, out, initial, cu_seqlens = saved
-            w, d_gates, d_tokens = ring.partials(
-                gates, tokens, out, initial, ctx.dim, ctx.reverse, cu_seqlens
-            )
-            drive = torch.zeros_like(out)
-            if tokens_t is not None:
-                drive = tokens_t if d_tokens is None else d_tokens * tokens_t
-            if gates_t is not None:
-                drive = drive + d_gates * gates_t
-            return _apply(LINEAR.name, w, drive, initial_t, ctx.dim, cu_seqlens, ctx.reverse,
-                          ctx.backend)  # fmt: skip
-
-
-def _apply(
-    ring: str, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int,
-    cu_seqlens: Tensor, reverse: bool, backend: str,
-) -> Tensor:  # fmt: skip
-    """The differentiable packed scan (forward mode too, outside torch.compile)."""
-    fn = _PackedScan if torch.compiler.is_compiling() else _PackedScanForwardMode
-    out: Tensor = fn.apply(gates, tokens, initial, dim, cu_seqlens, reverse, backend, ring)  # type: ignore[no-untyped-call]
-    return out
-
-
-def _differentiable_backward(
+def differentiable_backward(
     ring: Semiring, backend: str, gates: Tensor, tokens: Tensor | None, out: Tensor,
     grad_out: Tensor, initial: Tensor | None, cu_seqlens: Tensor, dim: int, reverse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The gradients of every sequence (ops.backward_from_partials on its steps, the
     chain a linear scan through the differentiable public path), side by side."""
-    from parascan.first_order.autograd import apply
 
     def linear(a: Tensor, b: Tensor, h: Tensor | None, d: int, rev: bool) -> Tensor:
-        return apply(LINEAR.name, a, b, h, d, rev, backend)
+        return autograd.apply(LINEAR.name, a, b, h, d, rev, backend)
 
     acc = accumulate_dtype(out.dtype)
     nseq = cu_seqlens.numel() - 1
@@ -368,7 +288,7 @@ def scan(
     public_shape = public_state_shape(name, out_shape, d, nseq)
     h = None if initial is None else packed_initial(name, initial, p.tokens, public_shape, d)
     rev = bool(reverse)  # validated by prepare
-    out = _apply(ring.name, p.gates, p.tokens, h, d, cu, rev, p.backend)
+    out = autograd.apply(ring.name, p.gates, p.tokens, h, d, rev, p.backend, cu)
     result = out.reshape(()) if p.scalar else out
     if not return_final:
         return result
