@@ -11,7 +11,7 @@ from torch import Tensor
 from parascan._backends import Backend, OpBackends, register
 from parascan._ops import CheckpointedScan, checkpointed_scan
 from parascan.ssd import chunked, cpu, reference, triton
-from parascan.ssd.canonical import n_chunks
+from parascan.ssd.canonical import n_chunks, states
 
 __all__ = ["ROW", "apply"]
 
@@ -35,22 +35,15 @@ ROW = register(
 Opt = Tensor | None
 
 
-def _states(x: Tensor, cu_seqlens: Opt) -> int:
-    """The number of final states: the batch, or the packed sequences."""
-    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
 def _forward(backend: str, *args: object) -> tuple[Tensor, Tensor, Tensor]:
     """(out, final, checkpoints); without ``want_final``, ``final`` has no rows (the C
     kernel then stores none: with many packed sequences that was a state's write per
     sequence nobody read)."""
     *operands, want_final = args
-    forward = ROW.backends[backend].forward
-    if backend == "cpu":
-        result: tuple[Tensor, Tensor, Tensor] = forward(*operands, want_final=want_final)
-        return result
-    out, final, checkpoints = forward(*operands)
-    return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
+    result: tuple[Tensor, Tensor, Tensor] = ROW.backends[backend].forward(
+        *operands, want_final=want_final
+    )
+    return result
 
 
 def _shapes(
@@ -61,7 +54,7 @@ def _shapes(
     n = B.shape[-1]
     return (
         x.new_empty(batch, length, heads, headdim),
-        x.new_empty(_states(x, cu_seqlens) if want_final else 0, heads, headdim, n),
+        x.new_empty(states(x, cu_seqlens) if want_final else 0, heads, headdim, n),
         x.new_empty(batch, n_chunks(length, backend), heads, headdim, n),
     )
 
@@ -71,13 +64,9 @@ def _backward(
     grad_out: Tensor, grad_final: Tensor,
 ) -> list[Tensor]:  # fmt: skip
     """The 8 gradients of canonical.py's backward; ``grad_final`` with no rows stands
-    for zeros (the C kernel then reads none)."""
+    for zeros."""
     backward = ROW.backends[backend].backward
     assert backward is not None
-    x, cu_seqlens = tensors[0], tensors[-1]
-    assert x is not None
-    if backend != "cpu" and grad_final.shape[0] != _states(x, cu_seqlens):
-        grad_final = grad_final.new_zeros(_states(x, cu_seqlens), *grad_final.shape[1:])
     grads: list[Tensor] = backward(*tensors, checkpoints, grad_out, grad_final)
     return grads
 

@@ -50,10 +50,10 @@ forward(x, dt, A, B, C, D, z, initial, cu_seqlens) -> (out, final, checkpoints)
 backward(x, dt, A, B, C, D, z, initial, cu_seqlens, checkpoints, grad_out,
          grad_final) -> 8 gradients
     grad_out (batch, L, heads, headdim) cd; grad_final (S, heads, headdim, N) cd;
-    both always given (zeros when unused). The cpu backend alone also takes
-    ``want_final=False`` in forward (``final`` then has no rows and the kernel stores
-    none) and a grad_final with no rows for zeros; ssd_ops.py hands the others
-    zeros and drops their finals. Returns the gradients of x, dt, A, B, C,
+    both always given (zeros when unused). Every backend's forward also takes
+    ``want_final=False`` (``final`` then has no rows: the C kernel stores none) and
+    its backward a grad_final with no rows for zeros (the C kernel reads none; the
+    others make the zeros: ``zero_rows_as_zeros``). Returns the gradients of x, dt, A, B, C,
     D, z, initial, each with its operand's shape and dtype (A and D summed over the
     batch and time, B and C over the heads of each group). An operand that is None
     gets an empty tensor (``EMPTY``) in its place.
@@ -65,11 +65,21 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 
-__all__ = ["CHECKPOINT_STEPS", "EMPTY", "n_chunks"]
+__all__ = [
+    "CHECKPOINT_STEPS",
+    "EMPTY",
+    "drops_final",
+    "n_chunks",
+    "states",
+    "zero_rows_as_zeros",
+]
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
 CHECKPOINT_STEPS = {"cpu": 64, "triton": 64, "torch": 256, "loop": 64}
@@ -83,3 +93,35 @@ def n_chunks(length: int, backend: str) -> int:
 def EMPTY(like: Tensor) -> Tensor:
     """The placeholder gradient of an absent operand."""
     return like.new_empty(0)
+
+
+def states(x: Tensor, cu_seqlens: Tensor | None) -> int:
+    """The number of final states: the batch, or the packed sequences."""
+    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def drops_final(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A backend's ``forward`` that also takes ``want_final``: without it the final
+    state it computed is dropped (no rows)."""
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, want_final: bool = True, **kwargs: Any) -> Any:
+        out, final, checkpoints = forward(*args, **kwargs)
+        return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
+
+    return wrapped
+
+
+def zero_rows_as_zeros(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A backend's ``backward`` that also takes a ``grad_final`` with no rows, for
+    zeros (its last argument; ``cu_seqlens`` its ninth)."""
+
+    @functools.wraps(backward)
+    def wrapped(*args: Any) -> Any:
+        *head, grad_final = args
+        count = states(args[0], args[8])
+        if grad_final.shape[0] != count:
+            grad_final = grad_final.new_zeros(count, *grad_final.shape[1:])
+        return backward(*head, grad_final)
+
+    return wrapped

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
+from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, drops_final, zero_rows_as_zeros
 
 __all__ = [
     "BLOCK",
@@ -407,9 +407,11 @@ def bind(
     for the call's steps."""
     k = CHECKPOINT_STEPS[backend]
 
+    @drops_final
     def forward(x: Tensor, dt: Tensor, A: Tensor, *args: Optional) -> Forward:
         return _forward(piece_for(dt, A), k, x, dt, A, *args)  # type: ignore[arg-type]
 
+    @zero_rows_as_zeros
     def backward(x: Tensor, dt: Tensor, A: Tensor, *args: Optional) -> tuple[Tensor, ...]:
         return _backward(piece_for(dt, A), k, x, dt, A, *args)  # type: ignore[arg-type]
 

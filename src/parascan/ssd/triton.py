@@ -47,7 +47,13 @@ import torch
 from torch import Tensor
 
 from parascan.selective.triton import Launch
-from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
+from parascan.ssd.canonical import (
+    CHECKPOINT_STEPS,
+    EMPTY,
+    drops_final,
+    states,
+    zero_rows_as_zeros,
+)
 from parascan.ssd.chunked import dual_form_steps
 
 __all__ = [
@@ -228,10 +234,6 @@ def _constexprs(
     )  # fmt: skip
 
 
-def _states(x: Tensor, cu_seqlens: Tensor | None) -> int:
-    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
 def _chunked(algorithm: str | None, cu_seqlens: Tensor | None) -> bool:
     """Whether the forward runs the dual form: ``algorithm`` ("sequential",
     "chunked", or None for the environment's ``PARASCAN_SSD_TRITON_FORWARD``, by
@@ -257,7 +259,7 @@ def forward_launch(
     p = plan(headdim, n, x.dtype, False, chunked=_chunked(algorithm, cu_seqlens))
     new: dict[str, Any] = dict(dtype=x.dtype, device=x.device)
     out = torch.empty((batch, length, heads, headdim), **new)
-    final = torch.empty((_states(x, cu_seqlens), heads, headdim, n), **new)
+    final = torch.empty((states(x, cu_seqlens), heads, headdim, n), **new)
     checkpoints = torch.empty((batch, -(-length // p.chunk), heads, headdim, n), **new)
     launch = Launch(
         grid=(batch * heads * p.blocks,),
@@ -281,6 +283,7 @@ def _empty_sequences(cu_seqlens: Tensor, device: torch.device) -> Tensor:
     return (cu[1:] == cu[:-1]).view(-1, 1, 1, 1)
 
 
+@drops_final
 def forward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None, *,
@@ -348,7 +351,7 @@ def backward_launch(
     grads = _Gradients(
         x=torch.empty((batch, length, heads, headdim), **new),
         z=torch.empty((batch, length, heads, headdim), **new) if z is not None else EMPTY(x),
-        initial=torch.empty((_states(x, cu_seqlens), heads, headdim, n), **new),
+        initial=torch.empty((states(x, cu_seqlens), heads, headdim, n), **new),
         dt=torch.empty((batch, length, heads, p.blocks), **new),
         B=torch.empty((batch, length, heads * p.blocks, n), **new),
         C=torch.empty((batch, length, heads * p.blocks, n), **new),
@@ -382,6 +385,7 @@ def backward_launch(
     return launch, grads, p
 
 
+@zero_rows_as_zeros
 def backward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
