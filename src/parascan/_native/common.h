@@ -50,11 +50,7 @@ enum { PS_BLOCK = 2048, PS_ROWS = 8, PS_TILE = 64 };
  * apart would): long_len() = PS_LONG_CHUNK_BYTES / sizeof(element). */
 #define PS_LONG_CHUNK_BYTES (8192 + 64)
 
-/* The constants above, for tests and fuzzers that place lengths around them:
- * out[] = {PS_BLOCK, PS_ROWS, PS_TILE, PS_LONG_STEPS, PS_LONG_ROWS, PS_LONG_CHUNKS,
- * PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES}; returns how many there are (at most n are
- * written). */
-PS_API int64_t ps_scan_constants(int64_t *out, int64_t n);
+/* ps_scan_constants (abi.h, abi.c) returns the constants above. */
 
 /* Channels per time-major work unit: whole rows (up to PS_BLOCK), cut into more
  * blocks only when there are fewer rows than threads; multiples of 16 keep the
