@@ -19,7 +19,7 @@
  *   no lane sums. The rest of a step (dt x, D x, the silu(z) gate, and in the
  *   backward the rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector
  *   code too,
- *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
+ *   silu through the shared vector exp (_native/vector_math.h, a few ulp): one libm exp
  *   per step and head (the decay) is all that is left scalar. Work units are (batch
  *   row, head) pairs (split further along headdim when
  *   there are fewer pairs than threads: rows of the state never interact); the
@@ -128,18 +128,6 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
 #define SCALE_LO 0x1p-30f /* the forward's scaled state (cpu_kernel.h, ps_ssd_fwd_task) */
 #define SCALE_HI 0x1p30f
 #define SFX f32
-/* the vector exp's constants (see ps_ssd_vexp): results of at least 2^-125 */
-#define PS_SSD_EXP_LO -86.9f
-#define PS_SSD_EXP_HI 88.7228317f
-#define PS_SSD_ROUND 12582912.0f /* 1.5 2^23 */
-#define PS_SSD_LOG2E 1.44269504088896341f
-#define PS_SSD_LN2_HI 0.693359375f /* 9 bits: times k (8 bits) is exact */
-#define PS_SSD_LN2_LO -2.12194440e-4f
-#define PS_SSD_MANT 23
-/* a near-minimax fit of (exp(r) - 1 - r) / r^2 on |r| <= 0.3467: relative error 8e-9 */
-#define PS_SSD_EXP_POLY(r, r2)                                                            \
-    ((T)1 + ((r) + (r2) * (0.5f + (r) * (0.166665769f + (r) * (0.0416665545f +              \
-                                   (r) * (0.00836319488f + (r) * 0.00139262034f))))))
 
 #if PS_SSD_X86
 typedef float ps_ssd_v16f __attribute__((vector_size(64)));
@@ -206,14 +194,6 @@ typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
 #undef SCALE_LO
 #undef SCALE_HI
 #undef SFX
-#undef PS_SSD_EXP_LO
-#undef PS_SSD_EXP_HI
-#undef PS_SSD_ROUND
-#undef PS_SSD_LOG2E
-#undef PS_SSD_LN2_HI
-#undef PS_SSD_LN2_LO
-#undef PS_SSD_MANT
-#undef PS_SSD_EXP_POLY
 
 /* ---- float64 ---------------------------------------------------------------------- */
 #define T double
@@ -222,21 +202,6 @@ typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
 #define SCALE_LO 0x1p-200
 #define SCALE_HI 0x1p200
 #define SFX f64
-/* the vector exp's constants: results of at least 2^-1021 */
-#define PS_SSD_EXP_LO -708.0
-#define PS_SSD_EXP_HI 709.782712893384
-#define PS_SSD_ROUND 6755399441055744.0 /* 1.5 2^52 */
-#define PS_SSD_LOG2E 1.4426950408889634
-#define PS_SSD_LN2_HI 6.93147180369123816490e-01 /* 32 bits: times k (11 bits) is exact */
-#define PS_SSD_LN2_LO 1.90821492927058770002e-10
-#define PS_SSD_MANT 52
-/* the same fit, degree 11: relative error 1.3e-17 */
-#define PS_SSD_EXP_POLY(r, r2)                                                            \
-    (1.0 + ((r) + (r2) * (0.5000000000000001 + (r) * (0.16666666666666667 +               \
-        (r) * (0.041666666666624038 + (r) * (0.0083333333333300549 +                      \
-        (r) * (0.0013888888917258758 + (r) * (0.00019841269863088254 +                    \
-        (r) * (2.4801521225986432e-05 + (r) * (2.7557268406190795e-06 +                   \
-        (r) * (2.7620121717381935e-07 + (r) * 2.5100411082014901e-08)))))))))))
 
 #if PS_SSD_X86
 typedef double ps_ssd_v8d __attribute__((vector_size(64)));
@@ -303,14 +268,6 @@ typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
 #undef SCALE_LO
 #undef SCALE_HI
 #undef SFX
-#undef PS_SSD_EXP_LO
-#undef PS_SSD_EXP_HI
-#undef PS_SSD_ROUND
-#undef PS_SSD_LOG2E
-#undef PS_SSD_LN2_HI
-#undef PS_SSD_LN2_LO
-#undef PS_SSD_MANT
-#undef PS_SSD_EXP_POLY
 
 /* ---- entry points ----------------------------------------------------------------- */
 
