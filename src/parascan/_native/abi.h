@@ -298,8 +298,8 @@ PS_SCAN_DTYPES(log_linear_scan)
 #undef PS_SCAN_ENTRIES
 /* The first-order scans' block constants, for tests and fuzzers that place lengths
  * around them: out[] = {PS_BLOCK, PS_ROWS, PS_TILE, PS_LONG_STEPS, PS_LONG_ROWS,
- * PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES} (first_order/cpu_tiling.h);
- * returns how many there are (at most n are written). abi.c. */
+ * PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES} (first_order/cpu_common.h);
+ * returns how many there are (at most n are written). */
 PS_API int64_t ps_scan_constants(int64_t *out, int64_t n);
 
 /* matrix_linear_scan (matrix/cpu.c). */
