@@ -110,47 +110,25 @@ static int ps_sel_check_bwd(const ps_selective_bwd_args *g) {
 }
 
 /* ---- float32 (ps_selective_*_f32, *_c64) ------------------------------------------ */
-typedef float ps_sel_vf32 __attribute__((vector_size(32)));
-typedef int32_t ps_sel_vi32 __attribute__((vector_size(32)));
-typedef uint32_t ps_sel_vu32 __attribute__((vector_size(32)));
-
 #define SFX f32
 #define CSFX c64
 #define T float
-#define V ps_sel_vf32
-#define VI ps_sel_vi32
-#define VU ps_sel_vu32
+#define TI int32_t
+#define TU uint32_t
 #define W 8
 #define EXP expf
 #define COS cosf
 #define SIN sinf
-#include "cpu_kernel.h"
-#include "cpu_step.h"
-#undef SFX
-#undef CSFX
-#undef T
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef EXP
-#undef COS
-#undef SIN
+#include "cpu_instance.h"
 
 /* ---- float64 (ps_selective_*_f64, *_c128) ----------------------------------------- */
-typedef double ps_sel_vf64 __attribute__((vector_size(32)));
-typedef int64_t ps_sel_vi64 __attribute__((vector_size(32)));
-typedef uint64_t ps_sel_vu64 __attribute__((vector_size(32)));
-
 #define SFX f64
 #define CSFX c128
 #define T double
-#define V ps_sel_vf64
-#define VI ps_sel_vi64
-#define VU ps_sel_vu64
+#define TI int64_t
+#define TU uint64_t
 #define W 4
 #define EXP exp
 #define COS cos
 #define SIN sin
-#include "cpu_kernel.h"
-#include "cpu_step.h"
+#include "cpu_instance.h"

@@ -1,6 +1,6 @@
 /* One instantiation of the selective scan's CPU kernel (cpu.c explains the
  * algorithm), for one real type T: the entries ps_selective_{fwd,bwd}_<SFX> (a real
- * state) and ps_selective_{fwd,bwd}_<CSFX> (a complex state of T pairs). The includer
+ * state) and ps_selective_{fwd,bwd}_<CSFX> (a complex state of T pairs). cpu_instance.h
  * defines:
  *   SFX, CSFX         the suffixes (f32 and c64, or f64 and c128)
  *   T, V, VI, VU, W   the real type; the vector of W of them (32 bytes) and the signed

@@ -1,7 +1,7 @@
 /* The decoding step of the selective and SSD scans (ps_selective_step_*): one step of
- * the recurrence on a cached state, in place. Included by cpu.c once per real
- * type, right after cpu_kernel.h, whose vector exp it uses (T, V, W, SFX and
- * the PS_SEL_* constants are the including type's).
+ * the recurrence on a cached state, in place. Included by cpu_instance.h once per
+ * real type, right after cpu_kernel.h, whose vector exp it uses (T, V, W and SFX are
+ * the including type's).
  *
  * Summary of algorithm.
  *   Every unit (batch element, head, row of the head; a channel in Mamba-1's layout,

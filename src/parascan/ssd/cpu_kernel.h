@@ -1,5 +1,5 @@
 /* One instantiation of the SSD scan's CPU kernel (cpu.c explains the algorithm).
- * Included by cpu.c once per (state type, instruction set) with:
+ * Included by cpu_instance.h once per (state type, instruction set) with:
  *   T        the scalar type (float, double)
  *   V        a GCC vector of W T's; VI the integer vector of the same shape (masks)
  *   W        lanes per vector; PB: vectors of headdim held in registers at once
