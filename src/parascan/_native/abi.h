@@ -331,18 +331,15 @@ PS_API int ps_selective_math_f32(int64_t which, const float *x, float *out, int6
 PS_API int ps_selective_math_f64(int64_t which, const double *x, double *out, int64_t n);
 
 /* The SSD scan and its layer's convolution and norm (ssd/cpu.c). */
-PS_API int ps_ssd_fwd_f32(ps_ssd_args *a);
-PS_API int ps_ssd_fwd_f64(ps_ssd_args *a);
-PS_API int ps_ssd_bwd_f32(ps_ssd_args *a);
-PS_API int ps_ssd_bwd_f64(ps_ssd_args *a);
-PS_API int ps_ssd_conv_fwd_f32(ps_ssd_conv_args *a);
-PS_API int ps_ssd_conv_fwd_f64(ps_ssd_conv_args *a);
-PS_API int ps_ssd_conv_bwd_f32(ps_ssd_conv_args *a);
-PS_API int ps_ssd_conv_bwd_f64(ps_ssd_conv_args *a);
-PS_API int ps_ssd_norm_fwd_f32(ps_ssd_norm_args *a);
-PS_API int ps_ssd_norm_fwd_f64(ps_ssd_norm_args *a);
-PS_API int ps_ssd_norm_bwd_f32(ps_ssd_norm_args *a);
-PS_API int ps_ssd_norm_bwd_f64(ps_ssd_norm_args *a);
+#define PS_SSD_ENTRIES(name, args_t)                                               \
+    PS_API int ps_##name##_fwd_f32(args_t *a);                                     \
+    PS_API int ps_##name##_fwd_f64(args_t *a);                                     \
+    PS_API int ps_##name##_bwd_f32(args_t *a);                                     \
+    PS_API int ps_##name##_bwd_f64(args_t *a);
+PS_SSD_ENTRIES(ssd, ps_ssd_args)
+PS_SSD_ENTRIES(ssd_conv, ps_ssd_conv_args)
+PS_SSD_ENTRIES(ssd_norm, ps_ssd_norm_args)
+#undef PS_SSD_ENTRIES
 
 /* What Python checks before anything else is called (abi.c): the version and the
  * size of every argument struct, ps_<name>_args_size() for each name of

@@ -94,14 +94,17 @@ PS_VM_ATTR V PS_VM(ps_vselect)(VI m, V a, V b) { return (V)((m & (VI)a) | (~m & 
  * polynomial, then 2^k applied by adding k to the exponent field (k shifted up by
  * m: the bits above k shift out). Lanes out of range compute garbage and are
  * replaced at the end. */
+/* The body both exps share, up to `scaled` (the result for x in range). */
+#define PS_VM_EXP_SCALED(x, scaled)                                                   \
+    const V round = PS_VM_SPLAT(PS_VM_K(ROUND));                                      \
+    const V t = (x) * PS_VM_K(LOG2E) + round;                                         \
+    const V kf = t - round;                                                           \
+    const V r = ((x) - kf * PS_VM_K(LN2_HI)) - kf * PS_VM_K(LN2_LO);                  \
+    const V r2 = r * r;                                                               \
+    const V p = PS_VM_K(POLY)(r, r2);                                                 \
+    const V scaled = (V)((VU)p + ((VU)t << PS_VM_K(MANT)))
 PS_VM_ATTR V PS_VM(ps_vexp)(V x) {
-    const V round = PS_VM_SPLAT(PS_VM_K(ROUND));
-    const V t = x * PS_VM_K(LOG2E) + round;
-    const V kf = t - round;
-    const V r = (x - kf * PS_VM_K(LN2_HI)) - kf * PS_VM_K(LN2_LO);
-    const V r2 = r * r;
-    const V p = PS_VM_K(POLY)(r, r2);
-    const V scaled = (V)((VU)p + ((VU)t << PS_VM_K(MANT)));
+    PS_VM_EXP_SCALED(x, scaled);
     const VI small = (VI)(x < PS_VM_K(LO));
     const VI big = ~(VI)(x <= PS_VM_K(HI)); /* or NaN: x + inf is inf or NaN */
     return PS_VM(ps_vselect)(big, x + (T)INFINITY, (V)(~small & (VI)scaled));
@@ -110,13 +113,7 @@ PS_VM_ATTR V PS_VM(ps_vexp)(V x) {
 /* exp(x) for x <= 0, never NaN (the selective scan's common case, dt >= 0 and A <= 0,
  * both finite): ps_vexp without the checks for large x and NaN. */
 PS_VM_ATTR V PS_VM(ps_vexp_nonpos)(V x) {
-    const V round = PS_VM_SPLAT(PS_VM_K(ROUND));
-    const V t = x * PS_VM_K(LOG2E) + round;
-    const V kf = t - round;
-    const V r = (x - kf * PS_VM_K(LN2_HI)) - kf * PS_VM_K(LN2_LO);
-    const V r2 = r * r;
-    const V p = PS_VM_K(POLY)(r, r2);
-    const V scaled = (V)((VU)p + ((VU)t << PS_VM_K(MANT)));
+    PS_VM_EXP_SCALED(x, scaled);
     return (V)(~(VI)(x < PS_VM_K(LO)) & (VI)scaled);
 }
 
@@ -147,5 +144,6 @@ PS_VM_ATTR V PS_VM(ps_vsigmoid)(V x) {
     return one / (one + PS_VM(ps_vexp)(-x));
 }
 
+#undef PS_VM_EXP_SCALED
 #undef PS_VM_K
 #undef PS_VM_SPLAT

@@ -124,23 +124,7 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
 #define SCALE_LO 0x1p-30f /* the forward's scaled state (cpu_kernel.h, ps_ssd_fwd_task) */
 #define SCALE_HI 0x1p30f
 #define SFX f32
-#if PS_ISA_X86
-#define PS_ISA PS_ISA_V4
-#include "cpu_instance.h"
-#define PS_ISA PS_ISA_V3
-#include "cpu_instance.h"
-#endif
-#define PS_ISA PS_ISA_BASE
-#include "cpu_instance.h"
-#undef T
-#undef TBYTES
-#undef TI
-#undef TU
-#undef EXP
-#undef LO
-#undef SCALE_LO
-#undef SCALE_HI
-#undef SFX
+#include "cpu_levels.h"
 
 /* ---- float64 ---------------------------------------------------------------------- */
 #define T double
@@ -152,23 +136,7 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
 #define SCALE_LO 0x1p-200
 #define SCALE_HI 0x1p200
 #define SFX f64
-#if PS_ISA_X86
-#define PS_ISA PS_ISA_V4
-#include "cpu_instance.h"
-#define PS_ISA PS_ISA_V3
-#include "cpu_instance.h"
-#endif
-#define PS_ISA PS_ISA_BASE
-#include "cpu_instance.h"
-#undef T
-#undef TBYTES
-#undef TI
-#undef TU
-#undef EXP
-#undef LO
-#undef SCALE_LO
-#undef SCALE_HI
-#undef SFX
+#include "cpu_levels.h"
 
 /* ---- entry points ----------------------------------------------------------------- */
 

@@ -1,7 +1,7 @@
 /* One instantiation of the SSD scan's kernel (cpu_kernel.h) and its layer's
  * convolution and norm (cpu_layer.h), for one type and one instruction-set level
- * (_native/isa.h). cpu.c includes this header once per (type, level), having
- * defined
+ * (_native/isa.h). cpu_levels.h includes this header once per level of each type
+ * of cpu.c, having defined
  *   PS_ISA                      the level (PS_ISA_V4, PS_ISA_V3, PS_ISA_BASE)
  * and, in its type's section:
  *   T, TBYTES, TI, TU, SFX      the type (float, double), its bytes, the signed and
