@@ -142,23 +142,37 @@ def _groups(fields: tuple[str, ...]) -> dict[str, tuple[int, int]]:
 _GROUPS = {kind: _groups(fields) for kind, fields in ARG_FIELDS.items()}
 
 
+def _builder(kind: str) -> Any:
+    """The constructor of ps_<kind>_args that takes its members by field name
+    (keyword-only; see arg_struct), generated once: Python binds the names, so
+    filling a struct by name costs no more than filling it by position."""
+    groups, size = _GROUPS[kind], len(ARG_FIELDS[kind])
+    params = ", ".join(
+        f"{name}=0" if count == 1 else f"{name}=({'0, ' * count})"
+        for name, (_, count) in groups.items()
+    )
+    row = ", ".join(name if count == 1 else f"*{name}" for name, (_, count) in groups.items())
+    source = (
+        f"def build(*, {params}):\n"
+        f"    row = ({row},)\n"
+        f"    if len(row) != {size}:\n"
+        f"        raise TypeError(f'parascan: internal error: ps_{kind}_args takes {size} '\n"
+        f"                        f'members, not {{len(row)}}')\n"
+        f"    return struct(*row)\n"
+    )
+    scope: dict[str, Any] = {"struct": ARG_STRUCTS[kind]}
+    exec(source, scope)  # the source is built from ARG_FIELDS alone
+    return scope["build"]
+
+
+_BUILDERS: dict[str, Any] = {kind: _builder(kind) for kind in ARG_FIELDS}
+
+
 def arg_struct(kind: str, **members: int | tuple[int, ...]) -> Any:
     """The struct ps_<kind>_args with its members filled by field name (ARG_FIELDS):
     a scalar by its value; a tensor by its (data pointer, *strides) and an array by
     its elements, each a sequence of the member's length. Members not named are 0."""
-    groups = _GROUPS[kind]
-    row = [0] * len(ARG_FIELDS[kind])
-    for name, value in members.items():
-        first, count = groups[name]
-        if isinstance(value, int):
-            if count != 1:
-                raise TypeError(f"parascan: internal error: ps_{kind}_args.{name} takes {count}")
-            row[first] = value
-        else:
-            if len(value) != count:
-                raise TypeError(f"parascan: internal error: ps_{kind}_args.{name} takes {count}")
-            row[first : first + count] = value
-    return ARG_STRUCTS[kind](*row)
+    return _BUILDERS[kind](**members)
 
 
 # The first-order scans' C entry points per semiring (first_order/cpu.c).
