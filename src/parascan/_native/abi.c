@@ -1,7 +1,8 @@
 /* The ABI facts Python checks once, before it calls any kernel, and the first-order
- * scans' block constants (bindings.py). */
+ * scans' block constants (bindings.py). Here rather than in first_order/cpu.c: a
+ * function more in that file changes how gcc compiles its kernels. */
 #include "abi.h"
-#include "common.h"
+#include "../first_order/cpu_common.h"
 
 PS_API int64_t ps_abi_version(void) { return PS_ABI_VERSION; }
 

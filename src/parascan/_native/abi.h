@@ -279,7 +279,71 @@ typedef struct {
     int64_t nthreads, simd, failed;
 } ps_ssd_norm_args;
 
-/* What Python checks before anything else is called (abi.c). */
+/* ---- Every function the library exports ---------------------------------------- */
+
+/* The first-order scans (first_order/cpu.c), per dtype. */
+#define PS_SCAN_ENTRIES(op, sfx)                                                   \
+    PS_API int ps_##op##_fwd_##sfx(const ps_scan_fwd_args *args);                  \
+    PS_API int ps_##op##_bwd_##sfx(const ps_scan_bwd_args *args);                  \
+    PS_API int ps_##op##_fwd_varlen_##sfx(const ps_scan_fwd_args *args,            \
+                                           const ps_varlen_args *v);               \
+    PS_API int ps_##op##_bwd_varlen_##sfx(const ps_scan_bwd_args *args,            \
+                                           const ps_varlen_args *v);
+#define PS_SCAN_DTYPES(op)                                                         \
+    PS_SCAN_ENTRIES(op, f16) PS_SCAN_ENTRIES(op, bf16) PS_SCAN_ENTRIES(op, f32)    \
+    PS_SCAN_ENTRIES(op, f64) PS_SCAN_ENTRIES(op, c64) PS_SCAN_ENTRIES(op, c128)
+PS_SCAN_DTYPES(linear_scan)
+PS_SCAN_DTYPES(log_linear_scan)
+#undef PS_SCAN_DTYPES
+#undef PS_SCAN_ENTRIES
+/* The first-order scans' block constants, for tests and fuzzers that place lengths
+ * around them: out[] = {PS_BLOCK, PS_ROWS, PS_TILE, PS_LONG_STEPS, PS_LONG_ROWS,
+ * PS_LONG_CHUNKS, PS_LONG_MIN_LEN, PS_LONG_CHUNK_BYTES} (first_order/cpu_common.h);
+ * returns how many there are (at most n are written). */
+PS_API int64_t ps_scan_constants(int64_t *out, int64_t n);
+
+/* matrix_linear_scan (matrix/cpu.c). */
+PS_API int ps_matrix_linear_scan_fwd_f32(const ps_matrix_linear_scan_args *args);
+PS_API int ps_matrix_linear_scan_fwd_f64(const ps_matrix_linear_scan_args *args);
+
+/* associative_reduce(torch.matmul) (generic/cpu.c): 0 on success; 1 for a bad shape,
+ * 2 when the scratch memory cannot be allocated. ps_matmul_constants, for tests:
+ * out[] = {PS_PRODUCT_ITEMS, PS_PRODUCT_MIN_SEGMENT}; returns the count. */
+PS_API int ps_matmul_reduce_f32(const ps_matmul_args *args);
+PS_API int ps_matmul_reduce_f64(const ps_matmul_args *args);
+PS_API int64_t ps_matmul_constants(int64_t *out, int64_t n);
+
+/* The selective scan (selective/cpu.c) and its decoding step (selective/cpu_step.h).
+ * ps_selective_math_<sfx>: the scan's own vector functions one by one, for tests of
+ * their accuracy (which 0: exp, 1: softplus, 2: log1p (x >= 0), 3: sigmoid, 4: exp
+ * for x <= 0); 1 for another `which`. */
+PS_API int ps_selective_fwd_f32(const ps_selective_fwd_args *f);
+PS_API int ps_selective_fwd_f64(const ps_selective_fwd_args *f);
+PS_API int ps_selective_fwd_c64(const ps_selective_fwd_args *f);
+PS_API int ps_selective_fwd_c128(const ps_selective_fwd_args *f);
+PS_API int ps_selective_bwd_f32(const ps_selective_bwd_args *g);
+PS_API int ps_selective_bwd_f64(const ps_selective_bwd_args *g);
+PS_API int ps_selective_bwd_c64(const ps_selective_bwd_args *g);
+PS_API int ps_selective_bwd_c128(const ps_selective_bwd_args *g);
+PS_API int ps_selective_step_f32(const ps_selective_step_args *a);
+PS_API int ps_selective_step_f64(const ps_selective_step_args *a);
+PS_API int ps_selective_math_f32(int64_t which, const float *x, float *out, int64_t n);
+PS_API int ps_selective_math_f64(int64_t which, const double *x, double *out, int64_t n);
+
+/* The SSD scan and its layer's convolution and norm (ssd/cpu.c). */
+#define PS_SSD_ENTRIES(name, args_t)                                               \
+    PS_API int ps_##name##_fwd_f32(args_t *a);                                     \
+    PS_API int ps_##name##_fwd_f64(args_t *a);                                     \
+    PS_API int ps_##name##_bwd_f32(args_t *a);                                     \
+    PS_API int ps_##name##_bwd_f64(args_t *a);
+PS_SSD_ENTRIES(ssd, ps_ssd_args)
+PS_SSD_ENTRIES(ssd_conv, ps_ssd_conv_args)
+PS_SSD_ENTRIES(ssd_norm, ps_ssd_norm_args)
+#undef PS_SSD_ENTRIES
+
+/* What Python checks before anything else is called (abi.c): the version and the
+ * size of every argument struct, ps_<name>_args_size() for each name of
+ * bindings.ARG_FIELDS. */
 PS_API int64_t ps_abi_version(void);
 PS_API int64_t ps_scan_fwd_args_size(void);
 PS_API int64_t ps_scan_bwd_args_size(void);
@@ -288,6 +352,7 @@ PS_API int64_t ps_matrix_linear_scan_args_size(void);
 PS_API int64_t ps_matmul_args_size(void);
 PS_API int64_t ps_selective_fwd_args_size(void);
 PS_API int64_t ps_selective_bwd_args_size(void);
+PS_API int64_t ps_selective_step_args_size(void);
 PS_API int64_t ps_ssd_args_size(void);
 PS_API int64_t ps_ssd_conv_args_size(void);
 PS_API int64_t ps_ssd_norm_args_size(void);

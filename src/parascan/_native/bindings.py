@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import re
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from parascan._native import kernel_library
 __all__ = [
     "ARG_FIELDS",
     "ARG_STRUCTS",
+    "arg_struct",
     "check_operands",
     "dims3",
     "kernel",
@@ -120,6 +122,58 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
 ARG_STRUCTS: dict[str, type[ctypes.Array[ctypes.c_int64]]] = {
     name: ctypes.c_int64 * len(fields) for name, fields in ARG_FIELDS.items()
 }
+
+
+def _groups(fields: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """A struct's members by name, as (first index, count): a tensor's pointer and its
+    strides (``x``, ``x_stride[0]``, ...) and an array's elements (``split[0]``, ...)
+    are one name, filled from a sequence."""
+    groups: dict[str, tuple[int, int]] = {}
+    last = ""
+    for i, field in enumerate(fields):
+        stride = re.fullmatch(r"(\w+)_stride(\[\d+\])?", field)
+        name = last if stride and stride[1] == last else re.sub(r"\[\d+\]$", "", field)
+        first, count = groups.get(name, (i, 0))
+        groups[name] = (first, count + 1)
+        last = name
+    return groups
+
+
+_GROUPS = {kind: _groups(fields) for kind, fields in ARG_FIELDS.items()}
+
+
+def _builder(kind: str) -> Any:
+    """The constructor of ps_<kind>_args that takes its members by field name
+    (keyword-only; see arg_struct), generated once: Python binds the names, so
+    filling a struct by name costs no more than filling it by position."""
+    groups, size = _GROUPS[kind], len(ARG_FIELDS[kind])
+    params = ", ".join(
+        f"{name}=0" if count == 1 else f"{name}=({'0, ' * count})"
+        for name, (_, count) in groups.items()
+    )
+    row = ", ".join(name if count == 1 else f"*{name}" for name, (_, count) in groups.items())
+    source = (
+        f"def build(*, {params}):\n"
+        f"    row = ({row},)\n"
+        f"    if len(row) != {size}:\n"
+        f"        raise TypeError(f'parascan: internal error: ps_{kind}_args takes {size} '\n"
+        f"                        f'members, not {{len(row)}}')\n"
+        f"    return struct(*row)\n"
+    )
+    scope: dict[str, Any] = {"struct": ARG_STRUCTS[kind]}
+    exec(source, scope)  # the source is built from ARG_FIELDS alone
+    return scope["build"]
+
+
+_BUILDERS: dict[str, Any] = {kind: _builder(kind) for kind in ARG_FIELDS}
+
+
+def arg_struct(kind: str, **members: int | tuple[int, ...]) -> Any:
+    """The struct ps_<kind>_args with its members filled by field name (ARG_FIELDS):
+    a scalar by its value; a tensor by its (data pointer, *strides) and an array by
+    its elements, each a sequence of the member's length. Members not named are 0."""
+    return _BUILDERS[kind](**members)
+
 
 # The first-order scans' C entry points per semiring (first_order/cpu.c).
 _SCAN_OP = {"linear": "linear_scan", "log": "log_linear_scan"}
@@ -274,7 +328,11 @@ def _varlen_states(
             keep.append(v)
             found.append(((v.data_ptr(), v.stride(0), v.stride(2)), v.stride(1)))
     (h, h_seq), (gh, gh_seq) = found
-    return ARG_STRUCTS["varlen"](cu_seqlens.data_ptr(), nseq, h_seq, gh_seq), h, gh, keep
+    varlen = arg_struct(
+        "varlen", cu_seqlens=cu_seqlens.data_ptr(), nseq=nseq, initial_seq_stride=h_seq,
+        grad_initial_seq_stride=gh_seq,
+    )  # fmt: skip
+    return varlen, h, gh, keep
 
 
 def _state_shape(shape: torch.Size, dim: int, cu_seqlens: torch.Tensor | None) -> tuple[int, ...]:
@@ -322,9 +380,10 @@ def scan_forward(
         varlen, (keep, h) = None, state2(initial, dims[0], dims[2])
     else:
         varlen, h, _, keep = _varlen_states(entry, cu_seqlens, dims, initial)
-    args = ARG_STRUCTS["scan_fwd"](
-        *dims, a.data_ptr(), *a_s, b.data_ptr(), *b_s, *h,
-        x.data_ptr(), *x_s, reverse, torch.get_num_threads(),
+    args = arg_struct(
+        "scan_fwd", outer=dims[0], steps=dims[1], inner=dims[2], gates=(a.data_ptr(), *a_s),
+        tokens=(b.data_ptr(), *b_s), initial=h, out=(x.data_ptr(), *x_s), reverse=int(reverse),
+        nthreads=torch.get_num_threads(),
     )  # fmt: skip
     _call(entry, tokens.dtype, args, varlen, _SCAN_OP[semiring], dims)
     del keep
@@ -368,10 +427,12 @@ def scan_backward(
         gh = (grad_initial.data_ptr(), dims[2], 1)
     else:
         varlen, h, gh, keep = _varlen_states(entry, cu_seqlens, dims, initial, grad_initial)
-    args = ARG_STRUCTS["scan_bwd"](
-        *dims, a.data_ptr(), *a_s, 0 if b is None else b.data_ptr(), *b_s,
-        x.data_ptr(), *x_s, gx.data_ptr(), *gx_s, *h, ga.data_ptr(), *ga_s,
-        gb.data_ptr(), *gb_s, *gh, reverse, torch.get_num_threads(),
+    args = arg_struct(
+        "scan_bwd", outer=dims[0], steps=dims[1], inner=dims[2], gates=(a.data_ptr(), *a_s),
+        tokens=(0 if b is None else b.data_ptr(), *b_s), out=(x.data_ptr(), *x_s),
+        grad_out=(gx.data_ptr(), *gx_s), initial=h, grad_gates=(ga.data_ptr(), *ga_s),
+        grad_tokens=(gb.data_ptr(), *gb_s), grad_initial=gh, reverse=int(reverse),
+        nthreads=torch.get_num_threads(),
     )  # fmt: skip
     _call(entry, gates.dtype, args, varlen, _SCAN_OP[semiring], dims)
     del keep

@@ -4,7 +4,7 @@
  * PS_DTYPE_C128, and gets:
  *   SFX        the entry points' name suffix (f32, ...)
  *   ST         the storage type            ACC  the accumulation type
- *   ACC_OPS    the prefix of ACC's arithmetic in common.h (ps_f32: ps_f32_fma, ...)
+ *   ACC_OPS    the prefix of ACC's arithmetic in first_order/cpu_common.h (ps_f32: ps_f32_fma, ...)
  *   LD(p)      load *p as ACC              STO(p, v)  store the ACC v to *p
  *   PS_ACC_IS_STORAGE   defined when ACC and ST are one type
  * Half types accumulate in float32. Each set below defines every trait itself, and

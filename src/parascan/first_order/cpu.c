@@ -7,7 +7,7 @@
  * instantiates them once per (semiring, dtype) through cpu_instance.h, naming the
  * faster x86 paths of linear_scan (cpu_x86.h) where they exist.
  */
-#include "common.h"
+#include "cpu_common.h"
 #include "cpu_semiring_linear.h"
 #include "cpu_semiring_log.h"
 

@@ -22,7 +22,7 @@
 #define PS_FWD_ENTRY PS_CAT(PS_CAT(PS_CAT(ps, OP), fwd), SFX)
 #define PS_BWD_ENTRY PS_CAT(PS_CAT(PS_CAT(ps, OP), bwd), SFX)
 
-/* ACC's own arithmetic (common.h), for the backward's chain, which is linear in
+/* ACC's own arithmetic (cpu_common.h), for the backward's chain, which is linear in
  * every semiring: CFMA(a, s, b) = conj(a) s + b, MULC(g, x) = g conj(x); AZERO is 0. */
 #define CFMA PS_CAT(ACC_OPS, cfma)
 #define MULC PS_CAT(ACC_OPS, mulc)

@@ -12,7 +12,7 @@
  * and a state load, never a barrier. The arithmetic is the plain kernel's, step for
  * step, so the result is the same bits as scanning each sequence alone.
  * With fewer units than threads (few channels), the channels cannot keep the team
- * busy and the sequences are shared instead (ps_run_varlen, common.h): short ones
+ * busy and the sequences are shared instead (ps_run_varlen, cpu_common.h): short ones
  * each whole on one thread in one region, big ones alone with the team. The
  * forward's long rows (cpu_forward.h, fwd_long: inner == 1, few rows) run alone
  * with the team in either case, as a plain call would run them. */

@@ -1,6 +1,6 @@
 /* The linear semiring, numbers under + and x: the algebra of linear_scan,
  * out[t] = gates[t] * out[t-1] + tokens[t]. Defined once here for every
- * accumulation type T (ps_f32, ps_f64, ps_c64, ps_c128; common.h has their
+ * accumulation type T (ps_f32, ps_f64, ps_c64, ps_c128; cpu_common.h has their
  * arithmetic); cpu_instance.h binds the names below to the macros the templates
  * use (STEP, COMPOSE, ZERO, ONE, W_STEP, W_GATE, W_TOKEN).
  *
@@ -26,13 +26,13 @@
 #ifndef PARASCAN_SEMIRING_LINEAR_H
 #define PARASCAN_SEMIRING_LINEAR_H
 
-#include "common.h"
+#include "cpu_common.h"
 
 #define ps_linear_token_weight_is_one 1
 #define ps_linear_zero_gate_grad_from_empty 1
 #define ps_linear_bwd_weights_first 0 /* the weights are the inputs: the chain first */
 
-/* Real types: expressions, as common.h's arithmetic (see there why). */
+/* Real types: expressions, as cpu_common.h's arithmetic (see there why). */
 #define ps_f32_linear_step(a, s, b) ps_f32_fma(a, s, b)
 #define ps_f32_linear_compose(a, q) ps_f32_fma(a, q, 0.0f)
 #define ps_f32_linear_zero() 0.0f

@@ -30,7 +30,7 @@
 #ifndef PARASCAN_SEMIRING_LOG_H
 #define PARASCAN_SEMIRING_LOG_H
 
-#include "common.h"
+#include "cpu_common.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -138,7 +138,7 @@ static inline void ps_clog_weight(double xr, double xi, double hr, double hi_,
 #define ps_log_zero_gate_grad_from_empty 0
 #define ps_log_bwd_weights_first 1 /* the weights cost two exp: first, as independent work */
 
-/* Real types: expressions, as common.h's arithmetic (see there why). */
+/* Real types: expressions, as cpu_common.h's arithmetic (see there why). */
 #define ps_f32_log_step(a, s, b) ps_logaddexp_f32((a) + (s), (b))
 #define ps_f32_log_compose(a, q) ((a) + (q))
 #define ps_f32_log_zero() (-INFINITY)

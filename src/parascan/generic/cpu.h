@@ -20,12 +20,6 @@
 #ifndef PARASCAN_GENERIC_MATMUL_H
 #define PARASCAN_GENERIC_MATMUL_H
 
-#include "abi.h" /* ps_matmul_args */
-
-/* For tests: out[] = {PS_PRODUCT_ITEMS, PS_PRODUCT_MIN_SEGMENT}; returns the count. */
-PS_API int64_t ps_matmul_constants(int64_t *out, int64_t n);
-/* 0 on success; 1 for a bad shape, 2 when the scratch memory cannot be allocated. */
-PS_API int ps_matmul_reduce_f32(const ps_matmul_args *args);
-PS_API int ps_matmul_reduce_f64(const ps_matmul_args *args);
+#include "abi.h" /* ps_matmul_args, ps_matmul_reduce_{f32,f64}, ps_matmul_constants */
 
 #endif

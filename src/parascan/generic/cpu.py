@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from parascan._native import kernel_library_error, simd
-from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
+from parascan._native.bindings import arg_struct, check_operands, kernel
 from parascan._ops import plain_eager
 
 __all__ = ["matrix_product_fast_path"]
@@ -70,16 +70,12 @@ def matrix_product_fast_path(
     sequences = elems.numel() // (steps * d * d)
     check_operands("matmul_reduce", dtype, (x, (sequences, steps, d, d)))
     out = torch.empty((sequences, d, d), dtype=dtype)  # written contiguously
-    args = ARG_STRUCTS["matmul"](
-        sequences,
-        steps,
-        d,
-        x.data_ptr(),
-        *x.stride(),
-        out.data_ptr(),
-        torch.get_num_threads(),
-        simd(),
-    )
+    x_batch, x_step, x_row, x_col = x.stride()
+    args = arg_struct(
+        "matmul", batch=sequences, steps=steps, d=d, x=x.data_ptr(), x_batch=x_batch,
+        x_step=x_step, x_row=x_row, x_col=x_col, out=out.data_ptr(),
+        nthreads=torch.get_num_threads(), simd=int(simd()),
+    )  # fmt: skip
     status = kernel("matmul_reduce", dtype)(args)
     if status == 2:  # no memory for the kernel's scratch: the tree needs none
         return None

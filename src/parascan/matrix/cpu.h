@@ -10,9 +10,6 @@
 #ifndef PARASCAN_MATRIX_RECURRENCE_H
 #define PARASCAN_MATRIX_RECURRENCE_H
 
-#include "abi.h" /* ps_matrix_linear_scan_args */
-
-PS_API int ps_matrix_linear_scan_fwd_f32(const ps_matrix_linear_scan_args *args);
-PS_API int ps_matrix_linear_scan_fwd_f64(const ps_matrix_linear_scan_args *args);
+#include "abi.h" /* ps_matrix_linear_scan_args, ps_matrix_linear_scan_fwd_{f32,f64} */
 
 #endif

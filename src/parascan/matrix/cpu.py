@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
+from parascan._native.bindings import arg_struct, check_operands, kernel
 
 __all__ = ["DTYPES", "forward"]
 
@@ -42,9 +42,12 @@ def forward(weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bo
         "matrix_linear_scan_fwd", biases.dtype, (w, (nbatch, steps, d, d)),
         (b, (nbatch, steps, d)), (h, (nbatch, d)),
     )  # fmt: skip
-    args = ARG_STRUCTS["matrix_linear_scan"](
-        nbatch, steps, d, w.data_ptr(), *w.stride(), b.data_ptr(), b.stride(0), b.stride(1),
-        h.data_ptr(), h.stride(0), out.data_ptr(), reverse, torch.get_num_threads(),
+    w_batch, w_step, w_row, w_col = w.stride()
+    args = arg_struct(
+        "matrix_linear_scan", batch=nbatch, steps=steps, d=d, weights=w.data_ptr(),
+        w_batch=w_batch, w_step=w_step, w_row=w_row, w_col=w_col, biases=b.data_ptr(),
+        b_batch=b.stride(0), b_step=b.stride(1), initial=h.data_ptr(), i_batch=h.stride(0),
+        out=out.data_ptr(), reverse=int(reverse), nthreads=torch.get_num_threads(),
     )  # fmt: skip
     if kernel("matrix_linear_scan_fwd", biases.dtype)(args) != 0:
         raise RuntimeError(f"parascan: matrix_linear_scan CPU kernel rejected {tuple(w.shape)}")

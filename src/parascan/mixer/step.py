@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._checks import check_flag, check_in_place, check_shape, check_tensor, describe
-from parascan._native.bindings import ARG_STRUCTS, kernel
+from parascan._native.bindings import arg_struct, kernel
 from parascan._ops import plain_eager
 from parascan.selective.api import _complex_of
 
@@ -185,12 +185,13 @@ def _step_kernel(
     batch, n = state.shape[0], state.shape[-1]
     heads, headdim = (state.shape[1], state.shape[2]) if heads_layout else (state.shape[1], 1)
     out = torch.empty((batch, heads, headdim), dtype=cd)
-    args = ARG_STRUCTS["selective_step"](
-        batch, heads, headdim, n, mats[0].shape[1], mats[1].shape[1],
-        *ptr(state, 2, 4), *ptr(x, 2, 3), *ptr(dt, 2, 3), *ptr(A, 1, 3), *ptr(mats[0], -1, 3),
-        *ptr(mats[1], -1, 3), *ptr(extras.get("D"), 1, 2), *ptr(extras.get("z"), 2, 3),
-        *ptr(extras.get("dt_bias"), 1, 2), *ptr(out, -1, 3), int(softplus),
-        torch.get_num_threads(),
+    args = arg_struct(
+        "selective_step", batch=batch, heads=heads, headdim=headdim, nstate=n,
+        B_groups=mats[0].shape[1], C_groups=mats[1].shape[1], state=ptr(state, 2, 4),
+        x=ptr(x, 2, 3), dt=ptr(dt, 2, 3), A=ptr(A, 1, 3), B=ptr(mats[0], -1, 3),
+        C=ptr(mats[1], -1, 3), D=ptr(extras.get("D"), 1, 2), z=ptr(extras.get("z"), 2, 3),
+        dt_bias=ptr(extras.get("dt_bias"), 1, 2), out=ptr(out, -1, 3),
+        softplus=int(softplus), nthreads=torch.get_num_threads(),
     )  # fmt: skip
     if kernel("selective_step", cd)(args) != 0:
         raise RuntimeError("parascan.selective_state_update: internal error: the step kernel "

@@ -110,102 +110,25 @@ static int ps_sel_check_bwd(const ps_selective_bwd_args *g) {
 }
 
 /* ---- float32 (ps_selective_*_f32, *_c64) ------------------------------------------ */
-typedef float ps_sel_vf32 __attribute__((vector_size(32)));
-typedef int32_t ps_sel_vi32 __attribute__((vector_size(32)));
-typedef uint32_t ps_sel_vu32 __attribute__((vector_size(32)));
-
 #define SFX f32
 #define CSFX c64
 #define T float
-#define V ps_sel_vf32
-#define VI ps_sel_vi32
-#define VU ps_sel_vu32
+#define TI int32_t
+#define TU uint32_t
 #define W 8
 #define EXP expf
 #define COS cosf
 #define SIN sinf
-#define PS_SEL_EXP_LO -86.9f /* k >= -125: the result is normal */
-#define PS_SEL_EXP_HI 88.7228317f
-#define PS_SEL_ROUND 12582912.0f /* 1.5 2^23 */
-#define PS_SEL_LOG2E 1.44269504088896341f
-#define PS_SEL_LN2_HI 0.693359375f /* 9 bits: times k (8 bits) is exact */
-#define PS_SEL_LN2_LO -2.12194440e-4f
-#define PS_SEL_MANT 23
-#define PS_SEL_MANT_MASK 0x007fffffu
-#define PS_SEL_TWO_MANT 8388608.0f
-#define PS_SEL_BIAS 127.0f
-#define PS_SEL_SQRT2 1.41421356f
-/* A near-minimax fit (Chebyshev least squares) of (exp(r) - 1 - r) / r^2 on |r| <=
- * 0.3467: relative error 8e-9 before rounding. */
-#define PS_SEL_EXP_POLY(r, r2)                                                            \
-    ((T)1 + ((r) + (r2) * (0.5f + (r) * (0.166665769f + (r) * (0.0416665545f +              \
-                                   (r) * (0.00836319488f + (r) * 0.00139262034f))))))
-/* atanh's series, s^2 / 3 + s^4 / 5 + ...: the next term is 2e-9 of the sum */
-#define PS_SEL_ATANH_POLY(s2)                                                             \
-    ((s2) * ((T)(1.0 / 3) + (s2) * ((T)(1.0 / 5) + (s2) * ((T)(1.0 / 7) + (s2) * (T)(1.0 / 9)))))
-#include "cpu_kernel.h"
-#include "cpu_step.h"
-#undef SFX
-#undef CSFX
-#undef T
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef EXP
-#undef COS
-#undef SIN
-#undef PS_SEL_EXP_LO
-#undef PS_SEL_EXP_HI
-#undef PS_SEL_ROUND
-#undef PS_SEL_LOG2E
-#undef PS_SEL_LN2_HI
-#undef PS_SEL_LN2_LO
-#undef PS_SEL_MANT
-#undef PS_SEL_MANT_MASK
-#undef PS_SEL_TWO_MANT
-#undef PS_SEL_BIAS
-#undef PS_SEL_SQRT2
-#undef PS_SEL_EXP_POLY
-#undef PS_SEL_ATANH_POLY
+#include "cpu_instance.h"
 
 /* ---- float64 (ps_selective_*_f64, *_c128) ----------------------------------------- */
-typedef double ps_sel_vf64 __attribute__((vector_size(32)));
-typedef int64_t ps_sel_vi64 __attribute__((vector_size(32)));
-typedef uint64_t ps_sel_vu64 __attribute__((vector_size(32)));
-
 #define SFX f64
 #define CSFX c128
 #define T double
-#define V ps_sel_vf64
-#define VI ps_sel_vi64
-#define VU ps_sel_vu64
+#define TI int64_t
+#define TU uint64_t
 #define W 4
 #define EXP exp
 #define COS cos
 #define SIN sin
-#define PS_SEL_EXP_LO -708.0 /* k >= -1021: the result is normal */
-#define PS_SEL_EXP_HI 709.782712893384
-#define PS_SEL_ROUND 6755399441055744.0 /* 1.5 2^52 */
-#define PS_SEL_LOG2E 1.4426950408889634
-#define PS_SEL_LN2_HI 6.93147180369123816490e-01 /* 32 bits: times k (11 bits) is exact */
-#define PS_SEL_LN2_LO 1.90821492927058770002e-10
-#define PS_SEL_MANT 52
-#define PS_SEL_MANT_MASK 0x000fffffffffffffull
-#define PS_SEL_TWO_MANT 4503599627370496.0
-#define PS_SEL_BIAS 1023.0
-#define PS_SEL_SQRT2 1.4142135623730951
-/* The same fit, degree 11: relative error 1.3e-17 before rounding. */
-#define PS_SEL_EXP_POLY(r, r2)                                                            \
-    (1.0 + ((r) + (r2) * (0.5000000000000001 + (r) * (0.16666666666666667 +               \
-        (r) * (0.041666666666624038 + (r) * (0.0083333333333300549 +                      \
-        (r) * (0.0013888888917258758 + (r) * (0.00019841269863088254 +                    \
-        (r) * (2.4801521225986432e-05 + (r) * (2.7557268406190795e-06 +                   \
-        (r) * (2.7620121717381935e-07 + (r) * 2.5100411082014901e-08)))))))))))
-/* atanh's series to s^18 / 19: the next term is 2e-17 of the sum */
-#define PS_SEL_ATANH_POLY(s2)                                                             \
-    ((s2) * (1.0 / 3 + (s2) * (1.0 / 5 + (s2) * (1.0 / 7 + (s2) * (1.0 / 9 + (s2) *         \
-        (1.0 / 11 + (s2) * (1.0 / 13 + (s2) * (1.0 / 15 + (s2) * (1.0 / 17 +                \
-        (s2) * (1.0 / 19))))))))))
-#include "cpu_kernel.h"
-#include "cpu_step.h"
+#include "cpu_instance.h"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._native.bindings import ARG_STRUCTS, check_operands, kernel
+from parascan._native.bindings import arg_struct, check_operands, kernel
 from parascan._ops import resolved, resolved_optional
 from parascan.selective.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks, state_dtype
 
@@ -82,13 +82,17 @@ class _Operands:
         self.B, self.C, self.D, self.z = B, C, D, z
         self.delta_bias, self.initial = delta_bias, initial
         self.keep = (u, delta, A, B, C, D, z, delta_bias, initial)
-        self.members = (
-            batch, dim, length, n, _K, *_ptr(u, 3), *_ptr(delta, 3), *_ptr(A, 2),
-            *_ptr(B, 4), B.shape[1] if B.dim() == 4 else 0, int(B.is_complex()),
-            *_ptr(C, 4), C.shape[1] if C.dim() == 4 else 0, int(C.is_complex()),
-            *_ptr(D, 1), *_ptr(z, 3), *_ptr(delta_bias, 1), *_ptr(initial, 3),
-            int(softplus), torch.get_num_threads(),
-        )  # fmt: skip
+        self.members: dict[str, int | tuple[int, ...]] = {
+            "batch": batch, "dim": dim, "length": length, "nstate": n, "chunk": _K,
+            "u": _ptr(u, 3), "delta": _ptr(delta, 3), "A": _ptr(A, 2),
+            "B": _ptr(B, 4), "B_groups": B.shape[1] if B.dim() == 4 else 0,
+            "B_complex": int(B.is_complex()),
+            "C": _ptr(C, 4), "C_groups": C.shape[1] if C.dim() == 4 else 0,
+            "C_complex": int(C.is_complex()),
+            "D": _ptr(D, 1), "z": _ptr(z, 3), "delta_bias": _ptr(delta_bias, 1),
+            "initial": _ptr(initial, 3), "softplus": int(softplus),
+            "nthreads": torch.get_num_threads(),
+        }  # fmt: skip
 
     def nchunks(self) -> int:
         return n_chunks(self.length, "cpu")
@@ -121,9 +125,10 @@ def forward(
     out = torch.empty((batch, dim, length), dtype=ops.cd)
     final = torch.empty((batch, dim, n), dtype=ops.sd)
     checkpoints = torch.empty((batch, dim, ops.nchunks(), n), dtype=ops.sd)
-    args = ARG_STRUCTS["selective_fwd"](
-        *ops.members, *_ptr(out, 3), *_ptr(final, 3), *_ptr(checkpoints, 4)
-    )
+    args = arg_struct(
+        "selective_fwd", **ops.members, out=_ptr(out, 3), final=_ptr(final, 3),
+        checkpoints=_ptr(checkpoints, 4),
+    )  # fmt: skip
     _run("selective_fwd", ops.sd, args, ops)
     return out, final, checkpoints
 
@@ -164,11 +169,12 @@ def backward(
     grad_z = None if ops.z is None else torch.empty(seq, dtype=ops.cd)
     grad_bias = None if ops.delta_bias is None else torch.empty(dim, dtype=ops.cd)
     grad_initial = None if ops.initial is None else torch.empty((batch, dim, n), dtype=ops.sd)
-    args = ARG_STRUCTS["selective_bwd"](
-        *ops.members, *_ptr(checkpoints, 4), *_ptr(grad_out, 3), *_ptr(grad_final, 3),
-        *_ptr(grad_u, 3), *_ptr(grad_delta, 3), *_ptr(grad_A, 2), *_ptr(grad_B, 4),
-        *_ptr(grad_C, 4), *_ptr(grad_D, 1), *_ptr(grad_z, 3), *_ptr(grad_bias, 1),
-        *_ptr(grad_initial, 3),
+    args = arg_struct(
+        "selective_bwd", **ops.members, checkpoints=_ptr(checkpoints, 4),
+        grad_out=_ptr(grad_out, 3), grad_final=_ptr(grad_final, 3), grad_u=_ptr(grad_u, 3),
+        grad_delta=_ptr(grad_delta, 3), grad_A=_ptr(grad_A, 2), grad_B=_ptr(grad_B, 4),
+        grad_C=_ptr(grad_C, 4), grad_D=_ptr(grad_D, 1), grad_z=_ptr(grad_z, 3),
+        grad_delta_bias=_ptr(grad_bias, 1), grad_initial=_ptr(grad_initial, 3),
     )  # fmt: skip
     _run("selective_bwd", ops.sd, args, ops)
     del checkpoints, grad_out, grad_final  # held until the kernel returned

@@ -1,13 +1,12 @@
 /* One instantiation of the selective scan's CPU kernel (cpu.c explains the
  * algorithm), for one real type T: the entries ps_selective_{fwd,bwd}_<SFX> (a real
- * state) and ps_selective_{fwd,bwd}_<CSFX> (a complex state of T pairs). The includer
+ * state) and ps_selective_{fwd,bwd}_<CSFX> (a complex state of T pairs). cpu_instance.h
  * defines:
  *   SFX, CSFX         the suffixes (f32 and c64, or f64 and c128)
  *   T, V, VI, VU, W   the real type; the vector of W of them (32 bytes) and the signed
  *                     and unsigned integer vectors of its lanes' width
- *   PS_SEL_EXP_POLY(r, r2)   exp(r) on |r| <= ln2 / 2, from r and r * r
- *   PS_SEL_ATANH_POLY(s2)    (atanh(s) - s) / s, from s2 = s * s, on |s| <= 0.172
- *   the constants named PS_SEL_* below, and the scalar libm names EXP, COS, SIN
+ *   the scalar libm names EXP, COS, SIN
+ * (the vector math's constants are _native/vector_math.h's, by SFX)
  * and undefines nothing: the end of this header does. No include guard on purpose.
  */
 
@@ -22,82 +21,28 @@
  * inlines it (a chain of inserts instead of one broadcast). */
 #define SPLAT(x) ((T)(x) - (V){})
 
-/* m ? a : b per lane, for m all ones or all zeros (a comparison). */
-PS_MATH V FN(ps_sel_select)(VI m, V a, V b) { return (V)((m & (VI)a) | (~m & (VI)b)); }
-
-/* exp(x) within a few ulp (PS_SEL_EXP_POLY's error plus the rounding of a dozen
- * operations) for results of at least 2^-125 (x >= PS_SEL_EXP_LO), 0 below (no
- * subnormal results), inf above PS_SEL_EXP_HI (the largest x with a finite exp),
- * NaN for NaN. x = k ln2 + r, k an integer rounded by adding and removing
- * 1.5 2^m (m: the mantissa bits), which leaves k in the low bits of the sum, and r
- * computed with a two-part ln2 (its high part times k is exact); exp(r) by a
- * polynomial, then 2^k applied by adding k to the exponent field (k shifted up by
- * m: the bits above k shift out). Lanes out of range compute garbage and are
- * replaced at the end. */
-PS_MATH V FN(ps_sel_exp)(V x) {
-    const V round = SPLAT(PS_SEL_ROUND);
-    const V t = x * PS_SEL_LOG2E + round;
-    const V kf = t - round;
-    const V r = (x - kf * PS_SEL_LN2_HI) - kf * PS_SEL_LN2_LO;
-    const V r2 = r * r;
-    const V p = PS_SEL_EXP_POLY(r, r2);
-    const V scaled = (V)((VU)p + ((VU)t << PS_SEL_MANT));
-    const VI small = (VI)(x < PS_SEL_EXP_LO);
-    const VI big = ~(VI)(x <= PS_SEL_EXP_HI); /* or NaN: x + inf is inf or NaN */
-    return FN(ps_sel_select)(big, x + (T)INFINITY, (V)(~small & (VI)scaled));
-}
-
-/* exp(x) for x <= 0, never NaN (a steps function's common case, dt >= 0 and A <= 0,
- * both finite): ps_sel_exp without the checks for large x and NaN. */
-PS_MATH V FN(ps_sel_exp_nonpos)(V x) {
-    const V round = SPLAT(PS_SEL_ROUND);
-    const V t = x * PS_SEL_LOG2E + round;
-    const V kf = t - round;
-    const V r = (x - kf * PS_SEL_LN2_HI) - kf * PS_SEL_LN2_LO;
-    const V r2 = r * r;
-    const V p = PS_SEL_EXP_POLY(r, r2);
-    const V scaled = (V)((VU)p + ((VU)t << PS_SEL_MANT));
-    return (V)(~(VI)(x < PS_SEL_EXP_LO) & (VI)scaled);
-}
-
-/* log1p(y) for y >= 0 (or NaN): w = 1 + y = 2^e m with m in [sqrt(1/2), sqrt(2)),
- * log m = 2 atanh(s), s = (m - 1) / (m + 1), and the rounding of 1 + y put back by
- * (y - (w - 1)) / w, which keeps tiny y exact. */
-PS_MATH V FN(ps_sel_log1p)(V y) {
-    const V one = SPLAT(1);
-    const V w = one + y;
-    const VU bits = (VU)w;
-    V m = (V)((bits & PS_SEL_MANT_MASK) | (VU)one);
-    const VI big = (VI)(m > PS_SEL_SQRT2);
-    m = FN(ps_sel_select)(big, m * (T)0.5, m);
-    /* the biased exponent as a float: its integer under the bits of 2^mantissa */
-    const V two_m = SPLAT(PS_SEL_TWO_MANT);
-    const V biased = (V)((bits >> PS_SEL_MANT) | (VU)two_m) - two_m;
-    const V e = (biased - PS_SEL_BIAS) + (V)(big & (VI)one);
-    const V f = m - one;
-    const V s = f / (f + (T)2);
-    const V logm = s * (T)2 + (s * (T)2) * PS_SEL_ATANH_POLY(s * s);
-    const V corr = (y - (w - one)) / w;
-    return e * PS_SEL_LN2_HI + ((logm + e * PS_SEL_LN2_LO) + corr);
-}
+/* exp, exp for x <= 0, log1p, sigmoid and the lane select (_native/vector_math.h),
+ * inlined into every caller with this kernel's contraction (PS_MATH). */
+#define PS_VM_TYPE SFX
+#define PS_VM(name) FN(name)
+#define PS_VM_ATTR PS_MATH
+#include "vector_math.h"
+#undef PS_VM_TYPE
+#undef PS_VM
+#undef PS_VM_ATTR
 
 /* softplus with mamba's threshold: x where x > 20, else log1p(exp(x)). */
 PS_MATH V FN(ps_sel_softplus)(V x) {
     const V th = SPLAT(20);
     const VI above = (VI)(x > th);
-    const V e = FN(ps_sel_exp)(FN(ps_sel_select)(above, th, x));
-    return FN(ps_sel_select)(above, x, FN(ps_sel_log1p)(e));
+    const V e = FN(ps_vexp)(FN(ps_vselect)(above, th, x));
+    return FN(ps_vselect)(above, x, FN(ps_vlog1p)(e));
 }
 
 /* d softplus / dx: 1 where x > 20, else sigmoid(x). */
 PS_MATH V FN(ps_sel_softplus_grad)(V x) {
     const V one = SPLAT(1);
-    return FN(ps_sel_select)((VI)(x > (T)20), one, one / (one + FN(ps_sel_exp)(-x)));
-}
-
-PS_MATH V FN(ps_sel_sigmoid)(V x) {
-    const V one = SPLAT(1);
-    return one / (one + FN(ps_sel_exp)(-x));
+    return FN(ps_vselect)((VI)(x > (T)20), one, one / (one + FN(ps_vexp)(-x)));
 }
 
 /* out[i] = sum of the lanes of p[i], i < W, in a fixed tree (pairs, then halves). */
@@ -374,7 +319,7 @@ PS_MATH void FN(ps_sel_steps)(int64_t len, const int64_t nv, const int nonpos,
         V acc = SPLAT(0);
         for (int64_t j = 0; j < nv; j++) {
             const V x = dtv * a[j];
-            const V e = nonpos ? FN(ps_sel_exp_nonpos)(x) : FN(ps_sel_exp)(x);
+            const V e = nonpos ? FN(ps_vexp_nonpos)(x) : FN(ps_vexp)(x);
             h[j] = e * h[j] + duv * bt[j];
             acc = j == 0 ? ct[0] * h[0] : acc + ct[j] * h[j];
             if (da) da[t * nv + j] = e, hs[(t + 1) * nv + j] = h[j];
@@ -569,7 +514,7 @@ PS_HOT static void FN(ps_sel_fwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         if (in->D) o = o + *(const V *)(u + k) * D;
         if (in->z) {
             const V zv = *(const V *)(z + k);
-            o = o * (zv * FN(ps_sel_sigmoid)(zv));
+            o = o * (zv * FN(ps_vsigmoid)(zv));
         }
         *(V *)(y + k) = o;
     }
@@ -764,7 +709,7 @@ PS_HOT static void FN(ps_sel_bwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         V gv = *(const V *)(gr + k);
         const V uv = *(const V *)(u + k);
         if (in->z) {
-            const V zv = *(const V *)(z + k), sg = FN(ps_sel_sigmoid)(zv);
+            const V zv = *(const V *)(z + k), sg = FN(ps_vsigmoid)(zv);
             V pre = *(const V *)(y + k);
             if (in->D) pre = pre + uv * D;
             const V one = SPLAT(1);
@@ -1225,11 +1170,11 @@ PS_API int PS_CAT(ps_selective_math, SFX)(int64_t which, const T *x, T *out, int
     for (int64_t i = 0; i < n; i += W) {
         V v = SPLAT(0);
         for (int64_t j = 0; j < W && i + j < n; j++) v[j] = x[i + j];
-        v = which == 0 ? FN(ps_sel_exp)(v)
+        v = which == 0 ? FN(ps_vexp)(v)
             : which == 1 ? FN(ps_sel_softplus)(v)
-            : which == 2 ? FN(ps_sel_log1p)(v)
-            : which == 3 ? FN(ps_sel_sigmoid)(v)
-                         : FN(ps_sel_exp_nonpos)(v);
+            : which == 2 ? FN(ps_vlog1p)(v)
+            : which == 3 ? FN(ps_vsigmoid)(v)
+                         : FN(ps_vexp_nonpos)(v);
         for (int64_t j = 0; j < W && i + j < n; j++) out[i + j] = v[j];
     }
     return 0;

@@ -1,7 +1,7 @@
 /* The decoding step of the selective and SSD scans (ps_selective_step_*): one step of
- * the recurrence on a cached state, in place. Included by cpu.c once per real
- * type, right after cpu_kernel.h, whose vector exp it uses (T, V, W, SFX and
- * the PS_SEL_* constants are the including type's).
+ * the recurrence on a cached state, in place. Included by cpu_instance.h once per
+ * real type, right after cpu_kernel.h, whose vector exp it uses (T, V, W and SFX are
+ * the including type's).
  *
  * Summary of algorithm.
  *   Every unit (batch element, head, row of the head; a channel in Mamba-1's layout,
@@ -117,7 +117,7 @@ PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t en
                 a0[j] = *PS_STEP_AT(a->A, a->A_stride, k.h[j], k.p[j], 0);
             V av;
             memcpy(&av, a0, sizeof av);
-            scalar_decay = FN(ps_sel_exp)(av * dt);
+            scalar_decay = FN(ps_vexp)(av * dt);
         }
         V sums[W];
         for (int64_t j = 0; j < W; j++) sums[j] = SPLAT(0);
@@ -137,7 +137,7 @@ PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t en
                     }
                 }
                 for (int64_t j = 0; j < count; j++)
-                    for (int64_t v = 0; v < nv; v++) decay[j][v] = FN(ps_sel_exp)(decay[j][v]);
+                    for (int64_t v = 0; v < nv; v++) decay[j][v] = FN(ps_vexp)(decay[j][v]);
             }
             for (int64_t j = 0; j < count; j++) {
                 T *state = (T *)a->state + k.b[j] * a->state_stride[0] +
@@ -158,7 +158,7 @@ PS_HOT static void FN(ps_step_units)(const void *vctx, int64_t begin, int64_t en
         if (a->D) y += FN(ps_step_gather)(a->D, a->D_stride, &k, count, 0) * x;
         if (a->z) {
             const V z = FN(ps_step_gather)(a->z, a->z_stride, &k, count, 1);
-            y = y * (z * FN(ps_sel_sigmoid)(z));
+            y = y * (z * FN(ps_vsigmoid)(z));
         }
         for (int64_t j = 0; j < count; j++) {
             *((T *)a->out + k.b[j] * a->out_stride[0] + k.h[j] * a->out_stride[1] +

@@ -19,7 +19,7 @@
  *   no lane sums. The rest of a step (dt x, D x, the silu(z) gate, and in the
  *   backward the rows of grad_x, grad_z and the sums of grad_dt and grad_D) is vector
  *   code too,
- *   silu through the kernel's own vector exp (ps_ssd_vexp, a few ulp): one libm exp
+ *   silu through the shared vector exp (_native/vector_math.h, a few ulp): one libm exp
  *   per step and head (the decay) is all that is left scalar. Work units are (batch
  *   row, head) pairs (split further along headdim when
  *   there are fewer pairs than threads: rows of the state never interact); the
@@ -73,6 +73,7 @@
  *   not bit for bit.
  */
 #include "common.h"
+#include "isa.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -113,231 +114,35 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
                : 0;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PS_SSD_X86 1
-#define PS_SSD_V4 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
-#define PS_SSD_V3 __attribute__((target("arch=x86-64-v3"), optimize("fp-contract=fast")))
-#else
-#define PS_SSD_X86 0
-#endif
-
 /* ---- float32 ---------------------------------------------------------------------- */
 #define T float
+#define TBYTES 4
+#define TI int32_t
+#define TU uint32_t
 #define EXP expf
 #define LO (-80.0f)
 #define SCALE_LO 0x1p-30f /* the forward's scaled state (cpu_kernel.h, ps_ssd_fwd_task) */
 #define SCALE_HI 0x1p30f
 #define SFX f32
-/* the vector exp's constants (see ps_ssd_vexp): results of at least 2^-125 */
-#define PS_SSD_EXP_LO -86.9f
-#define PS_SSD_EXP_HI 88.7228317f
-#define PS_SSD_ROUND 12582912.0f /* 1.5 2^23 */
-#define PS_SSD_LOG2E 1.44269504088896341f
-#define PS_SSD_LN2_HI 0.693359375f /* 9 bits: times k (8 bits) is exact */
-#define PS_SSD_LN2_LO -2.12194440e-4f
-#define PS_SSD_MANT 23
-/* a near-minimax fit of (exp(r) - 1 - r) / r^2 on |r| <= 0.3467: relative error 8e-9 */
-#define PS_SSD_EXP_POLY(r, r2)                                                            \
-    ((T)1 + ((r) + (r2) * (0.5f + (r) * (0.166665769f + (r) * (0.0416665545f +              \
-                                   (r) * (0.00836319488f + (r) * 0.00139262034f))))))
-
-#if PS_SSD_X86
-typedef float ps_ssd_v16f __attribute__((vector_size(64)));
-typedef int32_t ps_ssd_v16i __attribute__((vector_size(64)));
-#define V ps_ssd_v16f
-typedef uint32_t ps_ssd_v16iu __attribute__((vector_size(64)));
-#define VI ps_ssd_v16i
-#define VU ps_ssd_v16iu
-#define W 16
-#define PB 4
-#define ATTR PS_SSD_V4
-#define F(name) name##_f32_v4
-#include "cpu_kernel.h"
-#include "cpu_layer.h"
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef PB
-#undef ATTR
-#undef F
-typedef float ps_ssd_v8f __attribute__((vector_size(32)));
-typedef int32_t ps_ssd_v8i __attribute__((vector_size(32)));
-#define V ps_ssd_v8f
-typedef uint32_t ps_ssd_v8iu __attribute__((vector_size(32)));
-#define VI ps_ssd_v8i
-#define VU ps_ssd_v8iu
-#define W 8
-#define PB 3
-#define ATTR PS_SSD_V3
-#define F(name) name##_f32_v3
-#include "cpu_kernel.h"
-#include "cpu_layer.h"
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef PB
-#undef ATTR
-#undef F
-#endif
-typedef float ps_ssd_v4f __attribute__((vector_size(16)));
-typedef int32_t ps_ssd_v4i __attribute__((vector_size(16)));
-#define V ps_ssd_v4f
-typedef uint32_t ps_ssd_v4iu __attribute__((vector_size(16)));
-#define VI ps_ssd_v4i
-#define VU ps_ssd_v4iu
-#define W 4
-#define PB 4
-#define ATTR
-#define F(name) name##_f32_base
-#include "cpu_kernel.h"
-#include "cpu_layer.h"
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef PB
-#undef ATTR
-#undef F
-#undef T
-#undef EXP
-#undef LO
-#undef SCALE_LO
-#undef SCALE_HI
-#undef SFX
-#undef PS_SSD_EXP_LO
-#undef PS_SSD_EXP_HI
-#undef PS_SSD_ROUND
-#undef PS_SSD_LOG2E
-#undef PS_SSD_LN2_HI
-#undef PS_SSD_LN2_LO
-#undef PS_SSD_MANT
-#undef PS_SSD_EXP_POLY
+#include "cpu_levels.h"
 
 /* ---- float64 ---------------------------------------------------------------------- */
 #define T double
+#define TBYTES 8
+#define TI int64_t
+#define TU uint64_t
 #define EXP exp
 #define LO (-700.0)
 #define SCALE_LO 0x1p-200
 #define SCALE_HI 0x1p200
 #define SFX f64
-/* the vector exp's constants: results of at least 2^-1021 */
-#define PS_SSD_EXP_LO -708.0
-#define PS_SSD_EXP_HI 709.782712893384
-#define PS_SSD_ROUND 6755399441055744.0 /* 1.5 2^52 */
-#define PS_SSD_LOG2E 1.4426950408889634
-#define PS_SSD_LN2_HI 6.93147180369123816490e-01 /* 32 bits: times k (11 bits) is exact */
-#define PS_SSD_LN2_LO 1.90821492927058770002e-10
-#define PS_SSD_MANT 52
-/* the same fit, degree 11: relative error 1.3e-17 */
-#define PS_SSD_EXP_POLY(r, r2)                                                            \
-    (1.0 + ((r) + (r2) * (0.5000000000000001 + (r) * (0.16666666666666667 +               \
-        (r) * (0.041666666666624038 + (r) * (0.0083333333333300549 +                      \
-        (r) * (0.0013888888917258758 + (r) * (0.00019841269863088254 +                    \
-        (r) * (2.4801521225986432e-05 + (r) * (2.7557268406190795e-06 +                   \
-        (r) * (2.7620121717381935e-07 + (r) * 2.5100411082014901e-08)))))))))))
-
-#if PS_SSD_X86
-typedef double ps_ssd_v8d __attribute__((vector_size(64)));
-typedef int64_t ps_ssd_v8l __attribute__((vector_size(64)));
-#define V ps_ssd_v8d
-typedef uint64_t ps_ssd_v8lu __attribute__((vector_size(64)));
-#define VI ps_ssd_v8l
-#define VU ps_ssd_v8lu
-#define W 8
-#define PB 4
-#define ATTR PS_SSD_V4
-#define F(name) name##_f64_v4
-#include "cpu_kernel.h"
-#include "cpu_layer.h"
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef PB
-#undef ATTR
-#undef F
-typedef double ps_ssd_v4d __attribute__((vector_size(32)));
-typedef int64_t ps_ssd_v4l __attribute__((vector_size(32)));
-#define V ps_ssd_v4d
-typedef uint64_t ps_ssd_v4lu __attribute__((vector_size(32)));
-#define VI ps_ssd_v4l
-#define VU ps_ssd_v4lu
-#define W 4
-#define PB 3
-#define ATTR PS_SSD_V3
-#define F(name) name##_f64_v3
-#include "cpu_kernel.h"
-#include "cpu_layer.h"
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef PB
-#undef ATTR
-#undef F
-#endif
-typedef double ps_ssd_v2d __attribute__((vector_size(16)));
-typedef int64_t ps_ssd_v2l __attribute__((vector_size(16)));
-#define V ps_ssd_v2d
-typedef uint64_t ps_ssd_v2lu __attribute__((vector_size(16)));
-#define VI ps_ssd_v2l
-#define VU ps_ssd_v2lu
-#define W 2
-#define PB 4
-#define ATTR
-#define F(name) name##_f64_base
-#include "cpu_kernel.h"
-#include "cpu_layer.h"
-#undef V
-#undef VI
-#undef VU
-#undef W
-#undef PB
-#undef ATTR
-#undef F
-#undef T
-#undef EXP
-#undef LO
-#undef SCALE_LO
-#undef SCALE_HI
-#undef SFX
-#undef PS_SSD_EXP_LO
-#undef PS_SSD_EXP_HI
-#undef PS_SSD_ROUND
-#undef PS_SSD_LOG2E
-#undef PS_SSD_LN2_HI
-#undef PS_SSD_LN2_LO
-#undef PS_SSD_MANT
-#undef PS_SSD_EXP_POLY
+#include "cpu_levels.h"
 
 /* ---- entry points ----------------------------------------------------------------- */
 
-/* 2: x86-64-v4, 1: x86-64-v3, 0: the baseline (always when simd is 0). */
-static int ps_ssd_isa_of(int64_t simd) {
-#if PS_SSD_X86
-    if (!simd) return 0;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return 2;
-    if (__builtin_cpu_supports("x86-64-v3")) return 1;
-#else
-    (void)simd;
-#endif
-    return 0;
-}
-#define ps_ssd_isa(a) ps_ssd_isa_of((a)->simd)
-
-#if PS_SSD_X86
-#define PS_SSD_DISPATCH(fn, sfx, a)                                     \
-    switch (ps_ssd_isa(a)) {                                            \
-    case 2: return fn##_##sfx##_v4(a);                                  \
-    case 1: return fn##_##sfx##_v3(a);                                  \
-    default: return fn##_##sfx##_base(a);                              \
-    }
-#else
-#define PS_SSD_DISPATCH(fn, sfx, a) return fn##_##sfx##_base(a);
-#endif
+/* Each entry runs the instance of the level the CPU has (_native/isa.h), the
+ * baseline when a->simd is 0. */
+#define PS_SSD_DISPATCH(fn, sfx, a) PS_ISA_DISPATCH(fn##_##sfx, (a)->simd, a)
 
 PS_API int ps_ssd_fwd_f32(ps_ssd_args *a) {
     if (ps_ssd_check(a, 0)) return -1;

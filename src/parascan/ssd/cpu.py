@@ -15,14 +15,13 @@ import torch
 from torch import Tensor
 
 from parascan._native import simd
-from parascan._native.bindings import ARG_FIELDS, ARG_STRUCTS, check_operands, kernel
+from parascan._native.bindings import arg_struct, check_operands, kernel
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks
 
 __all__ = ["backward", "forward"]
 
 _K = CHECKPOINT_STEPS["cpu"]
 _FN = "parascan.ssd_scan"
-_FIELDS = {name: i for i, name in enumerate(ARG_FIELDS["ssd"])}
 
 Opt = Tensor | None
 
@@ -101,24 +100,20 @@ class _Operands:
 
     def args(self, **tensors: Opt) -> object:
         batch, length, heads, headdim, groups, n = self.shape
-        values = [0] * len(_FIELDS)
         plain = {
             "batch": batch, "length": length, "heads": heads, "headdim": headdim,
             "groups": groups, "nstate": n, "chunk": _K,
             "nseq": 0 if self.cu is None else self.cu.numel() - 1,
             "nthreads": torch.get_num_threads(), "simd": int(simd()),
         }  # fmt: skip
-        for name, value in plain.items():
-            values[_FIELDS[name]] = value
         operands = {
             "cu_seqlens": self.cu, "x": self.x, "dt": self.dt, "A": self.A, "B": self.B,
             "C": self.C, "D": self.D, "z": self.z, "initial": self.initial, **tensors,
         }  # fmt: skip
-        for name, t in operands.items():
-            values[_FIELDS[name]] = _ptr(t)
+        pointers = {name: _ptr(t) for name, t in operands.items()}
         if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
-            values[_FIELDS["cu_seqlens"]] = self.cu.data_ptr()
-        return ARG_STRUCTS["ssd"](*values)
+            pointers["cu_seqlens"] = self.cu.data_ptr()
+        return arg_struct("ssd", **plain, **pointers)
 
     def run(self, entry: str, args: object) -> None:
         if kernel(entry, self.dtype)(args) != 0:

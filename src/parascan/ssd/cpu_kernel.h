@@ -1,5 +1,5 @@
 /* One instantiation of the SSD scan's CPU kernel (cpu.c explains the algorithm).
- * Included by cpu.c once per (state type, instruction set) with:
+ * Included by cpu_instance.h once per (state type, instruction set) with:
  *   T        the scalar type (float, double)
  *   V        a GCC vector of W T's; VI the integer vector of the same shape (masks)
  *   W        lanes per vector; PB: vectors of headdim held in registers at once
@@ -137,31 +137,15 @@ ATTR static void F(ps_ssd_store)(T *dst, const V *row, int64_t P, int64_t j0, in
     if (hi > lo) memcpy(dst + lo, row, sizeof(T) * (size_t)(hi - lo));
 }
 
-/* exp(x) per lane within a few ulp for results of at least the smallest normal
- * number (0 below, inf above PS_SSD_EXP_HI, NaN for NaN): x = k ln2 + r with k
- * rounded by adding and removing 1.5 2^m (m: the mantissa bits, k left in the low
- * bits of the sum), r from a two-part ln2, exp(r) by a polynomial and 2^k added to
- * the exponent field. Lanes out of range compute garbage and are replaced. */
-ATTR static inline V F(ps_ssd_vexp)(V x) {
-    const V round = (T)PS_SSD_ROUND - (V){0};
-    const V t = x * (T)PS_SSD_LOG2E + round;
-    const V kf = t - round;
-    const V r = (x - kf * (T)PS_SSD_LN2_HI) - kf * (T)PS_SSD_LN2_LO;
-    const V r2 = r * r;
-    const V p = PS_SSD_EXP_POLY(r, r2);
-    const V scaled = (V)((VU)p + ((VU)t << PS_SSD_MANT));
-    const VI small = (VI)(x < (T)PS_SSD_EXP_LO);
-    const VI big = ~(VI)(x <= (T)PS_SSD_EXP_HI); /* or NaN: x + inf is inf or NaN */
-    const V inf = x + (T)INFINITY;
-    const V lo = (V)(~small & (VI)scaled);
-    return (V)((big & (VI)inf) | (~big & (VI)lo));
-}
-
-/* 1 / (1 + exp(-x)) per lane. */
-ATTR static inline V F(ps_ssd_vsigmoid)(V x) {
-    const V one = (T)1 - (V){0};
-    return one / (one + F(ps_ssd_vexp)(-x));
-}
+/* exp, sigmoid (and the rest of _native/vector_math.h) with this instruction set's
+ * attributes (ATTR): ps_vexp, ps_vsigmoid. */
+#define PS_VM_TYPE SFX
+#define PS_VM(name) F(name)
+#define PS_VM_ATTR ATTR static inline
+#include "vector_math.h"
+#undef PS_VM_TYPE
+#undef PS_VM
+#undef PS_VM_ATTR
 
 /* The forward step of nb (a constant after inlining) vectors of one head, in full:
  *   hT[n] = a hT[n] + u B[n],   y = sum_n hT[n] C[n]   over n. */
@@ -355,7 +339,7 @@ ATTR static inline void F(ps_ssd_fwd_out)(const ps_ssd_args *a, int64_t bt, int6
         for (int64_t j = 0; j < nj; ++j) y[j] += dv[j] * xv[j];
     if (a->z) {
         F(ps_ssd_load)(zv, (const T *)a->z + (bt * H + h) * P, P, j0, nj);
-        for (int64_t j = 0; j < nj; ++j) y[j] *= zv[j] * F(ps_ssd_vsigmoid)(zv[j]);
+        for (int64_t j = 0; j < nj; ++j) y[j] *= zv[j] * F(ps_vsigmoid)(zv[j]);
     }
     F(ps_ssd_store)((T *)a->out + (bt * H + h) * P, y, P, j0, nj);
 }
@@ -599,7 +583,7 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
         if (z) {
             F(ps_ssd_load)(zv, zt, P, 0, pv);
             for (int64_t jj = 0; jj < pv; ++jj) {
-                const V sg = F(ps_ssd_vsigmoid)(zv[jj]);
+                const V sg = F(ps_vsigmoid)(zv[jj]);
                 ov[jj] = sg; /* held until y is known */
                 gy[i * pv + jj] *= zv[jj] * sg;
             }

@@ -2,7 +2,7 @@
  * causal convolution (+ bias, + silu) that feeds the scan and the gated RMS norm that
  * follows it, forward and backward (the math and the ABI: abi.h, ps_ssd_conv_args and
  * ps_ssd_norm_args). Included by cpu.c after cpu_kernel.h, with the same T, V, VI, W,
- * ATTR and F, and its vector exp (ps_ssd_vexp, ps_ssd_vsigmoid).
+ * ATTR and F, and its vector exp (ps_vexp, ps_vsigmoid).
  *
  * Summary of algorithm.
  *   Both are a few arithmetic operations per element, so their cost is memory traffic
@@ -139,7 +139,7 @@ ATTR static void F(ps_conv_fwd_tiles)(const void *ctx, int64_t begin, int64_t en
         for (int64_t t = t0; t < t1; ++t) {
             for (int64_t j = 0; j < nv; ++j) {
                 const V pre = F(ps_conv_pre)(a, xrow0, t, j, nc, taps, bias);
-                row[j] = a->silu ? pre * F(ps_ssd_vsigmoid)(pre) : pre;
+                row[j] = a->silu ? pre * F(ps_vsigmoid)(pre) : pre;
             }
             F(ps_conv_scatter)(a, b, t, c0, nc, (const T *)row);
         }
@@ -183,7 +183,7 @@ ATTR static void F(ps_conv_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
                 V g = grow[j];
                 if (a->silu) {
                     const V pre = F(ps_conv_pre)(a, xrow0, t, j, nc, taps, bias);
-                    const V s = F(ps_ssd_vsigmoid)(pre);
+                    const V s = F(ps_vsigmoid)(pre);
                     g = g * (s * ((T)1 + pre * ((T)1 - s)));
                 }
                 gp[(t - t0) * NV + j] = g;
@@ -278,7 +278,7 @@ ATTR static void F(ps_norm_fwd_rows)(const void *ctx, int64_t begin, int64_t end
                 V u = F(ps_layer_load)(y + c, hi - c);
                 if (!a->before_gate) {
                     const V zv = F(ps_layer_load)(z + c, hi - c);
-                    u *= zv * F(ps_ssd_vsigmoid)(zv);
+                    u *= zv * F(ps_vsigmoid)(zv);
                 }
                 ss += u * u;
             }
@@ -286,7 +286,7 @@ ATTR static void F(ps_norm_fwd_rows)(const void *ctx, int64_t begin, int64_t end
             rstd[r * G + g] = inv;
             for (int64_t c = lo; c < hi; c += W) {
                 const V zv = F(ps_layer_load)(z + c, hi - c);
-                const V sz = zv * F(ps_ssd_vsigmoid)(zv);
+                const V sz = zv * F(ps_vsigmoid)(zv);
                 V o = F(ps_layer_load)(y + c, hi - c);
                 if (!a->before_gate) o *= sz;
                 o = o * inv * F(ps_layer_load)(w + c, hi - c);
@@ -321,7 +321,7 @@ ATTR static void F(ps_norm_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
                 V dot = {0};
                 for (int64_t c = lo; c < hi; c += W) {
                     const V zv = F(ps_layer_load)(z + c, hi - c);
-                    const V sz = zv * F(ps_ssd_vsigmoid)(zv);
+                    const V sz = zv * F(ps_vsigmoid)(zv);
                     const V yv = F(ps_layer_load)(y + c, hi - c);
                     const V n = (a->before_gate ? yv : yv * sz) * inv;
                     V dn = F(ps_layer_load)(go + c, hi - c) * F(ps_layer_load)(w + c, hi - c);
@@ -332,7 +332,7 @@ ATTR static void F(ps_norm_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
                 /* pass 2: du = rstd (dn - n <dn, n> / gs), then grad_y, grad_z, grad_weight */
                 for (int64_t c = lo; c < hi; c += W) {
                     const V zv = F(ps_layer_load)(z + c, hi - c);
-                    const V s = F(ps_ssd_vsigmoid)(zv);
+                    const V s = F(ps_vsigmoid)(zv);
                     const V sz = zv * s, dsz = s * ((T)1 + zv * ((T)1 - s));
                     const V yv = F(ps_layer_load)(y + c, hi - c);
                     const V gov = F(ps_layer_load)(go + c, hi - c);
