@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # Triton kernels (the ``triton`` backend, when triton is installed) run in Triton's
@@ -131,3 +132,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         marker = metafunc.definition.get_closest_marker("targets")
         chosen = targets(**(marker.kwargs if marker else {}))
         metafunc.parametrize("target", chosen, ids=[str(t) for t in chosen])
+
+
+@contextmanager
+def simd_path(on: bool) -> Iterator[None]:
+    """The C kernels' vector paths (``on``) or their portable ones (PARASCAN_SIMD=0),
+    within the block."""
+    saved = os.environ.get("PARASCAN_SIMD")
+    os.environ["PARASCAN_SIMD"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PARASCAN_SIMD"]
+        else:
+            os.environ["PARASCAN_SIMD"] = saved
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's (and the C kernels') thread count ``n`` within the block."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

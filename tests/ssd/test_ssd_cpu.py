@@ -7,10 +7,6 @@ next to the checkpoint interval, the same bits with any thread count, and that
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -19,34 +15,11 @@ from parascan._backends import resolve
 from parascan.ssd import autograd as ssd_ops
 from parascan.ssd import cpu as ssd_cpu
 
-from conftest import assert_matches
+from conftest import assert_matches, simd_path, threads
 from oracles import ssd_loop
 
 F64 = torch.float64
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "initial")
-
-
-@contextmanager
-def _simd(on: bool) -> Iterator[None]:
-    saved = os.environ.get("PARASCAN_SIMD")
-    os.environ["PARASCAN_SIMD"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["PARASCAN_SIMD"]
-        else:
-            os.environ["PARASCAN_SIMD"] = saved
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _problem(
@@ -127,7 +100,7 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
 def test_shapes_against_loop(shape: tuple[int, ...], dtype: torch.dtype, simd: bool) -> None:
-    with _simd(simd):
+    with simd_path(simd):
         _check(_problem(1, *shape), dtype, key=shape)
 
 
@@ -143,7 +116,7 @@ PACKINGS = [
 @pytest.mark.parametrize("cu", PACKINGS, ids=[str(c) for c in PACKINGS])
 def test_packed_against_loop(cu: list[int], simd: bool) -> None:
     p = _problem(2, 1, cu[-1], 4, 20, 2, 16, states=len(cu) - 1, d_per_head=True)
-    with _simd(simd):
+    with simd_path(simd):
         _check(p, torch.float32, cu, key="packed")
 
 
@@ -152,9 +125,9 @@ def test_same_bits_any_thread_count() -> None:
     bit, including the forward split along headdim (one head, two threads)."""
     for shape in [(2, 140, 3, 40, 1, 16), (1, 70, 1, 64, 1, 8)]:
         p = _problem(3, *shape)
-        with _threads(1):
+        with threads(1):
             one = _grads(p, torch.float32, "cpu", None)
-        with _threads(2):
+        with threads(2):
             two = _grads(p, torch.float32, "cpu", None)
         for a, b in zip(one, two, strict=True):
             assert torch.equal(a, b)
@@ -227,7 +200,7 @@ def test_without_the_final_state(backend: str, cu: list[int] | None, initial: bo
         if name is None:
             out, _ = ssd_loop(**leaves, cu_seqlens=cu)
         else:
-            with _simd(name != "portable"):
+            with simd_path(name != "portable"):
                 out = ps.ssd_scan(**leaves, cu_seqlens=cu_t,
                                   backend="cpu" if name == "portable" else name)  # fmt: skip
         assert isinstance(out, torch.Tensor)
@@ -287,7 +260,7 @@ def test_forward_keeps_the_decays_in_a_scale(dtype: torch.dtype, simd: bool) -> 
     p["x"][:, :, 4] *= tiny
     p["initial"][:, 4] *= tiny
     cast = {k: v.to(dtype) for k, v in p.items()}
-    with _simd(simd):
+    with simd_path(simd):
         out, final, ckpt = ssd_cpu.forward(
             *(cast[k] for k in NAMES), torch.tensor(cu)
         )  # fmt: skip
@@ -306,5 +279,5 @@ def test_forward_keeps_the_decays_in_a_scale(dtype: torch.dtype, simd: bool) -> 
             assert err <= tol * scale, f"{name}, head {h}: error {err:.3g} (scale {scale:.3g})"
     heads = {"x": 2, "dt": 2, "A": 0, "B": None, "C": None, "D": 0, "z": 2, "initial": 1}
     bounded = {k: v if heads[k] is None else v.narrow(heads[k], 0, 4) for k, v in p.items()}
-    with _simd(simd):
+    with simd_path(simd):
         _check(bounded, dtype, cu, key="scale")

@@ -11,9 +11,6 @@ against mamba_ssm's math in float64 is tests/compat/test_compat_mamba_split_conv
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,30 +18,9 @@ import torch
 from parascan.compat import mamba_ssm
 from parascan.ssd import layer as ssd_layer
 
+from conftest import simd_path, threads
+
 F64 = torch.float64
-
-
-@contextmanager
-def _simd(on: bool) -> Iterator[None]:
-    saved = os.environ.get("PARASCAN_SIMD")
-    os.environ["PARASCAN_SIMD"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["PARASCAN_SIMD"]
-        else:
-            os.environ["PARASCAN_SIMD"] = saved
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def conv_loop(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -107,7 +83,7 @@ def test_convolution_against_loop(case, silu, bias, simd) -> None:  # type: igno
     for dtype, tol in ((F64, 1e-12), (torch.float32, 2e-5)):
         x, w, b = _conv_operands(case, dtype)
         b = b if bias else None
-        with _simd(simd):
+        with simd_path(simd):
             pieces = ssd_layer.conv_forward(x, w, b, silu, split)
         want = conv_loop(x.double(), w.double(), None if b is None else b.double(), silu)
         got = torch.cat(pieces, -1)
@@ -128,7 +104,7 @@ def test_convolution_gradients_against_loop(case, silu, bias, simd) -> None:  # 
     used = [x, w] + ([b] if bias else [])
     want = torch.autograd.grad(out, used, grad, allow_unused=True) if out.numel() else None
     grad_x = torch.full(x.shape, math.nan, dtype=F64)  # every element must be written
-    with _simd(simd):
+    with simd_path(simd):
         gw, gb = ssd_layer.conv_backward(
             x.detach(), w.detach(), None if bias_t is None else b.detach(), silu,
             tuple(grad.split(list(split), -1)), grad_x,
@@ -170,18 +146,18 @@ def test_norm_and_its_gradients_against_loop(case, before, simd) -> None:  # typ
     groups = case[3]
     y, z, w = (t.requires_grad_() for t in _norm_operands(case))
     want = norm_loop(y, z, w, 1e-5, groups, before)
-    with _simd(simd):
+    with simd_path(simd):
         got, rstd = ssd_layer.norm_forward(y.detach(), z.detach(), w.detach(), 1e-5, groups,
                                            before)  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert rstd.shape == (*y.shape[:2], groups)
     y32, z32, w32 = (t.detach().float() for t in (y, z, w))  # float32 against the same loop
-    with _simd(simd):
+    with simd_path(simd):
         got32, _ = ssd_layer.norm_forward(y32, z32, w32, 1e-5, groups, before)
     torch.testing.assert_close(got32.double(), want.detach(), rtol=2e-5, atol=2e-5)
     grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
     grad_z = torch.full(z.shape, math.nan, dtype=F64)
-    with _simd(simd):
+    with simd_path(simd):
         gy, gw = ssd_layer.norm_backward(y.detach(), z.detach(), w.detach(), rstd, grad, before,
                                          grad_z)  # fmt: skip
     if not want.numel():
@@ -201,7 +177,7 @@ def test_same_bits_any_thread_count() -> None:
     y, z, nw = (t.float() for t in _norm_operands((2, 129, 130, 2)))
     results = []
     for n in (1, 2, 3):
-        with _threads(n):
+        with threads(n):
             pieces = ssd_layer.conv_forward(x, w, b, True, case[4])
             gx = torch.empty(x.shape)
             gw, gb = ssd_layer.conv_backward(x, w, b, True, grads, gx)
