@@ -3,6 +3,8 @@ torch.func (grad, per-sample gradients, jacrev, jvp) and torch.compile."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
@@ -17,7 +19,7 @@ from oracles import linear_loop, log_loop
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("layout", [((3, 7, 4), 1), ((4, 9), -1)])
+@pytest.mark.parametrize("layout", [((2, 7, 3), 1), ((4, 9), -1)])
 def test_gradcheck_and_gradgradcheck(target, dtype, reverse, layout, gen) -> None:
     shape, dim = layout
     state = shape[: dim % len(shape)] + shape[dim % len(shape) + 1 :]
@@ -50,15 +52,16 @@ def test_gradcheck_with_broadcast_inputs(target, gen) -> None:
 
 
 def _op_samples(backend: str, device: str, gen: torch.Generator):
-    for dtype in [torch.float32, torch.float64, torch.complex64, torch.bfloat16]:
-        for shape, dim in [((2, 5, 3), -2), ((4, 6), -1), ((3, 0, 2), -2)]:
-            a = random_gates(shape, dtype, gen).to(device)
-            b = random_tokens(shape, dtype, gen).to(device)
-            state = shape[:dim] + shape[dim + 1 :] if dim != -1 else shape[:-1]
-            h = random_tokens(state, dtype, gen).to(device)
-            for initial in (None, h):
-                for reverse in (False, True):
-                    yield (a, b, initial, dim, reverse, backend)
+    """Every dtype with every shape, the four (initial, reverse) pairs taken in turn (the
+    whole product cost 7 s a backend: opcheck is about 0.1 s a call)."""
+    shapes = [((2, 5, 3), -2), ((4, 6), -1), ((3, 0, 2), -2)]
+    dtypes = [torch.float32, torch.float64, torch.complex64, torch.bfloat16]
+    for i, (dtype, (shape, dim)) in enumerate(itertools.product(dtypes, shapes)):
+        a = random_gates(shape, dtype, gen).to(device)
+        b = random_tokens(shape, dtype, gen).to(device)
+        state = shape[:dim] + shape[dim + 1 :] if dim != -1 else shape[:-1]
+        h = random_tokens(state, dtype, gen).to(device)
+        yield (a, b, h if i % 2 else None, dim, bool(i // 2 % 2), backend)
 
 
 def test_opcheck_raw_ops(target, gen) -> None:
