@@ -41,7 +41,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import parascan as ps
-from parascan._native.bindings import kernel_constants
+from parascan._native import kernel_constants
 
 from conftest import (
     DTYPES,

@@ -248,17 +248,19 @@ class CheckpointedScan:
     tensors: str
     consts: str
     grads: int
-    # (backend, *tensors, *consts) -> (out, final, checkpoints)
-    forward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    # the backends, by name (the op's row of the backend table): each one's
+    # forward(*tensors, *consts) -> (out, final, checkpoints) and
+    # backward(*tensors, [*consts,] checkpoints, grad_out, grad_final) -> gradients
+    backends: dict[str, Any]
     # (*tensors, *consts, backend) -> empty (out, final, checkpoints): the fake kernel
     forward_shapes: Callable[..., tuple[Tensor, Tensor, Tensor]]
-    # (backend, tensors, consts, checkpoints, grad_out, grad_final) -> gradients
-    backward: Callable[..., Any]
     # (tensors, consts) -> the grad_final standing for one that is None (grad_out's is
     # zeros like the first tensor's)
     zero_final: Callable[..., Tensor]
     # (tensors, consts) -> (out, final) in differentiable torch ops: forward mode's path
     torch_forward: Callable[..., tuple[Tensor, Tensor]]
+    # whether the backends' backward takes the consts (after the tensors)
+    backward_consts: bool = True
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
     def forward_impl(*args: Any) -> tuple[Tensor, ...]:
         *operands, backend = args
         resolved_args = [resolved_optional(t) for t in operands[:n_tensors]]
-        return _contiguous(spec.forward(backend, *resolved_args, *operands[n_tensors:]))
+        return _contiguous(spec.backends[backend].forward(*resolved_args, *operands[n_tensors:]))
 
     forward_op = custom_op(
         spec.name,
@@ -305,9 +307,10 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
         tensors = [resolved_optional(t) for t in args[:n_tensors]]
         checkpoints, grad_out, grad_final = args[n_tensors : n_tensors + 3]
         *plain, backend = args[n_tensors + 3 :]
-        grads = spec.backward(
-            backend, tensors, plain, checkpoints, resolved(grad_out), resolved(grad_final)
-        )
+        grads = spec.backends[backend].backward(
+            *tensors, *(plain if spec.backward_consts else ()), checkpoints,
+            resolved(grad_out), resolved(grad_final),
+        )  # fmt: skip
         return list(_contiguous(grads))  # not in the operands' layouts: as the fake
 
     def backward_fake(*args: Any) -> list[Tensor]:

@@ -10,7 +10,7 @@ with what torch can hand over: negative dims, lazy negative and conjugate views,
 stride-0 (broadcast), sliced and transposed inputs, reverse, initial states, packed
 sequences (cu_seqlens: the packed entries), 1 to 4 threads, and lengths on and around
 every block and chunk constant the kernels were built with (read from the library,
-parascan._native.bindings.kernel_constants). Outputs,
+parascan._native.kernel_constants). Outputs,
 final states and gradients are compared with the float64 loops of tests/oracles.py.
 
 Case ``i`` of seed ``s`` draws from ``random.Random(f"{s}-{i}")`` only, so a failure
@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 import torch
 
 import parascan as ps
-from parascan._native import kernel_library_path
-from parascan._native.bindings import kernel_constants
+from parascan._native import kernel_constants, kernel_library_path
 
 from conftest import DTYPES, TOLERANCE, assert_matches
 from oracles import linear_loop, log_loop, matmul_fold, matrix_loop, selective_loop, ssd_loop

@@ -1,4 +1,4 @@
-"""The guard in front of every C entry (parascan._native.bindings.check_operands): the public
+"""The guard in front of every C entry (parascan._native.check_operands): the public
 functions validate first, so these hand the backends' own entry points what no public
 call can; each must raise, never read or write out of bounds."""
 

@@ -3,7 +3,7 @@ the harness places its lengths and sizes around them."""
 
 from __future__ import annotations
 
-from parascan._native.bindings import kernel_constants
+from parascan._native import kernel_constants
 
 from harness import constants, one_past_a_tile, rows, standard_lengths, wide
 

@@ -156,9 +156,12 @@ def test_auto_picks_the_kernel_on_cpu() -> None:
 
 
 def test_bad_offsets_raise() -> None:
+    """The public function raises ValueError on bad offsets (test_ssd_scan.py); the
+    kernel, called directly, rejects them too rather than read out of bounds."""
     p = _problem(5, 1, 10, 2, 3, 1, 2, states=2)
-    with pytest.raises(ValueError, match=r"parascan\.ssd_scan: expected cu_seqlens"):
-        ssd_cpu.forward(*(p[k] for k in NAMES), torch.tensor([0, 11, 10]))
+    for cu in ([0, 11, 10], [0, 4, 2], [1, 5, 10], [0, 6, 4]):
+        with pytest.raises(RuntimeError, match=r"ssd_fwd CPU kernel failed \(operands"):
+            ssd_cpu.forward(*(p[k] for k in NAMES), torch.tensor(cu))
 
 
 def test_decay_gradient_keeps_its_accuracy_under_strong_decays() -> None:

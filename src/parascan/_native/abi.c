@@ -1,5 +1,5 @@
 /* The ABI facts Python checks once, before it calls any kernel, and the first-order
- * scans' block constants (bindings.py). Here rather than in first_order/cpu.c: a
+ * scans' block constants (parascan._native). Here rather than in first_order/cpu.c: a
  * function more in that file changes how gcc compiles its kernels. */
 #include "abi.h"
 #include "../first_order/cpu_common.h"

@@ -1,5 +1,5 @@
 /* The C ABI of parascan's kernel library: every argument struct an entry point
- * takes, in one place. parascan/_native/bindings.py mirrors each struct as a list
+ * takes, in one place. parascan/_native/__init__.py mirrors each struct as a list
  * of field names (ARG_FIELDS) and checks its size against ps_<name>_args_size()
  * once; bump PS_ABI_VERSION whenever a struct or an entry point changes.
  *
@@ -343,7 +343,7 @@ PS_SSD_ENTRIES(ssd_norm, ps_ssd_norm_args)
 
 /* What Python checks before anything else is called (abi.c): the version and the
  * size of every argument struct, ps_<name>_args_size() for each name of
- * bindings.ARG_FIELDS. */
+ * parascan._native.ARG_FIELDS. */
 PS_API int64_t ps_abi_version(void);
 PS_API int64_t ps_scan_fwd_args_size(void);
 PS_API int64_t ps_scan_bwd_args_size(void);

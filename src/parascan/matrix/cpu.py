@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from parascan._native.bindings import arg_struct, check_operands, kernel
+from parascan._native import arg_struct, check_operands, kernel
 
 __all__ = ["DTYPES", "forward"]
 

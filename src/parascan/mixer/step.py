@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._checks import check_flag, check_in_place, check_shape, check_tensor, describe
-from parascan._native.bindings import arg_struct, kernel
+from parascan._native import arg_struct, kernel
 from parascan._ops import plain_eager
 from parascan.selective.api import _complex_of
 

@@ -38,11 +38,6 @@ ROW = register(
 Opt = Tensor | None
 
 
-def _forward(backend: str, *operands: object) -> tuple[Tensor, Tensor, Tensor]:
-    result: tuple[Tensor, Tensor, Tensor] = ROW.backends[backend].forward(*operands)
-    return result
-
-
 def _shapes(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
     delta_bias: Opt, initial: Opt, softplus: bool, backend: str,
@@ -55,16 +50,6 @@ def _shapes(
         u.new_empty(batch, dim, n, dtype=sd),
         u.new_empty(batch, dim, n_chunks(length, backend), n, dtype=sd),
     )
-
-
-def _backward(
-    backend: str, tensors: list[Opt], consts: list[object], checkpoints: Tensor,
-    grad_out: Tensor, grad_final: Tensor,
-) -> list[Tensor]:  # fmt: skip
-    backward = ROW.backends[backend].backward
-    assert backward is not None
-    grads: list[Tensor] = backward(*tensors, *consts, checkpoints, grad_out, grad_final)
-    return grads
 
 
 def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
@@ -87,9 +72,8 @@ apply = checkpointed_scan(
         "Tensor? delta_bias, Tensor? initial",
         consts="bool softplus",
         grads=9,
-        forward=_forward,
+        backends=ROW.backends,
         forward_shapes=_shapes,
-        backward=_backward,
         zero_final=_zero_final,
         torch_forward=_torch_forward,
     )

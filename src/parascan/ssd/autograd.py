@@ -35,17 +35,6 @@ ROW = register(
 Opt = Tensor | None
 
 
-def _forward(backend: str, *args: object) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, final, checkpoints); without ``want_final``, ``final`` has no rows (the C
-    kernel then stores none: with many packed sequences that was a state's write per
-    sequence nobody read)."""
-    *operands, want_final = args
-    result: tuple[Tensor, Tensor, Tensor] = ROW.backends[backend].forward(
-        *operands, want_final=want_final
-    )
-    return result
-
-
 def _shapes(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, initial: Opt,
     cu_seqlens: Opt, want_final: bool, backend: str,
@@ -57,18 +46,6 @@ def _shapes(
         x.new_empty(states(x, cu_seqlens) if want_final else 0, heads, headdim, n),
         x.new_empty(batch, n_chunks(length, backend), heads, headdim, n),
     )
-
-
-def _backward(
-    backend: str, tensors: list[Opt], consts: list[object], checkpoints: Tensor,
-    grad_out: Tensor, grad_final: Tensor,
-) -> list[Tensor]:  # fmt: skip
-    """The 8 gradients of canonical.py's backward; ``grad_final`` with no rows stands
-    for zeros."""
-    backward = ROW.backends[backend].backward
-    assert backward is not None
-    grads: list[Tensor] = backward(*tensors, checkpoints, grad_out, grad_final)
-    return grads
 
 
 def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
@@ -92,10 +69,10 @@ apply = checkpointed_scan(
         "Tensor? initial, Tensor? cu_seqlens",
         consts="bool want_final",
         grads=8,
-        forward=_forward,
+        backends=ROW.backends,
         forward_shapes=_shapes,
-        backward=_backward,
         zero_final=_zero_final,
         torch_forward=_torch_forward,
+        backward_consts=False,  # a grad_final with no rows stands for zeros
     )
 )

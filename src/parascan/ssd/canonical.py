@@ -101,11 +101,14 @@ def states(x: Tensor, cu_seqlens: Tensor | None) -> int:
 
 
 def drops_final(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A backend's ``forward`` that also takes ``want_final``: without it the final
-    state it computed is dropped (no rows)."""
+    """A backend's ``forward`` of the nine operands that also takes ``want_final``
+    (tenth, True when not given): without it the final state it computed is dropped
+    (no rows)."""
 
     @functools.wraps(forward)
     def wrapped(*args: Any, want_final: bool = True, **kwargs: Any) -> Any:
+        if len(args) == 10:
+            *args, want_final = args  # type: ignore[assignment]
         out, final, checkpoints = forward(*args, **kwargs)
         return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
 

@@ -9,14 +9,11 @@ the same bits with any count.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
-from parascan._native import simd
-from parascan._native.bindings import arg_struct, check_operands, kernel
-from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks
+from parascan._native import arg_struct, check_operands, kernel, simd
+from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
 
 __all__ = ["backward", "forward"]
 
@@ -40,24 +37,13 @@ def _ptr(t: Opt) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _cu(cu_seqlens: Opt, length: int) -> Opt:
-    """``cu_seqlens`` as the kernel reads it (a contiguous int64 CPU vector), checked
-    (in Python on its values: a handful of tensor ops cost more than the list here)."""
+def _cu(cu_seqlens: Opt) -> Opt:
+    """``cu_seqlens`` as the kernel reads it, a contiguous int64 CPU vector. Its values
+    were checked by the public function (parascan._checks.check_cu_seqlens); the kernel
+    checks them again and fails the call rather than read out of bounds."""
     if cu_seqlens is None:
         return None
-    cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
-    values = cu.tolist() if cu.dim() == 1 else []
-    if (
-        not values
-        or values[0] != 0
-        or values[-1] != length
-        or any(hi < lo for lo, hi in itertools.pairwise(values))
-    ):
-        raise ValueError(
-            f"{_FN}: expected cu_seqlens to be non-decreasing offsets from 0 to L = {length}, "
-            f"but got {cu.tolist()}"
-        )
-    return cu
+    return cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 class _Operands:
@@ -78,7 +64,7 @@ class _Operands:
             )
         batch, length, heads, headdim = x.shape
         groups, n = B.shape[2], B.shape[3]
-        self.cu = _cu(cu_seqlens, length)
+        self.cu = _cu(cu_seqlens)
         self.states = batch if self.cu is None else self.cu.numel() - 1
         self.dtype = x.dtype
         self.shape = (batch, length, heads, headdim, groups, n)
@@ -88,7 +74,8 @@ class _Operands:
             (D, (heads, headdim)), (z, (batch, length, heads, headdim)),
             (initial, (self.states, heads, headdim, n)),
         )  # fmt: skip
-        if groups < 1 or heads % groups != 0 or (self.cu is not None and batch != 1):
+        packed = self.cu is not None and (batch != 1 or self.cu.dim() != 1)
+        if groups < 1 or heads % groups != 0 or packed:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel got {heads} heads in "
                 f"{groups} groups, batch {batch}, packed {self.cu is not None}"
@@ -96,7 +83,7 @@ class _Operands:
         self.x, self.dt, self.A, self.B, self.C = x, dt, A, B, C
         self.D, self.z, self.initial = D, z, initial
         self.state_shape = (self.states, heads, headdim, n)
-        self.checkpoint_shape = (batch, n_chunks(length, "cpu"), heads, headdim, n)
+        self.checkpoint_shape = (batch, -(-length // _K), heads, headdim, n)  # n_chunks
 
     def args(self, **tensors: Opt) -> object:
         batch, length, heads, headdim, groups, n = self.shape
@@ -118,7 +105,8 @@ class _Operands:
     def run(self, entry: str, args: object) -> None:
         if kernel(entry, self.dtype)(args) != 0:
             raise RuntimeError(
-                f"parascan: the {entry} CPU kernel failed (out of memory?) on x "
+                f"parascan: the {entry} CPU kernel failed (operands it rejects, such as bad "
+                f"cu_seqlens offsets, or out of memory) on x "
                 f"{tuple(self.x.shape)}, B {tuple(self.B.shape)}"
             )
 

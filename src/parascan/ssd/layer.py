@@ -40,8 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._native import kernel_library_error, simd
-from parascan._native.bindings import ARG_FIELDS, ARG_STRUCTS, check_operands, kernel
+from parascan._native import (
+    ARG_FIELDS,
+    ARG_STRUCTS,
+    check_operands,
+    kernel,
+    kernel_library_error,
+    simd,
+)
 from parascan._ops import plain_eager, refuse_second_derivatives
 from parascan.ssd import cpu as ssd_cpu
 
