@@ -243,22 +243,21 @@ class CheckpointedScan:
     negative views resolved, and every result leaves contiguous, as the fake kernels say
     (torch.compile's graphs assert the strides they report)."""
 
-    public: str  # the public function's name, for errors: "parascan.ssd_scan"
+    # the op's row of the backend table (parascan._backends.OpBackends): its public
+    # name (for errors: "parascan.ssd_scan") and its backends, each one's
+    # forward(*tensors, *consts) -> (out, final, checkpoints) and
+    # backward(*tensors, [*consts,] checkpoints, grad_out, grad_final) -> gradients;
+    # forward mode differentiates the "torch" backend's forward
+    row: Any
     name: str  # the ops: parascan::<name>, parascan::<name>_backward
     tensors: str
     consts: str
     grads: int
-    # the backends, by name (the op's row of the backend table): each one's
-    # forward(*tensors, *consts) -> (out, final, checkpoints) and
-    # backward(*tensors, [*consts,] checkpoints, grad_out, grad_final) -> gradients
-    backends: dict[str, Any]
     # (*tensors, *consts, backend) -> empty (out, final, checkpoints): the fake kernel
     forward_shapes: Callable[..., tuple[Tensor, Tensor, Tensor]]
     # (tensors, consts) -> the grad_final standing for one that is None (grad_out's is
     # zeros like the first tensor's)
     zero_final: Callable[..., Tensor]
-    # (tensors, consts) -> (out, final) in differentiable torch ops: forward mode's path
-    torch_forward: Callable[..., tuple[Tensor, Tensor]]
     # whether the backends' backward takes the consts (after the tensors)
     backward_consts: bool = True
 
@@ -294,7 +293,9 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
     def forward_impl(*args: Any) -> tuple[Tensor, ...]:
         *operands, backend = args
         resolved_args = [resolved_optional(t) for t in operands[:n_tensors]]
-        return _contiguous(spec.backends[backend].forward(*resolved_args, *operands[n_tensors:]))
+        return _contiguous(
+            spec.row.backends[backend].forward(*resolved_args, *operands[n_tensors:])
+        )
 
     forward_op = custom_op(
         spec.name,
@@ -307,7 +308,7 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
         tensors = [resolved_optional(t) for t in args[:n_tensors]]
         checkpoints, grad_out, grad_final = args[n_tensors : n_tensors + 3]
         *plain, backend = args[n_tensors + 3 :]
-        grads = spec.backends[backend].backward(
+        grads = spec.row.backends[backend].backward(
             *tensors, *(plain if spec.backward_consts else ()), checkpoints,
             resolved(grad_out), resolved(grad_final),
         )  # fmt: skip
@@ -386,7 +387,7 @@ class _Backward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        refuse_second_derivatives(_SCANS[ctx.name].spec.public)
+        refuse_second_derivatives(_SCANS[ctx.name].spec.row.op)
 
 
 class _BackwardForwardMode(_Backward):
@@ -395,7 +396,7 @@ class _BackwardForwardMode(_Backward):
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
-        refuse_second_derivatives(_SCANS[ctx.name].spec.public)
+        refuse_second_derivatives(_SCANS[ctx.name].spec.row.op)
 
 
 def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -468,10 +469,11 @@ class _ScanForwardMode(_Scan):
         built = _SCANS[ctx.name]
 
         def forward(*ops: Opt) -> tuple[Tensor, Tensor]:
-            return built.spec.torch_forward(ops, ctx.consts)
+            out, final, _ = built.spec.row.backends["torch"].forward(*ops, *ctx.consts)
+            return out, final
 
         if nested_forward_mode():  # forward over forward: see nested_forward_mode
-            refuse_second_derivatives(built.spec.public)
+            refuse_second_derivatives(built.spec.row.op)
         *operands, checkpoints = ctx.saved_tensors
         t_out, t_final = jvp_through(forward, tuple(operands), tangents[: built.tensors])
         return t_out, t_final, torch.zeros_like(checkpoints)

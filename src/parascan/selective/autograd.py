@@ -57,24 +57,17 @@ def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
     return u.new_zeros(u.shape[0], u.shape[1], A.shape[-1], dtype=state_dtype(A, u))
 
 
-def _torch_forward(operands: tuple[Opt, ...], consts: tuple[object, ...]) -> tuple[Tensor, Tensor]:
-    out, final, _ = chunked.forward_torch(*operands, *consts)
-    return out, final
-
-
 # apply(u, delta, A, B, C, D, z, delta_bias, initial, softplus, backend) -> (out, final):
 # canonical operands on a concrete backend, differentiable.
 apply = checkpointed_scan(
     CheckpointedScan(
-        public="parascan.selective_scan",
+        row=ROW,
         name="selective_scan",
         tensors="Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
         "Tensor? delta_bias, Tensor? initial",
         consts="bool softplus",
         grads=9,
-        backends=ROW.backends,
         forward_shapes=_shapes,
         zero_final=_zero_final,
-        torch_forward=_torch_forward,
     )
 )

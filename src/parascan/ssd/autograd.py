@@ -53,26 +53,19 @@ def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
     return x.new_empty(0, x.shape[2], x.shape[3], B.shape[-1])  # no rows: zeros
 
 
-def _torch_forward(operands: tuple[Opt, ...], consts: tuple[object, ...]) -> tuple[Tensor, Tensor]:
-    out, final, _ = chunked.forward_torch(*operands)
-    return out, final if consts[0] else final[:0]
-
-
 # apply(x, dt, A, B, C, D, z, initial, cu_seqlens, want_final, backend) -> (out, final):
 # canonical operands on a concrete backend, differentiable; ``final`` has no rows
 # without ``want_final``.
 apply = checkpointed_scan(
     CheckpointedScan(
-        public="parascan.ssd_scan",
+        row=ROW,
         name="ssd_scan",
         tensors="Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
         "Tensor? initial, Tensor? cu_seqlens",
         consts="bool want_final",
         grads=8,
-        backends=ROW.backends,
         forward_shapes=_shapes,
         zero_final=_zero_final,
-        torch_forward=_torch_forward,
         backward_consts=False,  # a grad_final with no rows stands for zeros
     )
 )
