@@ -25,13 +25,14 @@ __all__ = ["chunk_hgrn", "fused_recurrent_hgrn"]
 
 
 def _hgrn(
-    fn: str,
+    function: str,
     x: Tensor,
     g: Tensor,
     initial_state: Tensor | None,
     output_final_state: bool,
     cu_seqlens: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
+    fn = f"parascan.compat.fla.{function}"
     output_final_state = check_flag(fn, "output_final_state", output_final_state)
     check_same_3d(fn, ("x", x), ("g", g), "(B, T, D)")
     batch, steps, width = x.shape
@@ -94,10 +95,7 @@ def fused_recurrent_hgrn(
         >>> fused_recurrent_hgrn(torch.ones(1, 3, 1), g, output_final_state=True)[1]
         tensor([[1.7500]])
     """
-    return _hgrn(
-        "parascan.compat.fla.fused_recurrent_hgrn", x, g, initial_state, output_final_state,
-        cu_seqlens,
-    )  # fmt: skip
+    return _hgrn("fused_recurrent_hgrn", x, g, initial_state, output_final_state, cu_seqlens)
 
 
 def chunk_hgrn(
@@ -109,6 +107,4 @@ def chunk_hgrn(
 ) -> tuple[Tensor, Tensor | None]:
     """The same recurrence as :func:`fused_recurrent_hgrn` (the original's chunked
     kernel; here one computation serves both), with ``cu_seqlens`` too."""
-    return _hgrn(
-        "parascan.compat.fla.chunk_hgrn", x, g, initial_state, output_final_state, cu_seqlens
-    )
+    return _hgrn("chunk_hgrn", x, g, initial_state, output_final_state, cu_seqlens)

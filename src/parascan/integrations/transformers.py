@@ -15,84 +15,67 @@ tensor and keeping every step for the backward, and a Mamba-2 layer's scan as a 
 torch computation that pads L to the chunk size and keeps every chunk's (chunk, chunk)
 decay matrices and per-chunk states for the backward. ``patch()`` replaces, in each
 modeling module of a Mamba mixer, the module-level functions the mixers call, as Liger
-Kernel's ``apply_liger_kernel_to_*`` do for other models.
+Kernel's ``apply_liger_kernel_to_*`` do for other models; each replacement's docstring
+says more.
 
 Mamba-1 (``mamba``, ``falcon_mamba`` and the hybrids whose modules carry the same
 functions, ``jamba`` and ``zamba`` in transformers 5.23 and 5.24):
 
-``mamba_selective_scan``
-    the full-sequence scan (prefill, training, evaluation) becomes
-    :func:`parascan.compat.mamba_ssm.selective_scan_fn`; its last state is the float32
-    tensor that transformers stores as the cache's recurrent (ssm) state, as unpatched.
-``mamba_selective_state_update``
-    the decoding step (one token with a cache) becomes
-    :func:`parascan.compat.mamba_ssm.selective_state_update`, advancing the cached state
-    in place as the original does.
-``mamba_inner_fn``
-    the fused training kernel that transformers uses when mamba_ssm is installed: the
-    replacement declines (returns None, as the original does without mamba_ssm), so that
-    training runs the mixer's unfused path, whose scan is parascan's.
+- ``mamba_selective_scan``, the full-sequence scan (prefill, training, evaluation):
+  :func:`selective_scan`, by :func:`parascan.compat.mamba_ssm.selective_scan_fn`; its
+  last state, the cache's recurrent (ssm) state, is float32 as unpatched.
+- ``mamba_selective_state_update``, the decoding step (one token with a cache):
+  :func:`selective_state_update`, advancing the cached state in place as the original.
+- ``mamba_inner_fn``, the fused training kernel that transformers uses when mamba_ssm is
+  installed: :func:`no_fused_inner` declines (as the original does without mamba_ssm),
+  so that training runs the mixer's unfused path, whose scan is parascan's.
 
 Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``bamba``,
 ``falcon_h1``, ``granitemoehybrid``, ``nemotron_h`` and ``zamba2`` in transformers 5.23 and
 5.24):
 
-``mamba2_chunk_scan``
-    the full-sequence scan becomes
-    :func:`parascan.compat.mamba_ssm.mamba_chunk_scan_combined` (so
-    :func:`parascan.ssd_scan` with ``backend="auto"``); its final state, the cache's
-    recurrent state, is float32 as unpatched. ``seq_idx`` (or ``cu_seqlens``) passed
-    down by a padding-free training loop keeps the packed sequences apart (unpatched,
-    transformers refuses them without mamba_ssm).
-``mamba2_selective_state_update``
-    the decoding step becomes :func:`parascan.compat.mamba_ssm.selective_state_update`
-    in its multi-head layout, the cached state advanced in place.
-``mamba2_split_conv1d_scan_combined``
-    the fused training path (a mixer in training mode without a cache: convolution,
-    scan, gated norm, output projection) becomes
-    :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined`: on the CPU in
-    float32 (or float64) the convolution, scan and gated norm fused (C kernels, one
-    gradient buffer for the input projection; :mod:`parascan.ssd.layer`), elsewhere
-    a causal convolution of a few shifted multiply-adds (forward and backward) and
-    :func:`parascan.ssd_scan`; unpatched without mamba_ssm, the original declines and the
-    mixer runs its unfused torch path.
-``apply_mask_to_padding_states``
-    unchanged in what it computes; it keeps the attention mask, and when that mask pads
-    a step the fused training path declines: the mixer's unfused path
-    (patched) zeroes the convolution's output at the padded steps again, as unpatched,
-    where the fused path (mamba_ssm's kernel too) lets a convolution bias there reach the
-    state.
+- ``mamba2_chunk_scan``, the full-sequence scan: :func:`chunk_scan`, by
+  :func:`parascan.compat.mamba_ssm.mamba_chunk_scan_combined` (so :func:`parascan.ssd_scan`
+  with ``backend="auto"``); it keeps packed sequences (``seq_idx`` or ``cu_seqlens``)
+  apart, which transformers refuses unpatched without mamba_ssm.
+- ``mamba2_selective_state_update``, the decoding step in the multi-head layout:
+  :func:`multihead_state_update`.
+- ``mamba2_split_conv1d_scan_combined``, the fused training path (a mixer in training
+  mode without a cache; the original declines without mamba_ssm): :func:`split_conv_scan`,
+  by :func:`parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined` (on the CPU in
+  float32 or float64 the convolution, scan and gated norm fused: :mod:`parascan.ssd.layer`).
+- ``apply_mask_to_padding_states``: :func:`mask_padding`, the same result; it keeps the
+  attention mask, and when that mask pads a step the fused training path declines (see
+  :func:`split_conv_scan`).
 
 Both families, where their modules define them:
 
-``causal_conv1d_fn``
-    the depthwise causal convolution before the scan becomes a few shifted
-    multiply-adds (forward and backward) on the mixer's strided input, instead of a
-    grouped ``conv1d`` that first copies it. In the Mamba-2 modules it reads the
-    ``seq_idx`` (or ``cu_seqlens``) the mixers pass to it and to the scan, and reads no
-    input across a boundary; in the Mamba-1 modules, whose scan takes no sequence ids,
-    packed sequences raise (as unpatched, without the causal_conv1d package);
-``causal_conv1d_update``
-    its decoding step becomes a product and a sum over the filter's width, instead of a
-    grouped ``conv1d`` that took a fifth of a decoding step's time on a CPU; the cached
-    inputs (``conv_states``) advance in place as unpatched. An activation other than
-    silu (or none) is left to transformers' own functions.
+- ``causal_conv1d_fn``, the depthwise causal convolution before the scan: a few shifted
+  multiply-adds (forward and backward) on the mixer's strided input, instead of a grouped
+  ``conv1d`` that first copies it; :func:`causal_conv1d` in the Mamba-2 modules reads no
+  input across a ``seq_idx`` (or ``cu_seqlens``) boundary, and
+  :func:`causal_conv1d_one_sequence` in the Mamba-1 modules, whose scan takes no
+  sequence ids, raises on packed sequences (as unpatched, without causal_conv1d).
+- ``causal_conv1d_update``, its decoding step: :func:`causal_conv1d_update`, a product
+  and a sum over the filter's width instead of a grouped ``conv1d`` (a fifth of a
+  decoding step's time on a CPU); an activation other than silu (or none) is left to
+  transformers' own functions.
 
 Everything else (the input projection; outside training, the gated norm and output
 projection; the cache's bookkeeping) is the model's own code, unchanged; so are its
 quirks (a Mamba-1 prompt continued with several tokens at once restarts the scan from a
-zero state, as unpatched). In float32 the logits, gradients, caches and greedy generations equal the
-unpatched ones to rounding; in half precision parascan takes the step in float32 where
-transformers' Mamba-1 loop rounds it to the model's dtype first.
+zero state, as unpatched). In float32 the logits, gradients, caches and greedy
+generations equal the unpatched ones to rounding; in half precision parascan takes the
+step in float32 where transformers' Mamba-1 loop rounds it to the model's dtype first.
 
 Supported: transformers 5.15.0 and later (tested with 5.15.0, 5.20.0, 5.23.0 and 5.24.0
 for Mamba-1, 5.23.0 and 5.24.0 for Mamba-2): from 5.15 on, these mixers call the scan
 through those module functions. ``patch()`` checks the installed version, that each
 module defines the functions with the expected parameters, and that a mixer's
 ``forward`` calls them; otherwise it raises :class:`UnsupportedVersionError`, naming the
-version and what is missing, and patches nothing. The Mamba-2 modules are patched where they define
-``mamba2_chunk_scan`` (a transformers whose Mamba-2 modules compute the scan elsewhere
-keeps them unpatched, and its Mamba-1 models are still patched).
+version and what is missing, and patches nothing. The Mamba-2 modules are patched where
+they define ``mamba2_chunk_scan`` (a transformers whose Mamba-2 modules compute the scan
+elsewhere keeps them unpatched, and its Mamba-1 models are still patched).
 """
 
 from __future__ import annotations
@@ -211,16 +194,13 @@ def chunk_scan(
     ``seq_idx`` (batch, L) or ``cu_seqlens`` (batch 1) mark packed sequences, whose
     states restart at each boundary; the rest (the model's attention keywords) are
     not the scan's and are dropped, as transformers' kernel dispatch drops them."""
-    z = kwargs.get("z")
     seq_idx = _packed_ids("mamba2_chunk_scan", kwargs, hidden_states)
-    wide = hidden_states.dtype == torch.float64
-    result = mamba_ssm.mamba_chunk_scan_combined(
-        hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+    return mamba_ssm.mamba_chunk_scan_combined(
+        hidden_states, dt, A, B, C, chunk_size, D=D, z=kwargs.get("z"), dt_bias=dt_bias,
         initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
         dt_limit=dt_limit, return_final_states=return_final_states,
-        state_dtype=torch.float64 if wide else torch.float32,
+        state_dtype=torch.float64 if hidden_states.dtype == torch.float64 else torch.float32,
     )  # fmt: skip
-    return result
 
 
 def split_conv_scan(
@@ -293,9 +273,7 @@ def mask_padding(hidden_states: Tensor, attention_mask: Tensor | None = None) ->
     mixers call this on their input just before their fused training path, which
     declines when the mask pads a step."""
     _PADDING.mask = attention_mask if isinstance(attention_mask, Tensor) else None
-    original = _transformers_original("apply_mask_to_padding_states")
-    result: Tensor = original(hidden_states, attention_mask)
-    return result
+    return _transformers_own("apply_mask_to_padding_states", hidden_states, attention_mask)
 
 
 def _packed_ids(fn: str, kwargs: dict[str, Any], x: Tensor) -> Tensor | None:
@@ -343,13 +321,14 @@ def multihead_state_update(
 _CONV_ACTIVATIONS = (None, "silu", "swish")
 
 
-def _transformers_original(name: str) -> Callable[..., Any]:
+def _transformers_own(name: str, *args: Any) -> Tensor:
     """transformers' own function ``name`` (any patched module's: they are the same
-    code): a convolution for an activation the replacement does not compute, or the
-    padding mask that mask_padding applies unchanged."""
+    code) called on ``args``: a convolution for an activation the replacement does not
+    compute, or the padding mask that mask_padding applies unchanged."""
     for (_, fn_name), original in _ORIGINALS.items():
         if fn_name == name:
-            return original
+            result: Tensor = original(*args)
+            return result
     raise RuntimeError(f"{name}: parascan's replacement is called while nothing is patched")
 
 
@@ -374,9 +353,8 @@ def causal_conv1d(
     ``seq_idx`` (batch, L) or ``cu_seqlens`` (batch 1) among the keywords mark packed
     sequences: no step reads an input of an earlier sequence, as the scan after it
     restarts at each boundary (the mixers pass the same keywords to both). With a
-    cache the input starts with the cached steps, which continue each row's first
-    sequence (its state enters that sequence's scan too): exact when that sequence had
-    at least K - 1 steps before the cut (see :func:`_conv_ids`). The other keywords are
+    cache, the cached steps continue each row's first sequence: exact when it had at
+    least K - 1 steps before the cut (see :func:`_conv_ids`). The other keywords are
     the mixers' own and are dropped, as the original drops them."""
     seq_idx = _packed_ids(_CONV_FN, kwargs, hidden_states)
     if activation not in _CONV_ACTIVATIONS:
@@ -385,9 +363,7 @@ def causal_conv1d(
                 f"{_CONV_FN}: parascan's replacement keeps packed sequences apart for the "
                 f"activations {_CONV_ACTIVATIONS[1:]} or None only, but got {activation!r}"
             )
-        original = _transformers_original(_CONV_FN)
-        result: Tensor = original(hidden_states, weight, bias, activation)
-        return result
+        return _transformers_own(_CONV_FN, hidden_states, weight, bias, activation)
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     if seq_idx is not None:
         seq_idx = _conv_ids(seq_idx, x)
@@ -459,10 +435,9 @@ def causal_conv1d_update(
     inputs, which costs a model's decoding step a fifth of its time on a CPU."""
     check_in_place("causal_conv1d_update", "conv_state", conv_state)  # on every path
     if activation not in _CONV_ACTIVATIONS:
-        stepped: Tensor = _transformers_original("causal_conv1d_update")(
-            hidden_states, conv_state, weight, bias, activation
+        return _transformers_own(
+            "causal_conv1d_update", hidden_states, conv_state, weight, bias, activation
         )
-        return stepped
     steps, width, kept = hidden_states.shape[-1], weight.shape[-1], conv_state.shape[-1]
     inputs = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)
     conv_state.copy_(inputs[:, :, -kept:])
@@ -493,10 +468,17 @@ class _Function:
 
     name: str
     replacement: Callable[..., Any]
-    # The original's leading parameters, which the mixers pass and the replacement takes.
-    params: tuple[str, ...]
+    # The original's leading parameters, which the mixers pass and the replacement takes;
+    # left empty: the replacement's named parameters.
+    params: tuple[str, ...] = ()
     # Whether a mixer's forward must call it (False: patched where present).
     required: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            named = inspect.signature(self.replacement).parameters.values()
+            params = tuple(p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+            object.__setattr__(self, "params", params)
 
 
 @dataclass(frozen=True)
@@ -509,42 +491,21 @@ class _Family:
     expected: tuple[str, ...] = ()
 
 
+# mamba_selective_scan's leading parameters: its replacement also takes (and ignores)
+# use_mambapy and use_associative_scan, which the original need not have.
+_SCAN_PARAMS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                "return_last_state")  # fmt: skip
 # Both families' modules carry the convolution's functions (patched where present); the
 # Mamba-1 mixers' convolution refuses packed sequences, which their scan cannot restart at.
-_CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
-_CONV_UPDATE = _Function(
-    "causal_conv1d_update",
-    causal_conv1d_update,
-    ("hidden_states", "conv_state", "weight", "bias", "activation"),
-    required=False,
-)
+_CONV_UPDATE = _Function("causal_conv1d_update", causal_conv1d_update, required=False)
 _MAMBA1 = _Family(
     marker="mamba_selective_scan",
     functions=(
-        _Function(
-            "mamba_selective_scan",
-            selective_scan,
-            (
-                "hidden_states",
-                "dt",
-                "A",
-                "B",
-                "C",
-                "D",
-                "z",
-                "delta_bias",
-                "delta_softplus",
-                "return_last_state",
-            ),
-        ),
-        _Function(
-            "mamba_selective_state_update",
-            selective_state_update,
-            ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z"),
-        ),
+        _Function("mamba_selective_scan", selective_scan, _SCAN_PARAMS),
+        _Function("mamba_selective_state_update", selective_state_update),
         # Only where the mixer has a fused training path (not zamba's).
         _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
-        _Function("causal_conv1d_fn", causal_conv1d_one_sequence, _CONV_PARAMS, required=False),
+        _Function("causal_conv1d_fn", causal_conv1d_one_sequence, required=False),
         _CONV_UPDATE,
     ),
     expected=("mamba", "falcon_mamba"),
@@ -552,62 +513,12 @@ _MAMBA1 = _Family(
 _MAMBA2 = _Family(
     marker="mamba2_chunk_scan",
     functions=(
-        _Function(
-            "mamba2_chunk_scan",
-            chunk_scan,
-            (
-                "hidden_states",
-                "dt",
-                "A",
-                "B",
-                "C",
-                "chunk_size",
-                "D",
-                "dt_bias",
-                "initial_states",
-                "dt_softplus",
-                "dt_limit",
-                "return_final_states",
-            ),
-        ),
-        _Function(
-            "mamba2_selective_state_update",
-            multihead_state_update,
-            ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z"),
-        ),
-        _Function(
-            "mamba2_split_conv1d_scan_combined",
-            split_conv_scan,
-            (
-                "zxbcdt",
-                "conv1d_weight",
-                "conv1d_bias",
-                "dt_bias",
-                "A",
-                "D",
-                "chunk_size",
-                "initial_states",
-                "dt_limit",
-                "return_final_states",
-                "activation",
-                "rmsnorm_weight",
-                "rmsnorm_eps",
-                "outproj_weight",
-                "outproj_bias",
-                "headdim",
-                "ngroups",
-                "norm_before_gate",
-            ),
-            required=False,
-        ),
+        _Function("mamba2_chunk_scan", chunk_scan),
+        _Function("mamba2_selective_state_update", multihead_state_update),
+        _Function("mamba2_split_conv1d_scan_combined", split_conv_scan, required=False),
         # Where the fused path is there: it declines after a padded mask.
-        _Function(
-            "apply_mask_to_padding_states",
-            mask_padding,
-            ("hidden_states", "attention_mask"),
-            required=False,
-        ),
-        _Function("causal_conv1d_fn", causal_conv1d, _CONV_PARAMS, required=False),
+        _Function("apply_mask_to_padding_states", mask_padding, required=False),
+        _Function("causal_conv1d_fn", causal_conv1d, required=False),
         _CONV_UPDATE,
     ),
 )
@@ -622,17 +533,6 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     if match is None:
         return (0,)
     return tuple(int(part or 0) for part in match.groups())
-
-
-def _import_transformers() -> ModuleType:
-    try:
-        import transformers
-    except ImportError as error:
-        raise ImportError(
-            f"{_FN}: transformers is not installed; install transformers>={MIN_VERSION} "
-            "(pip install 'parascan[transformers]')"
-        ) from error
-    return transformers
 
 
 def _unsupported(version: str, what: str) -> UnsupportedVersionError:
@@ -654,15 +554,11 @@ def _candidate_modules(family: _Family) -> list[str]:
         return []
     root = Path(next(iter(spec.submodule_search_locations)))
     pattern = f"\ndef {family.marker}("
-    found = []
-    for path in sorted(root.glob("*/modeling_*.py")):
-        if pattern in path.read_text(encoding="utf-8", errors="replace"):
-            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
-    return found
-
-
-def _original(module: ModuleType, name: str) -> Any:
-    return _ORIGINALS.get((module.__name__, name), getattr(module, name, None))
+    return [
+        f"transformers.models.{path.parent.name}.{path.stem}"
+        for path in sorted(root.glob("*/modeling_*.py"))
+        if pattern in path.read_text(encoding="utf-8", errors="replace")
+    ]
 
 
 def _global_names(fn: object, depth: int = 3) -> set[str]:
@@ -698,7 +594,7 @@ def _check(version: str, module: ModuleType, fn: _Function) -> bool:
     """Whether ``fn`` is to be patched in ``module``; raises if the module does not
     have it as expected."""
     where = f"{module.__name__}.{fn.name}"
-    original = _original(module, fn.name)
+    original = _ORIGINALS.get((module.__name__, fn.name), getattr(module, fn.name, None))
     if original is None or not callable(original):
         if fn.required:
             raise _unsupported(version, f"but {module.__name__} has no function {fn.name}")
@@ -719,7 +615,13 @@ def _check(version: str, module: ModuleType, fn: _Function) -> bool:
 
 def _targets() -> list[tuple[ModuleType, _Function]]:
     """Every (module, function) to patch, all checked before any is touched."""
-    transformers = _import_transformers()
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            f"{_FN}: transformers is not installed; install transformers>={MIN_VERSION} "
+            "(pip install 'parascan[transformers]')"
+        ) from error
     version = str(getattr(transformers, "__version__", "unknown"))
     if _version_tuple(version) < _version_tuple(MIN_VERSION):
         raise _unsupported(version, f"older than {MIN_VERSION}")
