@@ -7,7 +7,8 @@
 - ``bench_transformers``: transformers' Mamba unpatched against patched by parascan
   (``python -m parascan.cli.bench_transformers``);
 - ``peers``: other ways of computing the recurrence, which the benchmark times;
-- ``timing``: the timing helpers the benchmarks share (``parascan.distributed.bench`` too).
+- ``common``: what the benchmarks share: rounds of timings, ratios, tables;
+- ``timing``: the clock under them (``parascan.distributed.bench`` uses it too).
 
 Nothing here is public API; the library (``import parascan``) never imports this package.
 """

@@ -63,6 +63,7 @@ from parascan.cli.bench_selective import (
     ssm_step_names,
 )
 from parascan.cli.bench_ssd import SsdCase
+from parascan.cli.common import cell, ms, ratio, rounds, table
 from parascan.cli.info import summary
 from parascan.cli.timing import elapsed as _elapsed
 from parascan.cli.tolerance import TOLERANCE, relative_error
@@ -85,6 +86,7 @@ __all__ = [
     "QUICK_GENERIC_CASES",
     "QUICK_PACKED_CASES",
     "QUICK_SSM_CASES",
+    "WORKLOADS",
     "Case",
     "Row",
     "SsdCase",
@@ -134,6 +136,14 @@ class Row:
     times_ms: list[float] = field(default_factory=list)
 
 
+def _one_long_sequence(steps: int) -> Case:
+    """Forward only, on the cpu and torch backends, and every peer."""
+    return Case(
+        "float32 one long sequence", (1, steps), -1, backward=False, backends=("cpu", "torch"),
+        peers=True,
+    )  # fmt: skip
+
+
 _MAJOR, _CONTIG = (8, 4096, 1536), (8, 1536, 4096)
 # `parascan bench --full`: every dtype, one thread against all, long sequences, both
 # layouts of log_linear_scan, every peer at the headline shapes (about 10 minutes on 2 cores).
@@ -147,14 +157,7 @@ FULL_CASES = [
     Case("float16 time-contiguous", _CONTIG, -1, torch.float16, backends=("cpu",)),
     Case("complex64 time-major", _MAJOR, 1, torch.complex64, backends=("cpu",)),
     Case("complex64 time-contiguous", _CONTIG, -1, torch.complex64, backends=("cpu",)),
-    Case(
-        "float32 one long sequence",
-        (1, 10_000_000),
-        -1,
-        backward=False,
-        backends=("cpu", "torch"),
-        peers=True,
-    ),
+    _one_long_sequence(10_000_000),
     Case("float32 one long sequence", (1, 2**24), -1, backward=False, backends=("cpu",)),
     Case("float32 four long sequences", (4, 10**6), -1, backward=False, backends=("cpu",)),
     Case("float32 small", (1, 64, 128), 1, backward=False, backends=("cpu",)),
@@ -184,14 +187,7 @@ DEFAULT_CASES = [
     Case("float32 time-contiguous", _CONTIG_SMALL, -1, peers=True),
     Case("log float32 time-major", _MAJOR_SMALL, 1, backends=("cpu",), peers=True, op="log"),
     Case("log float32 time-contiguous", _CONTIG_SMALL, -1, backends=("cpu",), peers=True, op="log"),
-    Case(
-        "float32 one long sequence",
-        (1, 2**22),
-        -1,
-        backward=False,
-        backends=("cpu", "torch"),
-        peers=True,
-    ),
+    _one_long_sequence(2**22),
 ]
 # `parascan bench --device cuda`: accelerated-scan's published forward figures with its
 # CUDA kernel are 2.82 ms at (8, 1536, 16384) and 11.30 ms at (8, 1536, 65536).
@@ -208,6 +204,13 @@ QUICK_CASES = [
     Case("float32 time-contiguous", (2, 192, 256), -1, peers=True),
     Case("log float32 time-contiguous", (2, 192, 256), -1, peers=True, op="log"),
 ]
+# The lists of cases (linear_scan, generic, packed, state-space) of `parascan bench --quick`,
+# `parascan bench` and `parascan bench --full`.
+WORKLOADS = {
+    "quick": (QUICK_CASES, QUICK_GENERIC_CASES, QUICK_PACKED_CASES, QUICK_SSM_CASES),
+    "default": (DEFAULT_CASES, DEFAULT_GENERIC_CASES, DEFAULT_PACKED_CASES, DEFAULT_SSM_CASES),
+    "full": (FULL_CASES, FULL_GENERIC_CASES, FULL_PACKED_CASES, FULL_SSM_CASES),
+}
 SWEEP_STEPS = [2**10, 2**12, 2**14, 2**16]
 SWEEP_SHAPE = (4, 256)  # (batch, channels); time is the last dim
 
@@ -318,24 +321,23 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
     want, want_grads = _reference(case, gates, tokens, grad)
     warm = torch.empty_like(tokens)
     threads = torch.get_num_threads()
+    directions = ("forward", "backward") if case.backward else ("forward",)
     rows: list[Row] = []
 
     def row(impl: str, kind: str, direction: str, **kw: Any) -> Row:
-        tensors = 3 if direction == "forward" else 5
         return Row(
             case=case.name, shape=case.shape, dim=case.dim,
             dtype=str(case.dtype).removeprefix("torch."), threads=threads, impl=impl,
-            kind=kind, direction=direction, tensors=tensors, **kw,
+            kind=kind, direction=direction, tensors=3 if direction == "forward" else 5, **kw,
         )  # fmt: skip
 
     for name, kind, fn, why in _implementations(case):
-        directions = ("forward", "backward") if case.backward else ("forward",)
         if why:
-            for d in directions:
-                rows.append(
-                    row(name, kind, d, time_ms=None, limit_ms=0.0, stream_ms=0.0, ratio=None,
-                        stream_ratio=None, max_error=None, correct=True, note=why)
-                )  # fmt: skip
+            rows += [
+                row(name, kind, d, time_ms=None, limit_ms=0.0, stream_ms=0.0, ratio=None,
+                    stream_ratio=None, max_error=None, correct=True, note=why)
+                for d in directions
+            ]  # fmt: skip
             progress.step(f"{case.name} {name}")
             continue
         a = gates.clone().requires_grad_(case.backward)
@@ -349,7 +351,6 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
             )
         tol = TOLERANCE[case.dtype][1] if kind == "parascan" else _PEER_TOLERANCE
         fast = kind == "parascan" and name in ("cpu", "triton")
-        runs = repeat if fast else 1
 
         def forward(a: torch.Tensor = a, b: torch.Tensor = b, fn: Any = fn) -> object:
             with torch.no_grad():
@@ -358,34 +359,31 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
         def backward(out: torch.Tensor = out, a: torch.Tensor = a, b: torch.Tensor = b) -> object:
             return torch.autograd.grad(out, (a, b), grad, retain_graph=True)
 
-        timed: dict[str, list[float]] = {d: [] for d in directions}
-        limits, streams = [], []
+        fns: dict[str, Callable[[], object]] = {
+            "limit": lambda: torch.add(gates, tokens),
+            "stream": lambda: torch.add(gates, tokens, out=warm),
+            "forward": forward,
+        }
+        if case.backward:
+            fns["backward"] = backward
         if fast:  # warm up the allocator, the thread pool and the caches
-            _elapsed(lambda: torch.add(gates, tokens), 1, case.device)
+            _elapsed(fns["limit"], 1, case.device)
             _elapsed(forward, 1, case.device)
         calls = 1
         if tokens.numel() < 100_000:  # tiny calls: as many per sample as fill ~10 ms
             once = _elapsed(forward, 1, case.device)
             calls = max(1, min(200, int(0.01 / max(once, 1e-6))))
-        for _ in range(runs):
-            limits.append(_elapsed(lambda: torch.add(gates, tokens), calls, case.device))
-            streams.append(_elapsed(lambda: torch.add(gates, tokens, out=warm), calls, case.device))
-            timed["forward"].append(_elapsed(forward, calls, case.device))
-            if case.backward:
-                timed["backward"].append(_elapsed(backward, calls, case.device))
-        limit, stream = statistics.median(limits), statistics.median(streams)
+        times = rounds(fns, repeat if fast else 1, calls=calls, device=case.device)
+        limit, stream = statistics.median(times["limit"]), statistics.median(times["stream"])
         for d in directions:
             scale = (3 if d == "forward" else 5) / 3
             ok = errors[d] <= tol
-            t = statistics.median(timed[d]) if ok else None
+            t = statistics.median(times[d]) if ok else None
             rows.append(
-                row(name, kind, d,
-                    time_ms=None if t is None else t * 1e3,
-                    limit_ms=limit * scale * 1e3, stream_ms=stream * scale * 1e3,
-                    ratio=None if t is None else t / (limit * scale),
-                    stream_ratio=None if t is None else t / (stream * scale),
-                    max_error=errors[d], correct=ok,
-                    times_ms=[x * 1e3 for x in timed[d]] if ok else [])
+                row(name, kind, d, time_ms=ms(t), limit_ms=limit * scale * 1e3,
+                    stream_ms=stream * scale * 1e3, ratio=ratio(t, limit * scale),
+                    stream_ratio=ratio(t, stream * scale), max_error=errors[d], correct=ok,
+                    times_ms=[x * 1e3 for x in times[d]] if ok else [])
             )  # fmt: skip
         progress.step(f"{case.name} {name}")
         del out
@@ -400,9 +398,12 @@ def _sweep(repeat: int, progress: _Progress) -> list[Row]:
     return rows
 
 
+_SCAN_LINE = "{:<29}{!s:<19}{:>3} {:>3}  {:<21}{:<9}{:>10}{:>9}{:>9}{:>12}{}"
+
+
 def format_table(rows: list[Row], info: dict[str, object]) -> str:
     simd = ",".join(info["cpu_simd"]) or "none"  # type: ignore[arg-type]
-    lines = [
+    head = [
         f"parascan {info['parascan']} | torch {info['torch']} | Python {info['python']}",
         f"{info['cpu']} | {info['threads']} threads | SIMD {simd}",
         "x limit: time / torch.add over the same bytes (allocating, as the scan does);",
@@ -410,24 +411,20 @@ def format_table(rows: list[Row], info: dict[str, object]) -> str:
         "both scaled to the tensors a call moves: 3 forward, 5 backward.",
         "log rows: log_linear_scan on log a, log b; forward error is absolute, in log x.",
         "",
-        f"{'case':<29}{'shape':<19}{'dim':>3} {'thr':>3}  {'impl':<21}{'pass':<9}"
-        f"{'time ms':>10}{'x limit':>9}{'x stream':>9}{'max rel err':>12}",
     ]
+    names = ("case", "shape", "dim", "thr", "impl", "pass", "time ms", "x limit", "x stream",
+             "max rel err", "")  # fmt: skip
+    cells = []
     for r in rows:
-        if r.note:
-            time_s, ratio_s, stream_s = f"{'n/a':>10}", f"{'-':>9}", f"{'-':>9}"
-        elif r.time_ms is None:
-            time_s, ratio_s, stream_s = f"{'WRONG':>10}", f"{'-':>9}", f"{'-':>9}"
+        if r.note or r.time_ms is None:
+            time_s, ratio_s, stream_s = "n/a" if r.note else "WRONG", "-", "-"
         else:
-            time_s = f"{r.time_ms:10.3f}" if r.time_ms < 1 else f"{r.time_ms:10.2f}"
-            ratio_s, stream_s = f"{r.ratio:9.2f}", f"{r.stream_ratio:9.2f}"
-        err = f"{r.max_error:12.1e}" if r.max_error is not None else f"{'':>12}"
+            time_s = f"{r.time_ms:.3f}" if r.time_ms < 1 else f"{r.time_ms:.2f}"
+            ratio_s, stream_s = f"{r.ratio:.2f}", f"{r.stream_ratio:.2f}"
         note = f"  ({r.note})" if r.note else ""
-        lines.append(
-            f"{r.case:<29}{r.shape!s:<19}{r.dim:>3} {r.threads:>3}  {r.impl:<21}"
-            f"{r.direction:<9}{time_s}{ratio_s}{stream_s}{err}{note}"
-        )
-    return "\n".join(lines)
+        cells.append((r.case, r.shape, r.dim, r.threads, r.impl, r.direction, time_s, ratio_s,
+                      stream_s, cell(r.max_error, ".1e", ""), note))  # fmt: skip
+    return table(head, _SCAN_LINE, names, cells)
 
 
 def plot(rows: list[Row], path: str) -> None:
@@ -486,9 +483,6 @@ def run_bench(
     generic = list(generic_cases or [])
     packed = list(packed_cases or [])
     ssm = list(ssm_cases or [])
-    if backend_names and "cpu" not in backend_names:
-        packed = []
-        ssm = []
     if backend_names:  # only these backends; a case that runs none of them is left out
         cases = [
             replace(
@@ -498,6 +492,9 @@ def run_bench(
         ]
         cases = [c for c in cases if c.backends]
         generic = [replace(c, backends=tuple(backend_names)) for c in generic]
+        if "cpu" not in backend_names:  # the packed and state-space rows time the cpu backend
+            packed = []
+            ssm = []
     steps = sum(len(_implementations(c)) for c in cases)
     if plot_path:
         steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
@@ -505,9 +502,7 @@ def run_bench(
     steps += sum(len(packed_names(c)) for c in packed)
     steps += sum(len(ssm_step_names(c)) for c in ssm)
     progress = _Progress(steps)
-    rows: list[Row] = []
-    for case in cases:
-        rows.extend(_bench_case(case, repeat, progress))
+    rows = [row for case in cases for row in _bench_case(case, repeat, progress)]
     generic_rows = run_generic(generic, repeat, progress.step)
     packed_rows = run_packed(packed, repeat, progress.step)
     ssm_rows = run_ssm(ssm, repeat, progress.step)

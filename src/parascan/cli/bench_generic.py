@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from parascan.cli.common import cell, median, ms, ratio, rounds, run_cases, table
 from parascan.cli.timing import elapsed as _elapsed
 from parascan.first_order.reference import linear_loop
 from parascan.generic import associative_reduce, associative_scan
@@ -120,14 +122,8 @@ def _python_loop_cumprod(x: torch.Tensor) -> torch.Tensor:
 def _augmented_matrix_scan(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch_parallel_scan's recipe for x[t] = W[t] x[t-1] + b[t]: (d+1) x (d+1)
     matrices multiplied on the right, scanned with the doubling scan."""
-    mod_w = torch.cat(
-        [
-            torch.nn.functional.pad(w.mT, (0, 1), value=0),
-            torch.nn.functional.pad(b, (0, 1), value=1).unsqueeze(-2),
-        ],
-        dim=-2,
-    )
-    start = torch.nn.functional.pad(torch.zeros(w.shape[-1], dtype=w.dtype), (0, 1), value=1)
+    mod_w = torch.cat([F.pad(w.mT, (0, 1), value=0), F.pad(b, (0, 1), value=1).unsqueeze(-2)], -2)
+    start = F.pad(torch.zeros(w.shape[-1], dtype=w.dtype), (0, 1), value=1)
     return (start @ doubling_scan(mod_w, torch.matmul))[:, :-1]
 
 
@@ -141,37 +137,28 @@ def _first_order(
 
 Impl = tuple[str, str, Callable[[], torch.Tensor]]
 
-# (name, source) per case kind, in table order; peers last.
+# The implementations of each case kind, in table order: parascan's, then the peers.
 _IMPLS = {
-    "cumprod": [
-        ("associative_scan", "parascan"),
-        ("doubling scan (tps)", "peer"),
-        ("python loop", "peer"),
-    ],
-    "reduce": [
-        ("associative_reduce", "parascan"),
-        ("linalg.multi_dot", "peer"),
-        ("python loop", "peer"),
-    ],
-    "matrix": [
-        ("matrix_linear_scan cpu", "parascan"),
-        ("matrix_linear_scan loop", "parascan"),
-        ("augmented matrices (tps)", "peer"),
-    ],
-    "first-order": [("associative_scan", "parascan"), ("torch assoc_scan", "peer")],
+    "cumprod": ("associative_scan", "doubling scan (tps)", "python loop"),
+    "reduce": ("associative_reduce", "linalg.multi_dot", "python loop"),
+    "matrix": ("matrix_linear_scan cpu", "matrix_linear_scan loop", "augmented matrices (tps)"),
+    "first-order": ("associative_scan", "torch assoc_scan"),
 }
-
-
-# The implementations that run one parascan backend (the others have no backend choice).
-_BACKEND_OF = {"matrix_linear_scan cpu": "cpu", "matrix_linear_scan loop": "loop"}
+# parascan's implementations, and the backend of those that run one (None: no choice).
+_PARASCAN = {
+    "associative_scan": None,
+    "associative_reduce": None,
+    "matrix_linear_scan cpu": "cpu",
+    "matrix_linear_scan loop": "loop",
+}
 
 
 def implementation_names(case: GenericCase) -> list[str]:
     return [
         name
-        for name, source in _IMPLS[case.kind]
-        if (case.peers or source == "parascan")
-        and (case.backends is None or _BACKEND_OF.get(name) in (None, *case.backends))
+        for name in _IMPLS[case.kind]
+        if (case.peers or name in _PARASCAN)
+        and (case.backends is None or _PARASCAN.get(name) in (None, *case.backends))
     ]
 
 
@@ -222,8 +209,10 @@ def _setup(case: GenericCase) -> tuple[list[Impl], Callable[[], object], torch.T
         want = linear_loop(a.double(), x.double(), None, -1, False)
     else:
         raise ValueError(f"unknown generic case kind {case.kind!r}")
-    sources = dict(_IMPLS[case.kind])
-    impls = [(name, sources[name], calls[name]) for name in implementation_names(case)]
+    impls = [
+        (name, "parascan" if name in _PARASCAN else "peer", calls[name])
+        for name in implementation_names(case)
+    ]
     return impls, limit, want
 
 
@@ -234,34 +223,25 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.to(want.dtype) - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def run_generic(
-    cases: list[GenericCase], repeat: int, step: Callable[[str], None]
-) -> list[GenericRow]:
-    rows: list[GenericRow] = []
-    threads = torch.get_num_threads()
-    for case in cases:
-        impls, limit_fn, want = _setup(case)
-        for name, source, fn in impls:
-            with torch.no_grad():
-                error = _relative_error(fn(), want)
-                ok = error <= _TOLERANCE
-                times, limits = [], []
-                runs = repeat if source == "parascan" else 1
-                for _ in range(runs if ok else 0):
-                    limits.append(_elapsed(limit_fn))
-                    times.append(_elapsed(fn))
-            limit = statistics.median(limits) if limits else _elapsed(limit_fn)
-            t = statistics.median(times) if ok else None
-            rows.append(
-                GenericRow(
-                    case=case.name, kind=case.kind, shape=case.shape, threads=threads,
-                    impl=name, source=source, time_ms=None if t is None else t * 1e3,
-                    limit_ms=limit * 1e3, ratio=None if t is None else t / limit,
-                    max_error=error, correct=ok,
-                )
-            )  # fmt: skip
-            step(f"{case.name} {name}")
+def _run_case(case: GenericCase, repeat: int, step: Callable[[str], None]) -> list[GenericRow]:
+    impls, limit_fn, want = _setup(case)
+    rows = []
+    for name, source, fn in impls:
+        with torch.no_grad():
+            error = _relative_error(fn(), want)
+            ok = error <= _TOLERANCE
+            runs = repeat if source == "parascan" else 1
+            times = rounds({"limit": limit_fn, "impl": fn}, runs if ok else 0)
+        limit = statistics.median(times["limit"]) if times["limit"] else _elapsed(limit_fn)
+        t = median(times["impl"])
+        rows.append(GenericRow(case.name, case.kind, case.shape, torch.get_num_threads(), name,
+                               source, ms(t), limit * 1e3, ratio(t, limit), error, ok))  # fmt: skip
+        step(f"{case.name} {name}")
     return rows
+
+
+# run_generic(cases, repeat, step): every case's rows (see the module docstring)
+run_generic = functools.partial(run_cases, _run_case)
 
 
 _LIMITS = {
@@ -272,18 +252,19 @@ _LIMITS = {
 }
 
 
+_GENERIC_LINE = "{:<22}{!s:<19}{:<26}{:>10}{:>9}{:>12}"
+
+
 def format_generic(rows: list[GenericRow]) -> str:
-    lines = [
+    head = [
         "Generic scans: x limit = time / the same work batched in one call (same run):",
         "  " + "; ".join(f"{k}: {v}" for k, v in _LIMITS.items()),
         "",
-        f"{'case':<22}{'shape':<19}{'impl':<26}{'time ms':>10}{'x limit':>9}{'max rel err':>12}",
     ]
-    for r in rows:
-        if r.time_ms is None:
-            time_s, ratio_s = f"{'WRONG':>10}", f"{'-':>9}"
-        else:
-            time_s, ratio_s = f"{r.time_ms:10.2f}", f"{r.ratio:9.2f}"
-        err = f"{r.max_error:12.1e}" if r.max_error is not None else f"{'':>12}"
-        lines.append(f"{r.case:<22}{r.shape!s:<19}{r.impl:<26}{time_s}{ratio_s}{err}")
-    return "\n".join(lines)
+    names = ("case", "shape", "impl", "time ms", "x limit", "max rel err")
+    cells = (
+        (r.case, r.shape, r.impl, cell(r.time_ms, ".2f", "WRONG"), cell(r.ratio, ".2f"),
+         cell(r.max_error, ".1e", ""))
+        for r in rows
+    )  # fmt: skip
+    return table(head, _GENERIC_LINE, names, cells)

@@ -29,10 +29,12 @@ import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 
 import torch
 
+from parascan.cli.common import cell, median, ms, ratio, run_cases, table
 from parascan.cli.timing import elapsed as _elapsed
 from parascan.cli.tolerance import TOLERANCE, relative_error
 from parascan.first_order import linear_scan
@@ -79,6 +81,24 @@ class PackedRow:
 FULL_PACKED_CASES = [PackedCase("packed 64 sequences", 64, 2**20, 1024)]
 DEFAULT_PACKED_CASES = [PackedCase("packed 64 sequences", 64, 2**18, 256)]
 QUICK_PACKED_CASES = [PackedCase("packed 8 sequences", 8, 2**12, 64)]
+
+
+_PACKED_LINE = "{:<24} {:<18} {:<28} {:>9} {:>8} {:>6} {:>9}"
+
+
+def format_packed(rows: list[PackedRow]) -> str:
+    head = (
+        "Packed sequences (linear_scan with cu_seqlens, forward, float32; x limit: "
+        "torch.add over the same bytes; x one: the same tokens as one sequence)"
+    )
+    names = ("case", "shape", "implementation", "ms", "x limit", "x one", "error")
+    cells = (
+        (r.case, "x".join(map(str, r.shape)), r.impl, cell(r.time_ms, ".1f", "WRONG"),
+         cell(r.ratio, ".2f"), cell(r.vs_one_sequence, ".2f"), cell(r.max_error, ".1e", ""))
+        for r in rows
+    )  # fmt: skip
+    return table([head], _PACKED_LINE, names, cells)
+
 
 _IMPLEMENTATIONS = ("cu_seqlens", "one sequence", "python loop over sequences")
 _CHECKED_CHANNELS = 8
@@ -152,48 +172,20 @@ def _run_case(case: PackedCase, repeat: int, step: Callable[[str], None]) -> lis
         if correct:
             paired.append(spent["cu_seqlens"] / spent["one sequence"])
     limit = statistics.median(limits)
-    medians = {n: statistics.median(t) if t else None for n, t in times.items()}
-    one = medians["one sequence"]
-    vs_one: dict[str, float | None] = {
-        name: None if t is None or one is None else t / one for name, t in medians.items()
-    }
+    med = {name: median(t) for name, t in times.items()}
+    vs_one = {name: ratio(t, med["one sequence"]) for name, t in med.items()}
     if paired:
         vs_one["cu_seqlens"] = statistics.median(paired)
     rows = []
-    for name in impls:
+    for name, t in med.items():
         step(f"{case.name} {name}")
-        t = medians[name]
         ours = name == "cu_seqlens"
         rows.append(PackedRow(
-            case.name, shape, case.sequences, torch.get_num_threads(), name,
-            None if t is None else t * 1e3, limit * 1e3, None if t is None else t / limit,
-            vs_one[name],
-            error if ours else None, correct if ours else True,
+            case.name, shape, case.sequences, torch.get_num_threads(), name, ms(t), limit * 1e3,
+            ratio(t, limit), vs_one[name], error if ours else None, correct if ours else True,
         ))  # fmt: skip
     return rows
 
 
-def run_packed(
-    cases: list[PackedCase], repeat: int, step: Callable[[str], None] = lambda _: None
-) -> list[PackedRow]:
-    """Every case's rows (see the module docstring)."""
-    return [row for case in cases for row in _run_case(case, repeat, step)]
-
-
-def format_packed(rows: list[PackedRow]) -> str:
-    lines = [
-        "Packed sequences (linear_scan with cu_seqlens, forward, float32; x limit: "
-        "torch.add over the same bytes; x one: the same tokens as one sequence)",
-        f"{'case':<24} {'shape':<18} {'implementation':<28} {'ms':>9} {'x limit':>8} "
-        f"{'x one':>6} {'error':>9}",
-    ]
-    for r in rows:
-        ms = "WRONG" if r.time_ms is None else f"{r.time_ms:.1f}"
-        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
-        one = "-" if r.vs_one_sequence is None else f"{r.vs_one_sequence:.2f}"
-        err = "" if r.max_error is None else f"{r.max_error:.1e}"
-        lines.append(
-            f"{r.case:<24} {'x'.join(map(str, r.shape)):<18} {r.impl:<28} {ms:>9} {ratio:>8} "
-            f"{one:>6} {err:>9}"
-        )
-    return "\n".join(lines)
+# run_packed(cases, repeat, step): every case's rows (see the module docstring)
+run_packed = partial(run_cases, _run_case)

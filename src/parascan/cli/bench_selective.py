@@ -35,10 +35,11 @@ call), next to the size of one (batch, dim, L, N) float32 tensor.
 
 from __future__ import annotations
 
-import ctypes
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,9 @@ from parascan.cli.bench_ssd import (
     run_ssd,
     ssd_step_names,
 )
-from parascan.cli.timing import elapsed
+from parascan.cli.common import cell, median, ms, ratio, rounds, run_cases, table, train
+from parascan.cli.common import peak_extra_mib as _peak_extra_mib  # tests/selective use it
+from parascan.cli.tolerance import relative_error
 from parascan.selective import selective_scan
 
 __all__ = [
@@ -115,16 +118,13 @@ QUICK_SSM_CASES: list[AnySsmCase] = [SsmCase("mamba-1 scan", 1, 64, 128, 16), *Q
 
 _CHECKED = 8  # channels checked against the float64 loop
 _DIRECTIONS = ("forward", "forward+backward")
-
-
-def _impls() -> tuple[str, ...]:
-    return ("parascan", "reference loop", "published loop")
+_IMPLS = ("parascan", "reference loop", "published loop")
 
 
 def ssm_step_names(case: AnySsmCase) -> list[str]:
     if isinstance(case, SsdCase):
         return ssd_step_names(case)
-    return [f"{case.name} {i} {d}" for i in _impls() for d in _DIRECTIONS]
+    return [f"{case.name} {i} {d}" for i in _IMPLS for d in _DIRECTIONS]
 
 
 def _inputs(case: SsmCase) -> dict[str, torch.Tensor]:
@@ -146,74 +146,38 @@ def _inputs(case: SsmCase) -> dict[str, torch.Tensor]:
     }
 
 
-def reference_loop(
-    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-    D: torch.Tensor, z: torch.Tensor, delta_bias: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The reference loop (module docstring), its contractions as products and sums."""
-    return _loop(False, u, delta, A, B, C, D, z, delta_bias)
-
-
-def published_loop(
-    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-    D: torch.Tensor, z: torch.Tensor, delta_bias: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The same loop with the published reference's einsums."""
-    return _loop(True, u, delta, A, B, C, D, z, delta_bias)
-
-
-def _loop(
-    published: bool, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-    C: torch.Tensor, D: torch.Tensor, z: torch.Tensor, delta_bias: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The scan as the published reference computes it (variable B/C of (batch, N, L)):
-    the (batch, dim, L, N) decays and inputs materialized, then a loop over L."""
-    dt = F.softplus(delta + delta_bias[:, None])
-    decay = torch.exp(dt[..., None] * A[:, None, :])  # (b, d, L, N)
-    if published:
-        drive = torch.einsum("bdl,bnl,bdl->bdln", dt, B, u)
-    else:
-        drive = (dt * u)[..., None] * B.transpose(1, 2)[:, None]  # (b, d, L, N)
-    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
-    ys = []
-    for t in range(u.shape[2]):
-        h = decay[:, :, t] * h + drive[:, :, t]
+def _loop(published: bool) -> Callable[..., torch.Tensor]:
+    def loop(
+        u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+        C: torch.Tensor, D: torch.Tensor, z: torch.Tensor, delta_bias: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The scan as the published reference computes it (variable B/C of (batch, N,
+        L)): the (batch, dim, L, N) decays and inputs materialized, then a loop over L."""
+        dt = F.softplus(delta + delta_bias[:, None])
+        decay = torch.exp(dt[..., None] * A[:, None, :])  # (b, d, L, N)
         if published:
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+            drive = torch.einsum("bdl,bnl,bdl->bdln", dt, B, u)
         else:
-            # a product and a sum: torch.einsum("bdn,bn->bd") is 20x slower here on
-            # this strided C, and a slow baseline would flatter the ratios
-            ys.append((h * C[:, None, :, t]).sum(-1))
-    y = torch.stack(ys, dim=-1) + D[:, None] * u
-    return y * F.silu(z)
+            drive = (dt * u)[..., None] * B.transpose(1, 2)[:, None]  # (b, d, L, N)
+        h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+        ys = []
+        for t in range(u.shape[2]):
+            h = decay[:, :, t] * h + drive[:, :, t]
+            if published:
+                ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+            else:
+                # a product and a sum: torch.einsum("bdn,bn->bd") is 20x slower here on
+                # this strided C, and a slow baseline would flatter the ratios
+                ys.append((h * C[:, None, :, t]).sum(-1))
+        y = torch.stack(ys, dim=-1) + D[:, None] * u
+        return y * F.silu(z)
+
+    return loop
 
 
-def _peak_extra_mib(fn: Callable[[], object]) -> float | None:
-    """Growth of the peak resident set during ``fn`` (Linux, glibc), in MiB. Blocks of
-    64 KiB and more are first made to come from (and go back to) the OS directly, so
-    that memory freed earlier and kept by malloc cannot hide an allocation."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)  # also turns off its dynamic growth
-        libc.malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-        base = _status_kib("VmRSS")
-        fn()
-        return (_status_kib("VmHWM") - base) / 1024
-    except (OSError, AttributeError):
-        return None
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise OSError(f"no {key} in /proc/self/status")
+# The reference loop of the module docstring, its contractions as products and sums;
+# the same loop with the published reference's einsums.
+reference_loop, published_loop = _loop(published=False), _loop(published=True)
 
 
 def _check(x: dict[str, torch.Tensor], out: torch.Tensor, grads: tuple[torch.Tensor, ...],
@@ -227,40 +191,23 @@ def _check(x: dict[str, torch.Tensor], out: torch.Tensor, grads: tuple[torch.Ten
     for k in ("A", "D", "delta_bias"):
         sub[k] = sub[k][c]
     want = reference_loop(**sub)
-    (want * weight[:, c].double()).sum().backward()
-    errors = []
-    for got, ref in ((out[:, c], want), (grads[0][:, c], sub["u"].grad),
-                     (grads[1][:, c], sub["delta"].grad)):  # fmt: skip
-        assert ref is not None
-        scale = max(1.0, ref.abs().max().item())
-        errors.append((got.double() - ref.detach()).abs().max().item() / scale)
-    return max(errors)
+    gu, gdelta = torch.autograd.grad(want, [sub["u"], sub["delta"]], weight[:, c].double())
+    pairs = ((out, want.detach()), (grads[0], gu), (grads[1], gdelta))
+    return max(relative_error(got[:, c], ref) for got, ref in pairs)
 
 
 def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[SsmRow]:
     x = _inputs(case)
     b, d, length, n = case.batch, case.dim, case.length, case.state
     weight = torch.randn(b, d, length, generator=torch.Generator().manual_seed(1))
-    diff = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
-    def ours(**kw: torch.Tensor) -> torch.Tensor:
-        out = selective_scan(
-            kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"],
-            kw["delta_bias"], delta_softplus=True,
-        )  # fmt: skip
+    def ours(**kw: Any) -> torch.Tensor:
+        out = selective_scan(**kw, delta_softplus=True)
         assert isinstance(out, torch.Tensor)
         return out
 
-    Inputs = dict[str, torch.Tensor]
-
-    def train(fn: Callable[..., torch.Tensor], xs: Inputs) -> tuple[torch.Tensor, ...]:
-        leaves = {k: v.detach().requires_grad_() for k, v in xs.items()}
-        out = fn(**leaves)
-        grads = torch.autograd.grad(out, [leaves[k] for k in diff], weight[..., : out.shape[-1]])
-        return (out, *grads)
-
     # correctness first: a wrong result gets no speed
-    result = train(ours, x)
+    result = train(ours, x, weight)
     error = _check(x, result[0], result[1:3], weight)
     correct = error <= 1e-4
     del result
@@ -270,37 +217,32 @@ def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[S
     short = {k: (v[..., :loop_steps] if v.dim() == 3 else v) for k, v in x.items()}
     grid = torch.randn(b * d * length * n)
     buf = torch.empty_like(grid)
-
-    def exp_limit() -> object:
-        return torch.exp(grid, out=buf)
-
+    impls = (("parascan", ours, x, weight),
+             ("reference loop", reference_loop, short, weight[..., :loop_steps]),
+             ("published loop", published_loop, short, weight[..., :loop_steps]))  # fmt: skip
     fns: dict[tuple[str, str], Callable[[], object]] = {
-        ("parascan", "forward"): lambda: ours(**x),
-        ("parascan", "forward+backward"): lambda: train(ours, x),
-        ("reference loop", "forward"): lambda: reference_loop(**short),
-        ("reference loop", "forward+backward"): lambda: train(reference_loop, short),
-        ("published loop", "forward"): lambda: published_loop(**short),
-        ("published loop", "forward+backward"): lambda: train(published_loop, short),
+        ("exp limit", ""): lambda: torch.exp(grid, out=buf)
     }
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
-    limits = []
-    for i in range(repeat):
-        limits.append(elapsed(exp_limit))
-        for key, fn in fns.items():
-            if key[0] == "parascan" and not correct:
-                continue
-            if key[0] != "parascan" and scale > 1 and i != min(1, repeat - 1):
-                continue  # the long loop is timed once, warm (on the second repetition)
-            times[key].append(elapsed(fn) * (1 if key[0] == "parascan" else scale))
-    peak = _peak_extra_mib(lambda: train(ours, x)) if correct else None
-    limit = statistics.median(limits)
-    med = {k: statistics.median(v) if v else None for k, v in times.items()}
+    for name, fn, xs, w in impls:
+        fns[(name, "forward")] = partial(fn, **xs)
+        fns[(name, "forward+backward")] = partial(train, fn, xs, w)
+
+    def timed(key: tuple[str, str], i: int) -> bool:
+        if key[0] == "parascan":
+            return correct
+        # the long loop is timed once, warm (on the second repetition)
+        return key[0] == "exp limit" or scale <= 1 or i == min(1, repeat - 1)
+
+    times = rounds(fns, repeat, timed)
+    peak = _peak_extra_mib(lambda: train(ours, x, weight)) if correct else None
+    limit = statistics.median(times[("exp limit", "")])
+    # the loops' times scaled from loop_steps steps to L
+    med = {k: median([t * (scale if "loop" in k[0] else 1) for t in v]) for k, v in times.items()}
     rows = []
-    for impl in _impls():
+    for impl in _IMPLS:
         for direction in _DIRECTIONS:
             step(f"{case.name} {impl} {direction}")
             t = med[(impl, direction)]
-            loop_t = med[("reference loop", direction)]
             mine = impl == "parascan"
             note = ""
             if not mine and scale > 1:
@@ -315,9 +257,7 @@ def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[S
                 note += f"{'; ' if note else ''}one (b,d,L,N) f32 tensor: {size:.0f} MiB"
             rows.append(SsmRow(
                 case.name, (b, d, length, n), torch.get_num_threads(), impl, direction,
-                None if t is None else t * 1e3, limit * 1e3,
-                None if t is None else t / limit,
-                None if t is None or loop_t is None else loop_t / t,
+                ms(t), limit * 1e3, ratio(t, limit), ratio(med[("reference loop", direction)], t),
                 error if mine else None,
                 peak if mine and direction == "forward+backward" else None,
                 correct if mine else True, note,
@@ -325,44 +265,39 @@ def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[S
     return rows
 
 
-def run_ssm(
-    cases: list[AnySsmCase], repeat: int, step: Callable[[str], None] = lambda _: None
-) -> list[SsmRow | SsdRow]:
-    """Every case's rows (see the module docstring; an SsdCase's from bench_ssd.py)."""
-    rows: list[SsmRow | SsdRow] = []
-    for case in cases:
-        if isinstance(case, SsdCase):
-            rows += run_ssd([case], repeat, step)
-        else:
-            rows += _run_case(case, repeat, step)
-    return rows
+def _run_any(
+    case: AnySsmCase, repeat: int, step: Callable[[str], None]
+) -> Iterable[SsmRow | SsdRow]:
+    """A case's rows (see the module docstring; an SsdCase's from bench_ssd.py)."""
+    if isinstance(case, SsdCase):
+        return run_ssd([case], repeat, step)
+    return _run_case(case, repeat, step)
+
+
+# run_ssm(cases, repeat, step): every case's rows
+run_ssm = partial(run_cases, _run_any)
+
+
+_SELECTIVE_LINE = "{:<20} {:<16} {:<16} {:<17} {:>10} {:>7} {:>7} {:>8} {:>9}  {}"
 
 
 def format_ssm(rows: list[SsmRow | SsdRow]) -> str:
     """The selective scan's table, then the SSD scan's (each when it has rows)."""
     ssd = [r for r in rows if isinstance(r, SsdRow)]
     selective = [r for r in rows if isinstance(r, SsmRow)]
-    tables = ([_format_selective(selective)] if selective else []) + (
+    head = (
+        "Selective scan (Mamba-1: variable B/C, D, z, delta_bias, softplus; float32; x exp: "
+        "time / torch.exp over batch*dim*L*N elements; x loop: speed-up over the reference loop)"
+    )
+    names = ("case", "b,d,L,N", "implementation", "direction", "ms", "x exp", "x loop", "error",
+             "peak MiB", "note")  # fmt: skip
+    cells = (
+        (r.case, ",".join(map(str, r.shape)), r.impl, r.direction,
+         cell(r.time_ms, ".1f", "WRONG"), cell(r.vs_exp, ".2f"), cell(r.speedup_vs_loop, ".1f"),
+         cell(r.max_error, ".1e", ""), cell(r.peak_extra_mib, ".0f", ""), r.note)
+        for r in selective
+    )  # fmt: skip
+    tables = ([table([head], _SELECTIVE_LINE, names, cells)] if selective else []) + (
         [format_ssd(ssd)] if ssd else []
     )
     return "\n\n".join(tables)
-
-
-def _format_selective(rows: list[SsmRow]) -> str:
-    lines = [
-        "Selective scan (Mamba-1: variable B/C, D, z, delta_bias, softplus; float32; x exp: "
-        "time / torch.exp over batch*dim*L*N elements; x loop: speed-up over the reference loop)",
-        f"{'case':<20} {'b,d,L,N':<16} {'implementation':<16} {'direction':<17} {'ms':>10} "
-        f"{'x exp':>7} {'x loop':>7} {'error':>8} {'peak MiB':>9}  note",
-    ]
-    for r in rows:
-        ms = "WRONG" if r.time_ms is None else f"{r.time_ms:.1f}"
-        vs = "-" if r.vs_exp is None else f"{r.vs_exp:.2f}"
-        sp = "-" if r.speedup_vs_loop is None else f"{r.speedup_vs_loop:.1f}"
-        err = "" if r.max_error is None else f"{r.max_error:.1e}"
-        peak = "" if r.peak_extra_mib is None else f"{r.peak_extra_mib:.0f}"
-        lines.append(
-            f"{r.case:<20} {','.join(map(str, r.shape)):<16} {r.impl:<16} {r.direction:<17} "
-            f"{ms:>10} {vs:>7} {sp:>7} {err:>8} {peak:>9}  {r.note}"
-        )
-    return "\n".join(lines)

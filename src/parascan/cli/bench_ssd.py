@@ -39,13 +39,26 @@ import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 import parascan as ps
-from parascan.cli.timing import elapsed
+from parascan.cli.common import (
+    cell,
+    median,
+    ms,
+    peak_extra_mib,
+    ratio,
+    rounds,
+    run_cases,
+    table,
+    train,
+)
+from parascan.cli.tolerance import relative_error
 
 __all__ = [
     "DEFAULT_SSD_CASES",
@@ -105,6 +118,27 @@ FULL_SSD_CASES = [
 QUICK_SSD_CASES = [SsdCase("mamba-2 scan", 1, 80, 4, 16, 16)]
 
 
+_SSD_LINE = "{:<18} {:<20} {:<15} {:<17} {:>9} {:>9} {:>8} {:>10} {:>8} {:>9}  {}"
+
+
+def format_ssd(rows: list[SsdRow]) -> str:
+    head = (
+        "SSD scan (Mamba-2: 1 group of B/C, D, dt_bias, softplus; float32; x limit: time / "
+        "torch.bmm of the recurrence's multiply-adds, 2*b*L*h*p*N forward, 3x that forward+"
+        "backward; x parascan: this row's time / parascan's)"
+    )
+    names = ("case", "b,L,h,p,N,g", "implementation", "direction", "ms", "limit ms", "x limit",
+             "x parascan", "error", "peak MiB", "note")  # fmt: skip
+    cells = (
+        (r.case, ",".join(map(str, r.shape)), r.impl, r.direction,
+         "WRONG" if not r.correct else cell(r.time_ms, ".1f"), f"{r.limit_ms:.2f}",
+         cell(r.vs_limit, ".2f"), cell(r.parascan_speedup, ".2f"), cell(r.max_error, ".1e", ""),
+         cell(r.peak_extra_mib, ".0f", ""), r.note)
+        for r in rows
+    )  # fmt: skip
+    return table([head], _SSD_LINE, names, cells)
+
+
 def _transformers_scan() -> Callable[..., Tensor] | None:
     """transformers' unpatched ``mamba2_chunk_scan``, or None without transformers."""
     try:
@@ -114,8 +148,7 @@ def _transformers_scan() -> Callable[..., Tensor] | None:
     from parascan.integrations.transformers import _ORIGINALS
 
     key = (modeling_mamba2.__name__, "mamba2_chunk_scan")
-    fn = _ORIGINALS.get(key, getattr(modeling_mamba2, "mamba2_chunk_scan", None))
-    return fn
+    return _ORIGINALS.get(key, getattr(modeling_mamba2, "mamba2_chunk_scan", None))
 
 
 def _impls(case: SsdCase) -> tuple[str, ...]:
@@ -241,64 +274,39 @@ def _reference(
 
 
 def _error(got: tuple[Tensor, ...], want: tuple[Tensor, Tensor, Tensor]) -> float:
-    heads = slice(0, _CHECKED)
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
-        worst = max(worst, (g[:, :, heads].double() - w).abs().max().item() / scale)
-    return worst
+    return max(relative_error(g[:, :, :_CHECKED], w) for g, w in zip(got, want, strict=True))
 
 
 def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[SsdRow]:
-    from parascan.cli.bench_selective import _peak_extra_mib
-
     x = _inputs(case)
     b, length, h, p, n = case.batch, case.length, case.heads, case.headdim, case.state
     weight = torch.randn(b, length, h, p, generator=torch.Generator().manual_seed(1))
     hf = _transformers_scan()
-
-    def ours(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-             dt_bias: Tensor) -> Tensor:  # fmt: skip
-        out = ps.ssd_scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
-        assert isinstance(out, Tensor)
-        return out
-
-    def theirs(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-               dt_bias: Tensor) -> Tensor:  # fmt: skip
-        assert hf is not None
-        return hf(x, dt, A, B, C, chunk_size=_TRANSFORMERS_CHUNK, D=D, dt_bias=dt_bias,
-                  dt_softplus=True)  # fmt: skip
-
     cu = _cu_seqlens(case) if case.packed else None
 
-    def packed(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-               dt_bias: Tensor) -> Tensor:  # fmt: skip
-        out = ps.ssd_scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True, cu_seqlens=cu)
+    def ours(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, **kw: Any) -> Tensor:
+        out = ps.ssd_scan(x, dt, A, B, C, dt_softplus=True, **kw)
         assert isinstance(out, Tensor)
         return out
 
-    impls: dict[str, Callable[..., Tensor]] = {"parascan": ours}
-    if cu is not None:
-        impls["parascan packed"] = packed
-    impls["minimal SSD"] = minimal_ssd
-    if hf is not None:
-        impls["transformers"] = theirs
+    def theirs(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, **kw: Tensor) -> Tensor:
+        assert hf is not None
+        return hf(x, dt, A, B, C, chunk_size=_TRANSFORMERS_CHUNK, dt_softplus=True, **kw)
 
-    def train(fn: Callable[..., Tensor]) -> tuple[Tensor, ...]:
-        leaves = {k: v.detach().requires_grad_() for k, v in x.items()}
-        out = fn(**leaves)
-        grads = torch.autograd.grad(out, list(leaves.values()), weight)
-        return (out, *grads)
+    every: dict[str, Callable[..., Tensor]] = {
+        "parascan": ours, "parascan packed": partial(ours, cu_seqlens=cu),
+        "minimal SSD": minimal_ssd, "transformers": theirs,
+    }  # fmt: skip
+    impls = {name: every[name] for name in _impls(case)}
 
     # correctness first: a wrong result gets no speed
     want = _reference(x, weight)
     want_packed = _reference(x, weight, cu) if cu is not None else want
-    errors, correct = {}, {}
-    for name, fn in impls.items():
-        result = train(fn)
-        errors[name] = _error(result[:3], want_packed if name == "parascan packed" else want)
-        correct[name] = errors[name] <= _TOLERANCE
-    del result
+    errors = {
+        name: _error(train(fn, x, weight)[:3], want_packed if name == "parascan packed" else want)
+        for name, fn in impls.items()
+    }
+    correct = {name: error <= _TOLERANCE for name, error in errors.items()}
 
     # the FLOP limits: the recurrence's multiply-adds as one dense batched product
     macs = 2 * b * length * h * p * n
@@ -309,84 +317,35 @@ def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[S
     buf = torch.empty(b * h, rows_l, p)
     lhs3 = torch.randn(b * h, rows_l, 3 * inner)
     rhs3 = torch.randn(b * h, 3 * inner, p)
-
-    def limit_fwd() -> object:
-        return torch.bmm(lhs, rhs, out=buf)
-
-    def limit_both() -> object:
-        return torch.bmm(lhs3, rhs3, out=buf)
-
-    def forward_of(fn: Callable[..., Tensor]) -> Callable[[], object]:
-        return lambda: fn(**x)
-
-    def train_of(fn: Callable[..., Tensor]) -> Callable[[], object]:
-        return lambda: train(fn)
-
-    fns: dict[tuple[str, str], Callable[[], object]] = {}
+    fns: dict[tuple[str, str], Callable[[], object]] = {
+        ("limit", "forward"): lambda: torch.bmm(lhs, rhs, out=buf),
+        ("limit", "forward+backward"): lambda: torch.bmm(lhs3, rhs3, out=buf),
+    }
     for name, impl in impls.items():
-        fns[(name, "forward")] = forward_of(impl)
-        fns[(name, "forward+backward")] = train_of(impl)
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
-    limits: dict[str, list[float]] = {d: [] for d in _DIRECTIONS}
-    for _ in range(repeat):
-        limits["forward"].append(elapsed(limit_fwd))
-        limits["forward+backward"].append(elapsed(limit_both))
-        for key, timed in fns.items():
-            if correct[key[0]]:
-                times[key].append(elapsed(timed))
-    peak = _peak_extra_mib(lambda: train(ours)) if correct["parascan"] else None
-    med = {k: statistics.median(v) if v else None for k, v in times.items()}
+        fns[(name, "forward")] = partial(impl, **x)
+        fns[(name, "forward+backward")] = partial(train, impl, x, weight)
+    times = rounds(fns, repeat, lambda key, _: key[0] == "limit" or correct[key[0]])
+    peak = peak_extra_mib(lambda: train(ours, x, weight)) if correct["parascan"] else None
+    med = {key: median(t) for key, t in times.items()}
+    notes = {"minimal SSD": f"chunk {MINIMAL_CHUNK}",
+             "transformers": f"mamba2_chunk_scan, chunk {_TRANSFORMERS_CHUNK}"}  # fmt: skip
+    if cu is not None:
+        notes["parascan packed"] = f"{case.packed} sequences, cu_seqlens {cu.tolist()}"
+    size = f"one (b,L,h,p,N) f32 tensor: {b * length * h * p * n * 4 / 2**20:.0f} MiB"
     rows = []
     for name in impls:
         for direction in _DIRECTIONS:
             step(f"{case.name} {name} {direction}")
-            t = med[(name, direction)]
-            mine = med[("parascan", direction)]
-            limit = statistics.median(limits[direction])
-            note = ""
-            if name == "parascan" and direction == "forward+backward" and peak is not None:
-                note = f"one (b,L,h,p,N) f32 tensor: {b * length * h * p * n * 4 / 2**20:.0f} MiB"
-            elif name == "parascan packed" and cu is not None:
-                note = f"{case.packed} sequences, cu_seqlens {cu.tolist()}"
-            elif name == "minimal SSD":
-                note = f"chunk {MINIMAL_CHUNK}"
-            elif name == "transformers":
-                note = f"mamba2_chunk_scan, chunk {_TRANSFORMERS_CHUNK}"
+            t, limit = med[(name, direction)], statistics.median(times[("limit", direction)])
+            both = name == "parascan" and direction == "forward+backward"  # where the peak is
             rows.append(SsdRow(
                 case.name, (b, length, h, p, n, case.groups), torch.get_num_threads(), name,
-                direction, None if t is None else t * 1e3, limit * 1e3,
-                None if t is None else t / limit,
-                None if t is None or mine is None else t / mine,
-                errors[name], peak if name == "parascan" and direction != "forward" else None,
-                correct[name], note,
+                direction, ms(t), limit * 1e3, ratio(t, limit),
+                ratio(t, med[("parascan", direction)]), errors[name], peak if both else None,
+                correct[name], size if both and peak is not None else notes.get(name, ""),
             ))  # fmt: skip
     return rows
 
 
-def run_ssd(
-    cases: list[SsdCase], repeat: int, step: Callable[[str], None] = lambda _: None
-) -> list[SsdRow]:
-    """Every case's rows (see the module docstring)."""
-    return [row for case in cases for row in _run_case(case, repeat, step)]
-
-
-def format_ssd(rows: list[SsdRow]) -> str:
-    lines = [
-        "SSD scan (Mamba-2: 1 group of B/C, D, dt_bias, softplus; float32; x limit: time / "
-        "torch.bmm of the recurrence's multiply-adds, 2*b*L*h*p*N forward, 3x that forward+"
-        "backward; x parascan: this row's time / parascan's)",
-        f"{'case':<18} {'b,L,h,p,N,g':<20} {'implementation':<15} {'direction':<17} "
-        f"{'ms':>9} {'limit ms':>9} {'x limit':>8} {'x parascan':>10} {'error':>8} "
-        f"{'peak MiB':>9}  note",
-    ]
-    for r in rows:
-        ms = "WRONG" if not r.correct else "-" if r.time_ms is None else f"{r.time_ms:.1f}"
-        vs = "-" if r.vs_limit is None else f"{r.vs_limit:.2f}"
-        sp = "-" if r.parascan_speedup is None else f"{r.parascan_speedup:.2f}"
-        err = "" if r.max_error is None else f"{r.max_error:.1e}"
-        peak = "" if r.peak_extra_mib is None else f"{r.peak_extra_mib:.0f}"
-        lines.append(
-            f"{r.case:<18} {','.join(map(str, r.shape)):<20} {r.impl:<15} {r.direction:<17} "
-            f"{ms:>9} {r.limit_ms:>9.2f} {vs:>8} {sp:>10} {err:>8} {peak:>9}  {r.note}"
-        )
-    return "\n".join(lines)
+# run_ssd(cases, repeat, step): every case's rows (see the module docstring)
+run_ssd = partial(run_cases, _run_case)

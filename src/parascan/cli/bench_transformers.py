@@ -39,6 +39,9 @@ from typing import Any
 
 import torch
 
+from parascan.cli.common import table
+from parascan.cli.tolerance import relative_error
+
 __all__ = ["Row", "format_rows", "main", "run"]
 
 _PROMPT = 16
@@ -67,14 +70,6 @@ def _patched(on: bool) -> Iterator[None]:
         yield
     finally:
         integration.unpatch()
-
-
-def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
-        worst = max(worst, (g.double() - w.double()).abs().max().item() / scale)
-    return worst
 
 
 def run(
@@ -166,20 +161,13 @@ def run(
             correct = error == 0.0
             detail = f"{new_tokens / times[False]:.1f} -> {new_tokens / times[True]:.1f} tokens/s"
         else:
-            error = _relative_error(got, want)
+            error = max(
+                relative_error(g.double(), w.double()) for g, w in zip(got, want, strict=True)
+            )
             correct = error <= _RTOL
             detail = ""
-        rows.append(
-            Row(
-                name=name,
-                unpatched_s=times[False],
-                patched_s=times[True],
-                speedup=times[False] / times[True] if correct else None,
-                max_error=error,
-                correct=correct,
-                detail=detail,
-            )
-        )
+        speedup = times[False] / times[True] if correct else None
+        rows.append(Row(name, times[False], times[True], speedup, error, correct, detail))
     model.zero_grad(set_to_none=True)
     return rows
 
@@ -219,18 +207,13 @@ def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
         f"{torch.get_num_threads()} threads; torch {torch.__version__}, "
         f"transformers {transformers.__version__}"
     )
-    lines = [
-        head,
-        f"{'workload':<28} {'unpatched s':>12} {'patched s':>10} {'speed-up':>9}  "
-        f"{'max error':>9}  detail",
-    ]
-    for r in rows:
-        speed = f"{r.speedup:.1f}x" if r.speedup is not None else "WRONG"
-        lines.append(
-            f"{r.name:<28} {r.unpatched_s:>12.3f} {r.patched_s:>10.3f} {speed:>9}  "
-            f"{r.max_error:>9.1e}  {r.detail}"
-        )
-    return "\n".join(lines)
+    names = ("workload", "unpatched s", "patched s", "speed-up", "max error", "detail")
+    cells = (
+        (r.name, f"{r.unpatched_s:.3f}", f"{r.patched_s:.3f}",
+         "WRONG" if r.speedup is None else f"{r.speedup:.1f}x", f"{r.max_error:.1e}", r.detail)
+        for r in rows
+    )  # fmt: skip
+    return table([head], "{:<28} {:>12} {:>10} {:>9}  {:>9}  {}", names, cells)
 
 
 def main(argv: list[str] | None = None) -> int:

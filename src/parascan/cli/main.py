@@ -42,24 +42,11 @@ def _bench(args: argparse.Namespace) -> int:
             backend_names=args.backend, repeat=args.repeat, as_json=args.json,
         )  # fmt: skip
     workload = "quick" if args.quick else "full" if args.full else "default"
-    cases, generic_cases, packed_cases, ssm_cases = {
-        "quick": (bench.QUICK_CASES, bench.QUICK_GENERIC_CASES, bench.QUICK_PACKED_CASES,
-                  bench.QUICK_SSM_CASES),
-        "default": (bench.DEFAULT_CASES, bench.DEFAULT_GENERIC_CASES,
-                    bench.DEFAULT_PACKED_CASES, bench.DEFAULT_SSM_CASES),
-        "full": (bench.FULL_CASES, bench.FULL_GENERIC_CASES, bench.FULL_PACKED_CASES,
-                 bench.FULL_SSM_CASES),
-    }[workload]  # fmt: skip
+    cases, generic, packed, ssm = bench.WORKLOADS[workload]
     status = bench.run_bench(
-        cases=cases,
-        generic_cases=generic_cases,
-        packed_cases=packed_cases,
-        ssm_cases=ssm_cases,
-        backend_names=args.backend,
-        repeat=args.repeat,
-        as_json=args.json,
-        plot_path=args.plot,
-    )
+        cases=cases, generic_cases=generic, packed_cases=packed, ssm_cases=ssm,
+        backend_names=args.backend, repeat=args.repeat, as_json=args.json, plot_path=args.plot,
+    )  # fmt: skip
     if args.models or workload == "full":
         status = max(status, _bench_models(quick=workload == "quick"))
     elif workload == "default" and not args.json:

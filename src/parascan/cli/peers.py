@@ -10,6 +10,7 @@ peer does not handle that call (and says why in ``unsupported``).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -22,15 +23,15 @@ Scan = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 def heinsen(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
     """Heinsen (arXiv 2311.06281), real form: with a* = cumsum(log a),
     log x = a* + logcumsumexp(log b - a*). Needs positive gates and tokens."""
-    a_star = torch.cumsum(torch.log(gates), dim)
-    return torch.exp(a_star + torch.logcumsumexp(torch.log(tokens) - a_star, dim))
+    return torch.exp(heinsen_log(torch.log(gates), torch.log(tokens), dim))
 
 
 def heinsen_complex(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
     """The same formula on complex logarithms, which allows negative values."""
     complex_dtype = torch.complex128 if gates.dtype == torch.float64 else torch.complex64
-    a_star = torch.cumsum(torch.log(gates.to(complex_dtype)), dim)
-    log_x = a_star + torch.logcumsumexp(torch.log(tokens.to(complex_dtype)) - a_star, dim)
+    log_x = heinsen_log(
+        torch.log(gates.to(complex_dtype)), torch.log(tokens.to(complex_dtype)), dim
+    )
     return torch.exp(log_x).real.to(tokens.dtype)
 
 
@@ -54,48 +55,46 @@ def torch_associative_scan(gates: torch.Tensor, tokens: torch.Tensor, dim: int) 
     return result[1]
 
 
-def accelerated_scan_ref(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
-    from accelerated_scan.ref import scan
-
-    return scan(gates, tokens)  # type: ignore[no-any-return]
-
-
-def accelerated_scan_warp(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
-    from accelerated_scan.warp import scan
-
-    return scan(gates.contiguous(), tokens.contiguous())  # type: ignore[no-any-return]
+# accelerated-scan's modules: its reference loop, its CUDA kernel and its Triton kernel.
+_ACCELERATED_SCAN = {
+    "accelerated-scan ref": "ref",
+    "accelerated-scan cuda": "warp",
+    "accelerated-scan triton": "scalar",
+}
 
 
-def accelerated_scan_triton(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
-    from accelerated_scan.scalar import scan
+def _accelerated_scan(module: str) -> Scan:
+    """The ``scan`` of ``accelerated_scan.<module>``, imported when called (the GPU
+    kernels' on contiguous copies)."""
 
-    return scan(gates.contiguous(), tokens.contiguous())  # type: ignore[no-any-return]
+    def scan(gates: torch.Tensor, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+        run = importlib.import_module(f"accelerated_scan.{module}").scan
+        if module != "ref":
+            gates, tokens = gates.contiguous(), tokens.contiguous()
+        return run(gates, tokens)  # type: ignore[no-any-return]
+
+    return scan
 
 
 def unsupported(name: str, gates: torch.Tensor, dim: int) -> str | None:
     """Why peer ``name`` cannot compute this call, or None."""
     if name.startswith("heinsen") and gates.dtype.is_complex:
         return "complex inputs"
-    if name in ("accelerated-scan cuda", "accelerated-scan triton"):
-        if gates.device.type != "cuda":
-            return "CUDA tensors only"
-        module = "warp" if name.endswith("cuda") else "scalar"
-        try:
-            __import__(f"accelerated_scan.{module}")
-        except ImportError:
-            return "not installed (pip install 'parascan[peers]')"
-        steps = gates.shape[dim]
-        if gates.dim() != 3 or dim % 3 != 2 or steps & (steps - 1) or not 32 <= steps <= 65536:
-            return "needs (B, C, T) along the last dim, T a power of two in [32, 65536]"
-    if name == "accelerated-scan ref":
-        try:
-            import accelerated_scan.ref  # noqa: F401
-        except ImportError:
-            return "not installed (pip install 'parascan[peers]')"
-        steps = gates.shape[dim]
-        if gates.dim() != 3 or dim % 3 != 2 or steps & (steps - 1):
-            return "needs (B, C, T) along the last dim with T a power of two"
-    return None
+    module = _ACCELERATED_SCAN.get(name)
+    if module is None:
+        return None
+    gpu = module != "ref"
+    if gpu and gates.device.type != "cuda":
+        return "CUDA tensors only"
+    try:
+        importlib.import_module(f"accelerated_scan.{module}")
+    except ImportError:
+        return "not installed (pip install 'parascan[peers]')"
+    steps = gates.shape[dim]
+    fits = gates.dim() == 3 and dim % 3 == 2 and not steps & (steps - 1)
+    if gpu and not (fits and 32 <= steps <= 65536):
+        return "needs (B, C, T) along the last dim, T a power of two in [32, 65536]"
+    return None if fits else "needs (B, C, T) along the last dim with T a power of two"
 
 
 # Peers with GPU kernels only (listed for CUDA cases only).
@@ -105,9 +104,7 @@ CUDA_ONLY = frozenset({"accelerated-scan cuda", "accelerated-scan triton"})
 LOG_PEERS: dict[str, Scan] = {"heinsen (log)": heinsen_log}
 
 PEERS: dict[str, Scan] = {
-    "accelerated-scan ref": accelerated_scan_ref,
-    "accelerated-scan cuda": accelerated_scan_warp,
-    "accelerated-scan triton": accelerated_scan_triton,
+    **{name: _accelerated_scan(module) for name, module in _ACCELERATED_SCAN.items()},
     "heinsen": heinsen,
     "heinsen complex": heinsen_complex,
     "torch assoc_scan": torch_associative_scan,

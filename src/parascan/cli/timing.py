@@ -1,5 +1,5 @@
-"""Timing helpers shared by the benchmarks (bench.py, bench_generic.py,
-distributed/bench.py)."""
+"""Timing helpers shared by the benchmarks (common.py's ``rounds``, bench.py,
+bench_generic.py, bench_packed.py, distributed/bench.py)."""
 
 from __future__ import annotations
 
