@@ -40,14 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._native import (
-    ARG_FIELDS,
-    ARG_STRUCTS,
-    check_operands,
-    kernel,
-    kernel_library_error,
-    simd,
-)
+from parascan._native import arg_struct, check_operands, kernel, kernel_library_error, simd
 from parascan._ops import plain_eager, refuse_second_derivatives
 from parascan.ssd import cpu as ssd_cpu
 
@@ -64,8 +57,6 @@ __all__ = [
 CONV_MAX_WIDTH = 16  # abi.h: PS_SSD_CONV_MAX_WIDTH
 _DTYPES = (torch.float32, torch.float64)
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass whose dispatch the kernels skip
-_CONV = {name: i for i, name in enumerate(ARG_FIELDS["ssd_conv"])}
-_NORM = {name: i for i, name in enumerate(ARG_FIELDS["ssd_norm"])}
 _NO_LIMIT = (0.0, math.inf)
 
 Opt = Tensor | None
@@ -75,28 +66,21 @@ def _ptr(t: Opt) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _struct(kind: str, fields: dict[str, int], values: dict[str, int]) -> Any:
-    row = [0] * len(fields)
-    for name, value in values.items():
-        row[fields[name]] = value
-    return ARG_STRUCTS[kind](*row)
-
-
 def _run(entry: str, dtype: torch.dtype, args: Any, what: str) -> None:
     if kernel(entry, dtype)(args) != 0:
         raise RuntimeError(f"parascan: the {entry} CPU kernel failed (out of memory?) on {what}")
 
 
-def _rows(entry: str, t: Tensor) -> tuple[int, int]:
-    """The (batch, step) strides of a (batch, L, channels) tensor whose channels are
-    contiguous."""
+def _rows(entry: str, t: Tensor) -> tuple[int, int, int]:
+    """A (batch, L, channels) tensor whose channels are contiguous as the struct takes
+    it: its data pointer and its (batch, step) strides."""
     if t.dim() != 3 or (t.stride(2) != 1 and t.shape[2] > 1):
         raise RuntimeError(
             f"parascan: internal error: the {entry} CPU kernel reads (batch, L, channels) "
             f"tensors with channels of stride 1, but got shape {tuple(t.shape)}, strides "
             f"{t.stride()}"
         )
-    return t.stride(0), t.stride(1)
+    return _ptr(t), t.stride(0), t.stride(1)
 
 
 def _width(entry: str, width: int) -> None:
@@ -121,26 +105,33 @@ def conv_forward(
     """``act(bias + causal depthwise conv of x by weight)`` for ``x`` ``(batch, L, c)``
     (channels contiguous, any other strides) and ``weight`` ``(c, K)``, ``K <=
     CONV_MAX_WIDTH``: its channels in three new contiguous pieces of widths ``split``."""
-    batch, length, channels = x.shape
-    width = weight.shape[1]
-    _width("ssd_conv_fwd", width)
-    weight = weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    check_operands("ssd_conv_fwd", x.dtype, (x, (batch, length, channels)),
-                   (weight, (channels, width)), (bias, (channels,)))  # fmt: skip
-    _split("ssd_conv_fwd", list(split), channels)
-    xs = _rows("ssd_conv_fwd", x)
-    outs = [x.new_empty(batch, length, s) for s in split]
-    args = _struct("ssd_conv", _CONV, {
-        "batch": batch, "length": length, "channels": channels, "width": width,
-        "x": _ptr(x), "x_stride[0]": xs[0], "x_stride[1]": xs[1],
-        "weight": _ptr(weight), "bias": _ptr(bias), "silu": int(silu),
-        **{f"split[{i}]": s for i, s in enumerate(split)},
-        **{f"out[{i}]": _ptr(o) for i, o in enumerate(outs)},
-        "nthreads": torch.get_num_threads(), "simd": int(simd()),
-    })  # fmt: skip
+    weight, bias, plain = _conv("ssd_conv_fwd", x, weight, bias, silu, list(split))
+    outs = [x.new_empty(x.shape[0], x.shape[1], s) for s in split]
+    args = arg_struct("ssd_conv", **plain, out=tuple(_ptr(o) for o in outs))
     _run("ssd_conv_fwd", x.dtype, args, f"x {tuple(x.shape)}")
     return outs[0], outs[1], outs[2]
+
+
+def _conv(
+    entry: str, x: Tensor, weight: Tensor, bias: Opt, silu: bool, split: list[int],
+    *grads: tuple[Tensor, tuple[int, ...]],
+) -> tuple[Tensor, Opt, dict[str, Any]]:  # fmt: skip
+    """The convolution's filter and bias made contiguous, every operand checked (with
+    ``grads``, more (tensor, shape) pairs), and the struct members both directions fill."""
+    batch, length, channels = x.shape
+    width = weight.shape[1]
+    _width(entry, width)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    check_operands(entry, x.dtype, (x, (batch, length, channels)), (weight, (channels, width)),
+                   (bias, (channels,)), *grads)  # fmt: skip
+    _split(entry, split, channels)
+    plain = {
+        "batch": batch, "length": length, "channels": channels, "width": width,
+        "x": _rows(entry, x), "weight": _ptr(weight), "bias": _ptr(bias), "silu": int(silu),
+        "split": tuple(split), "nthreads": torch.get_num_threads(), "simd": int(simd()),
+    }  # fmt: skip
+    return weight, bias, plain
 
 
 def conv_backward(
@@ -152,32 +143,19 @@ def conv_backward(
     ``(batch, L, c)`` tensor, channels contiguous: a slice of a larger gradient),
     and the gradients of ``weight`` and ``bias`` (None without one) returned."""
     batch, length, channels = x.shape
-    width = weight.shape[1]
-    _width("ssd_conv_bwd", width)
-    weight = weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
     pieces = [g.contiguous() for g in grads]
     split = [g.shape[2] for g in pieces]
-    check_operands(
-        "ssd_conv_bwd", x.dtype, (x, (batch, length, channels)), (weight, (channels, width)),
-        (bias, (channels,)), (grad_x, (batch, length, channels)),
+    weight, bias, plain = _conv(
+        "ssd_conv_bwd", x, weight, bias, silu, split, (grad_x, (batch, length, channels)),
         *((g, (batch, length, s)) for g, s in zip(pieces, split, strict=True)),
     )  # fmt: skip
-    _split("ssd_conv_bwd", split, channels)
-    xs, gs = _rows("ssd_conv_bwd", x), _rows("ssd_conv_bwd", grad_x)
     grad_weight = torch.empty_like(weight)
     grad_bias = None if bias is None else torch.empty_like(bias)
-    args = _struct("ssd_conv", _CONV, {
-        "batch": batch, "length": length, "channels": channels, "width": width,
-        "x": _ptr(x), "x_stride[0]": xs[0], "x_stride[1]": xs[1],
-        "weight": _ptr(weight), "bias": _ptr(bias), "silu": int(silu),
-        **{f"split[{i}]": s for i, s in enumerate(split)},
-        **{f"grad_out[{i}]": _ptr(g) for i, g in enumerate(pieces)},
-        "grad_x": _ptr(grad_x), "grad_x_stride[0]": gs[0],
-        "grad_x_stride[1]": gs[1], "grad_weight": _ptr(grad_weight),
-        "grad_bias": _ptr(grad_bias), "nthreads": torch.get_num_threads(),
-        "simd": int(simd()),
-    })  # fmt: skip
+    args = arg_struct(
+        "ssd_conv", **plain, grad_out=tuple(_ptr(g) for g in pieces),
+        grad_x=_rows("ssd_conv_bwd", grad_x), grad_weight=_ptr(grad_weight),
+        grad_bias=_ptr(grad_bias),
+    )  # fmt: skip
     _run("ssd_conv_bwd", x.dtype, args, f"x {tuple(x.shape)}")
     return grad_weight, grad_bias
 
@@ -197,7 +175,6 @@ def norm_forward(
     y, weight = y.contiguous(), weight.contiguous()
     check_operands("ssd_norm_fwd", y.dtype, (y, (batch, length, dim)),
                    (z, (batch, length, dim)), (weight, (dim,)))  # fmt: skip
-    zs = _rows("ssd_norm_fwd", z)
     if groups < 1 or dim % groups:
         raise RuntimeError(
             f"parascan: internal error: the ssd_norm_fwd CPU kernel takes groups dividing "
@@ -205,13 +182,12 @@ def norm_forward(
         )
     out = torch.empty_like(y)
     rstd = y.new_empty(batch, length, groups)
-    args = _struct("ssd_norm", _NORM, {
-        "batch": batch, "length": length, "dim": dim, "groups": groups, "y": _ptr(y),
-        "z": _ptr(z), "z_stride[0]": zs[0], "z_stride[1]": zs[1],
-        "weight": _ptr(weight), "eps_bits": _eps_bits(eps), "before_gate": int(before_gate),
-        "out": _ptr(out), "rstd": _ptr(rstd), "nthreads": torch.get_num_threads(),
-        "simd": int(simd()),
-    })  # fmt: skip
+    args = arg_struct(
+        "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=_ptr(y),
+        z=_rows("ssd_norm_fwd", z), weight=_ptr(weight), eps_bits=_eps_bits(eps),
+        before_gate=int(before_gate), out=_ptr(out), rstd=_ptr(rstd),
+        nthreads=torch.get_num_threads(), simd=int(simd()),
+    )  # fmt: skip
     _run("ssd_norm_fwd", y.dtype, args, f"y {tuple(y.shape)}")
     return out, rstd
 
@@ -232,7 +208,6 @@ def norm_backward(
         (weight, (dim,)), (rstd, (batch, length, groups)), (grad_out, (batch, length, dim)),
         (grad_z, (batch, length, dim)),
     )  # fmt: skip
-    zs, gs = _rows("ssd_norm_bwd", z), _rows("ssd_norm_bwd", grad_z)
     if groups < 1 or dim % groups:
         raise RuntimeError(
             f"parascan: internal error: the ssd_norm_bwd CPU kernel takes groups dividing "
@@ -240,15 +215,13 @@ def norm_backward(
         )
     grad_y = torch.empty_like(y)
     grad_weight = torch.empty_like(weight)
-    args = _struct("ssd_norm", _NORM, {
-        "batch": batch, "length": length, "dim": dim, "groups": groups, "y": _ptr(y),
-        "z": _ptr(z), "z_stride[0]": zs[0], "z_stride[1]": zs[1],
-        "weight": _ptr(weight), "before_gate": int(before_gate), "rstd": _ptr(rstd),
-        "grad_out": _ptr(grad_out), "grad_y": _ptr(grad_y), "grad_z": _ptr(grad_z),
-        "grad_z_stride[0]": gs[0], "grad_z_stride[1]": gs[1],
-        "grad_weight": _ptr(grad_weight), "nthreads": torch.get_num_threads(),
-        "simd": int(simd()),
-    })  # fmt: skip
+    args = arg_struct(
+        "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=_ptr(y),
+        z=_rows("ssd_norm_bwd", z), weight=_ptr(weight), before_gate=int(before_gate),
+        rstd=_ptr(rstd), grad_out=_ptr(grad_out), grad_y=_ptr(grad_y),
+        grad_z=_rows("ssd_norm_bwd", grad_z), grad_weight=_ptr(grad_weight),
+        nthreads=torch.get_num_threads(), simd=int(simd()),
+    )  # fmt: skip
     _run("ssd_norm_bwd", y.dtype, args, f"y {tuple(y.shape)}")
     return grad_y, grad_weight
 
