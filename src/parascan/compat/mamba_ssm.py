@@ -99,18 +99,10 @@ def _complex_from_interleaved(fn: str, name: str, X: Tensor, u: Tensor) -> Tenso
 
 
 def _selective_scan(
-    fn: str,
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    delta_softplus: bool,
-    return_last_state: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
+    fn: str, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+    z: Tensor | None, delta_bias: Tensor | None, delta_softplus: bool, return_last_state: bool,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """selective_scan_fn's body, its errors naming ``fn``."""
     if not isinstance(A, Tensor):
         raise TypeError(f"{fn}: expected A to be a Tensor (dim, N), but got {describe(A)}")
     if A.is_complex():
@@ -641,7 +633,7 @@ def mamba_split_conv1d_scan_combined(
     if outproj_weight is None and outproj_bias is not None:
         raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
     out_dim = None if not isinstance(outproj_weight, Tensor) else outproj_weight.shape[0]
-    for name, value, shape, what in (
+    optional = (
         ("conv1d_bias", conv1d_bias, (conv_dim,), "(conv_dim,)"),
         ("dt_bias", dt_bias, (nheads,), "(nheads,)"),
         ("A", A, (nheads,), "(nheads,)"),
@@ -651,16 +643,14 @@ def mamba_split_conv1d_scan_combined(
         ("outproj_weight", outproj_weight, (out_dim, dim + d_nonssm),
          "(out_dim, nheads * headdim + d_nonssm)"),
         ("outproj_bias", outproj_bias, (out_dim,), "(out_dim,) with outproj_weight's out_dim"),
-    ):  # fmt: skip
+    )  # fmt: skip
+    for name, value, shape, what in optional:
         if value is None:  # dt_bias too: mamba_ssm takes None (no bias)
             continue
         if tuple(_real(fn, name, value).shape) != shape:
             raise ValueError(f"{fn}: expected {name} of shape {what} = {shape}, but got "
                              f"{describe(value)}")  # fmt: skip
-    for name, t in (("conv1d_weight", conv1d_weight), ("D", D), ("conv1d_bias", conv1d_bias),
-                    ("dt_bias", dt_bias), ("A", A), ("initial_states", initial_states),
-                    ("rmsnorm_weight", rmsnorm_weight), ("outproj_weight", outproj_weight),
-                    ("outproj_bias", outproj_bias)):  # fmt: skip
+    for name, t in (("conv1d_weight", conv1d_weight), ("D", D), *(x[:2] for x in optional)):
         if t is not None and t.device != zxbcdt.device:
             raise ValueError(f"{fn}: expected all tensors on one device, but zxbcdt is on "
                              f"{zxbcdt.device} and {name} is on {t.device}")  # fmt: skip

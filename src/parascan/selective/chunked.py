@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -136,32 +137,18 @@ def _backward(
 ) -> tuple[Tensor, ...]:  # fmt: skip
     steps = u.shape[2]
     k = CHECKPOINT_STEPS[backend]
-    grad_u, grad_delta = torch.zeros_like(u), torch.zeros_like(delta)
-    grad_z = EMPTY(u) if z is None else torch.zeros_like(z)
-    grad_b, grad_c = torch.zeros_like(B), torch.zeros_like(C)
-    shared = {"A": A, "D": D, "delta_bias": delta_bias}
-    shared_grads: dict[str, Tensor] = {
-        name: torch.zeros_like(t) for name, t in shared.items() if t is not None
-    }
-    if B.dim() == 2:
-        shared["B"], shared_grads["B"] = B, grad_b
-    if C.dim() == 2:
-        shared["C"], shared_grads["C"] = C, grad_c
+    operands = {"u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z,
+                "delta_bias": delta_bias}  # fmt: skip
+    given = {name: t for name, t in operands.items() if t is not None}
+    # the operands along time, sliced by chunk; the others are shared by every step
+    timed = {"u", "delta", "z"} | {name for name in ("B", "C") if given[name].dim() != 2}
+    grads = {name: torch.zeros_like(t) for name, t in given.items()}
     # a copy: with no steps it becomes d(initial), which may not alias an input of the op
     carry = grad_final.to(state_dtype(A, u), copy=True)
     for chunk in reversed(range(math.ceil(steps / k) if steps else 0)):
         start, stop = chunk * k, min(chunk * k + k, steps)
-        primals = {n: t for n, t in shared.items() if t is not None}
-        primals |= {
-            "u": u[..., start:stop], "delta": delta[..., start:stop],
-            "h0": checkpoints[:, :, chunk],
-        }  # fmt: skip
-        if z is not None:
-            primals["z"] = z[..., start:stop]
-        if B.dim() != 2:
-            primals["B"] = B[..., start:stop]
-        if C.dim() != 2:
-            primals["C"] = C[..., start:stop]
+        primals = {n: t[..., start:stop] if n in timed else t for n, t in given.items()}
+        primals["h0"] = checkpoints[:, :, chunk]
 
         def run(p: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
             return chunk_forward(
@@ -173,22 +160,16 @@ def _backward(
         # are excluded, and functorch's transform brings its own.
         pullback = torch.func.vjp(run, primals)[1]
         (found,) = pullback((grad_out[..., start:stop], carry))
+        carry = found.pop("h0")
         for name, g in found.items():
-            if name in shared_grads:
-                shared_grads[name] += g
-        for name, full in (("u", grad_u), ("delta", grad_delta), ("z", grad_z)):
-            if name in found:
-                full[..., start:stop] = found[name]
-        if B.dim() != 2:
-            grad_b[..., start:stop] = found["B"]
-        if C.dim() != 2:
-            grad_c[..., start:stop] = found["C"]
-        carry = found["h0"]
+            if name in timed:
+                grads[name][..., start:stop] = g
+            else:
+                grads[name] += g
     grad_initial = EMPTY(u) if initial is None else carry.to(initial.dtype)
     return (
-        grad_u, grad_delta, shared_grads["A"], grad_b, grad_c,
-        shared_grads.get("D", EMPTY(u)), grad_z, shared_grads.get("delta_bias", EMPTY(u)),
-        grad_initial,
+        grads["u"], grads["delta"], grads["A"], grads["B"], grads["C"], grads.get("D", EMPTY(u)),
+        grads.get("z", EMPTY(u)), grads.get("delta_bias", EMPTY(u)), grad_initial,
     )  # fmt: skip
 
 
@@ -197,14 +178,7 @@ def bind(
 ) -> tuple[Callable[..., Forward], Callable[..., tuple[Tensor, ...]]]:
     """(forward, backward) of the backend named ``backend`` whose chunks' states come
     from ``states``."""
-
-    def forward(*args: object) -> Forward:
-        return _forward(backend, states, *args)  # type: ignore[arg-type]
-
-    def backward(*args: object) -> tuple[Tensor, ...]:
-        return _backward(backend, states, *args)  # type: ignore[arg-type]
-
-    return forward, backward
+    return partial(_forward, backend, states), partial(_backward, backend, states)
 
 
 forward_torch, backward_torch = bind("torch", _torch_states)

@@ -23,8 +23,12 @@ SUPPORTS_COMPLEX = True
 
 _K = CHECKPOINT_STEPS["cpu"]
 
+Opt = Tensor | None
+# u, delta, A, B, C, D, z, delta_bias, initial (canonical.py)
+_Canonical = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Opt, Opt, Opt, Opt]
 
-def _ptr(t: Tensor | None, ndim: int) -> tuple[int, ...]:
+
+def _ptr(t: Opt, ndim: int) -> tuple[int, ...]:
     """A tensor's (data pointer, strides) as the kernel's struct holds it; zeros for
     None. ``ndim`` strides: a time-invariant B or C (2-d) fills the last two with 0."""
     if t is None:
@@ -47,22 +51,9 @@ class _Operands:
     """The canonical operands, checked by the guard, and ps_selective_operands'
     members for them (the tensors are held here while the kernel runs)."""
 
-    def __init__(
-        self,
-        entry: str,
-        u: Tensor,
-        delta: Tensor,
-        A: Tensor,
-        B: Tensor,
-        C: Tensor,
-        D: Tensor | None,
-        z: Tensor | None,
-        delta_bias: Tensor | None,
-        initial: Tensor | None,
-        softplus: bool,
-    ) -> None:
-        u, delta, A, B, C = (resolved(t) for t in (u, delta, A, B, C))
-        D, z, delta_bias, initial = (resolved_optional(t) for t in (D, z, delta_bias, initial))
+    def __init__(self, entry: str, operands: _Canonical, softplus: bool) -> None:
+        u, delta, A, B, C = (resolved(t) for t in operands[:5])
+        D, z, delta_bias, initial = (resolved_optional(t) for t in operands[5:])
         if u.dim() != 3 or A.dim() != 2:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel takes u (batch, dim, L) and "
@@ -94,64 +85,44 @@ class _Operands:
             "nthreads": torch.get_num_threads(),
         }  # fmt: skip
 
+    def run(self, entry: str, **tensors: tuple[int, ...]) -> None:
+        """The C entry ``entry`` on these operands and the pass's own ``tensors``."""
+        if kernel(entry, self.sd)(arg_struct(entry, **self.members, **tensors)) != 0:
+            raise RuntimeError(
+                f"parascan: the {entry} CPU kernel rejected u "
+                f"{(self.batch, self.dim, self.length)} with N {self.n}, B {tuple(self.B.shape)} "
+                f"and C {tuple(self.C.shape)}"
+            )
+
     def nchunks(self) -> int:
         return n_chunks(self.length, "cpu")
 
 
-def _run(entry: str, dtype: torch.dtype, args: object, ops: _Operands) -> None:
-    if kernel(entry, dtype)(args) != 0:
-        raise RuntimeError(
-            f"parascan: the {entry} CPU kernel rejected u {(ops.batch, ops.dim, ops.length)} "
-            f"with N {ops.n}, B {tuple(ops.B.shape)} and C {tuple(ops.C.shape)}"
-        )
-
-
 def forward(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    initial: Tensor | None,
-    softplus: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+    initial: Opt, softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The selective scan of canonical operands (canonical.py): ``(out, final,
     checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps."""
-    ops = _Operands("selective_fwd", u, delta, A, B, C, D, z, delta_bias, initial, softplus)
+    ops = _Operands("selective_fwd", (u, delta, A, B, C, D, z, delta_bias, initial), softplus)
     batch, dim, length, n = ops.batch, ops.dim, ops.length, ops.n
     out = torch.empty((batch, dim, length), dtype=ops.cd)
     final = torch.empty((batch, dim, n), dtype=ops.sd)
     checkpoints = torch.empty((batch, dim, ops.nchunks(), n), dtype=ops.sd)
-    args = arg_struct(
-        "selective_fwd", **ops.members, out=_ptr(out, 3), final=_ptr(final, 3),
-        checkpoints=_ptr(checkpoints, 4),
-    )  # fmt: skip
-    _run("selective_fwd", ops.sd, args, ops)
+    ops.run(
+        "selective_fwd", out=_ptr(out, 3), final=_ptr(final, 3), checkpoints=_ptr(checkpoints, 4)
+    )
     return out, final, checkpoints
 
 
 def backward(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    initial: Tensor | None,
-    softplus: bool,
-    checkpoints: Tensor,
-    grad_out: Tensor,
-    grad_final: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+    initial: Opt, softplus: bool, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The gradients of ``u, delta, A, B, C, D, z, delta_bias, initial`` (canonical.py;
     EMPTY for an absent operand) from the forward's ``checkpoints``, ``grad_out`` and
     ``grad_final``."""
-    ops = _Operands("selective_bwd", u, delta, A, B, C, D, z, delta_bias, initial, softplus)
+    ops = _Operands("selective_bwd", (u, delta, A, B, C, D, z, delta_bias, initial), softplus)
     batch, dim, length, n = ops.batch, ops.dim, ops.length, ops.n
     checkpoints, grad_out, grad_final = (
         resolved(checkpoints), resolved(grad_out), resolved(grad_final)
@@ -169,14 +140,13 @@ def backward(
     grad_z = None if ops.z is None else torch.empty(seq, dtype=ops.cd)
     grad_bias = None if ops.delta_bias is None else torch.empty(dim, dtype=ops.cd)
     grad_initial = None if ops.initial is None else torch.empty((batch, dim, n), dtype=ops.sd)
-    args = arg_struct(
-        "selective_bwd", **ops.members, checkpoints=_ptr(checkpoints, 4),
-        grad_out=_ptr(grad_out, 3), grad_final=_ptr(grad_final, 3), grad_u=_ptr(grad_u, 3),
-        grad_delta=_ptr(grad_delta, 3), grad_A=_ptr(grad_A, 2), grad_B=_ptr(grad_B, 4),
-        grad_C=_ptr(grad_C, 4), grad_D=_ptr(grad_D, 1), grad_z=_ptr(grad_z, 3),
-        grad_delta_bias=_ptr(grad_bias, 1), grad_initial=_ptr(grad_initial, 3),
+    ops.run(
+        "selective_bwd", checkpoints=_ptr(checkpoints, 4), grad_out=_ptr(grad_out, 3),
+        grad_final=_ptr(grad_final, 3), grad_u=_ptr(grad_u, 3), grad_delta=_ptr(grad_delta, 3),
+        grad_A=_ptr(grad_A, 2), grad_B=_ptr(grad_B, 4), grad_C=_ptr(grad_C, 4),
+        grad_D=_ptr(grad_D, 1), grad_z=_ptr(grad_z, 3), grad_delta_bias=_ptr(grad_bias, 1),
+        grad_initial=_ptr(grad_initial, 3),
     )  # fmt: skip
-    _run("selective_bwd", ops.sd, args, ops)
     del checkpoints, grad_out, grad_final  # held until the kernel returned
 
     def given(g: Tensor | None) -> Tensor:

@@ -29,20 +29,13 @@ from torch import Tensor
 from parascan.selective.canonical import CHECKPOINT_STEPS, EMPTY
 
 __all__ = [
-    "INTERPRETED_TILES",
-    "SUPPORTS_COMPLEX",
-    "TILES",
-    "Launch",
-    "Plan",
-    "Tiles",
-    "backward",
-    "backward_launch",
-    "forward",
-    "forward_launch",
-    "plan",
-]
+    "INTERPRETED_TILES", "SUPPORTS_COMPLEX", "TILES", "Launch", "Plan", "Tiles", "backward",
+    "backward_launch", "forward", "forward_launch", "plan",
+]  # fmt: skip
 
 SUPPORTS_COMPLEX = False
+
+Opt = Tensor | None
 
 
 @dataclass(frozen=True)
@@ -89,6 +82,10 @@ class Plan:
     cell: int
     blocks: int
     chunk: int
+
+    def chunks(self, length: int) -> int:
+        """The checkpoints of ``length`` steps."""
+        return -(-length // self.chunk)
 
 
 def plan(
@@ -163,55 +160,24 @@ def _group(X: Tensor, dim: int) -> int:
     return dim // X.shape[1] if X.dim() == 4 else dim
 
 
-def _strides(X: Tensor | None, count: int) -> list[int]:
+def _strides(X: Opt, count: int) -> list[int]:
     """``X``'s strides, zeros where it is absent."""
     return list(X.stride()) if X is not None else [0] * count
 
 
-def _contiguous(X: Tensor | None) -> Tensor | None:
+def _contiguous(X: Opt) -> Opt:
     return X.contiguous() if X is not None else None
 
 
-def _operands(
-    u: Tensor,
-    delta: Tensor,
-    z: Tensor | None,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    delta_bias: Tensor | None,
-) -> list[Any]:
-    """The kernels' leading arguments: u, delta, z (contiguous), A, B, C (each with
-    its strides; a variable B or C contiguous), D and delta_bias with theirs; an
-    absent operand is replaced by u (never read)."""
-    Bk = B.contiguous() if B.dim() == 4 else B
-    Ck = C.contiguous() if C.dim() == 4 else C
-    return [
-        u, delta, z if z is not None else u, A, *A.stride(),
-        Bk, *Bk.stride()[:2], Ck, *Ck.stride()[:2],
-        D if D is not None else u, *_strides(D, 1),
-        delta_bias if delta_bias is not None else u, *_strides(delta_bias, 1),
-    ]  # fmt: skip
-
-
 def _constexprs(
-    u: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    softplus: bool,
-    p: Plan,
+    u: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt, softplus: bool, p: Plan
 ) -> dict[str, Any]:
     import triton.language as tl
 
     length = u.shape[2]
     # the largest offset within a program's rows: a tile of its channels' steps, its
     # B or C row, its checkpoints
-    n_chunks = -(-length // p.chunk)
-    widest = max(p.channels * length, p.states * length, p.channels * n_chunks * p.states)
+    widest = max(p.channels * length, p.states * length, p.channels * p.chunks(length) * p.states)
     return dict(
         B_VARIABLE=B.dim() == 4, C_VARIABLE=C.dim() == 4, HAS_D=D is not None,
         HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus,
@@ -221,73 +187,59 @@ def _constexprs(
     )  # fmt: skip
 
 
-def _sizes(u: Tensor, A: Tensor, B: Tensor, C: Tensor, p: Plan) -> list[int]:
-    dim, length = u.shape[1], u.shape[2]
-    n_chunks = -(-length // p.chunk)
-    return [
-        dim, length, A.shape[1], p.cell, p.blocks, _group(B, dim), _group(C, dim),
-        p.chunk, n_chunks,
-    ]  # fmt: skip
+def _launch(
+    p: Plan, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+    delta_bias: Opt, softplus: bool, own: list[Any], **flags: bool,
+) -> Launch:  # fmt: skip
+    """A kernel's launch, from contiguous u, delta and z. Its arguments: u, delta, z,
+    A, B, C (each with its strides; a variable B or C contiguous), D and delta_bias
+    with theirs (an absent operand replaced by u, never read), the pass's ``own``,
+    then the sizes; its constexprs: ``flags`` and the operands'."""
+    batch, dim, length = u.shape
+    Bk = B.contiguous() if B.dim() == 4 else B
+    Ck = C.contiguous() if C.dim() == 4 else C
+    return Launch(
+        grid=(dim // p.cell * p.blocks * batch,),
+        args=[
+            u, delta, z if z is not None else u, A, *A.stride(),
+            Bk, *Bk.stride()[:2], Ck, *Ck.stride()[:2],
+            D if D is not None else u, *_strides(D, 1),
+            delta_bias if delta_bias is not None else u, *_strides(delta_bias, 1),
+            *own,
+            dim, length, A.shape[1], p.cell, p.blocks, _group(B, dim), _group(C, dim),
+            p.chunk, p.chunks(length),
+        ],
+        constexprs={**flags, **_constexprs(u, B, C, D, z, delta_bias, softplus, p)},
+        warps=p.warps,
+        registers=p.registers,
+    )  # fmt: skip
 
 
 def forward_launch(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    initial: Tensor | None,
-    softplus: bool,
-    chunk: int | None = None,
-) -> tuple[Launch, Tensor, Tensor, Tensor]:
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+    initial: Opt, softplus: bool, chunk: int | None = None,
+) -> tuple[Launch, Tensor, Tensor, Tensor]:  # fmt: skip
     """The forward kernel's launch and its outputs (out, final, checkpoints), still
     to be written. Works on meta tensors too (the compile-for-GPU test uses it)."""
     batch, dim, length = u.shape
     n = A.shape[1]
     p = plan(dim, n, _group(B, dim), _group(C, dim), u.dtype, False, chunk)
-    n_chunks = -(-length // p.chunk)
     new: dict[str, Any] = dict(dtype=u.dtype, device=u.device)
     out = torch.empty((batch, dim, length), **new)
     final = torch.empty((batch, dim, n), **new)
-    checkpoints = torch.empty((batch, dim, n_chunks, n), **new)
+    checkpoints = torch.empty((batch, dim, p.chunks(length), n), **new)
     u, delta, z = u.contiguous(), delta.contiguous(), _contiguous(z)
-    launch = Launch(
-        grid=(dim // p.cell * p.blocks * batch,),
-        args=[
-            *_operands(u, delta, z, A, B, C, D, delta_bias),
-            initial if initial is not None else u,
-            *_strides(initial, 3),
-            out,
-            final,
-            checkpoints,
-            *_sizes(u, A, B, C, p),
-        ],
-        constexprs=dict(
-            HAS_INIT=initial is not None, **_constexprs(u, B, C, D, z, delta_bias, softplus, p)
-        ),
-        warps=p.warps,
-        registers=p.registers,
+    own = [initial if initial is not None else u, *_strides(initial, 3), out, final, checkpoints]
+    launch = _launch(
+        p, u, delta, A, B, C, D, z, delta_bias, softplus, own, HAS_INIT=initial is not None
     )
     return launch, out, final, checkpoints
 
 
 def forward(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    initial: Tensor | None,
-    softplus: bool,
-    *,
-    chunk: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+    initial: Opt, softplus: bool, *, chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """canonical.py's forward: (out, final, checkpoints), checkpoints every ``chunk``
     steps (default ``CHECKPOINT_STEPS["triton"]``; give ``backward`` the same)."""
     _check(u, A, B, C)
@@ -298,10 +250,8 @@ def forward(
     )
     if out.numel() == 0:  # no steps, or no channels
         final.copy_(initial if initial is not None else torch.zeros_like(final))
-        return out, final, checkpoints
-    kernels.forward_kernel[launch.grid](
-        *launch.args, **launch.constexprs, **launch.options()
-    )  # fmt: skip
+    else:
+        kernels.forward_kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options())
     return out, final, checkpoints
 
 
@@ -322,26 +272,16 @@ class _Gradients:
 
 
 def backward_launch(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    softplus: bool,
-    checkpoints: Tensor,
-    grad_out: Tensor,
-    grad_final: Tensor,
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+    softplus: bool, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
     chunk: int | None = None,
-) -> tuple[Launch, _Gradients, Plan]:
+) -> tuple[Launch, _Gradients, Plan]:  # fmt: skip
     """The backward kernel's launch and the buffers it writes. Works on meta tensors
     too."""
     batch, dim, length = u.shape
     n = A.shape[1]
     p = plan(dim, n, _group(B, dim), _group(C, dim), u.dtype, True, chunk)
-    n_chunks = -(-length // p.chunk)
+    n_chunks = p.chunks(length)
     if tuple(checkpoints.shape) != (batch, dim, n_chunks, n):
         raise ValueError(
             "parascan.selective_scan: expected checkpoints of shape "
@@ -352,7 +292,7 @@ def backward_launch(
     programs = dim // p.cell * p.blocks
     rows = torch.empty((4, batch, dim, n), **new)
     per_channel = torch.empty((2, batch, dim), **new)
-    grads = _Gradients(
+    g = _Gradients(
         u=torch.empty((batch, dim, length), **new),
         delta=torch.empty((batch, dim, length), **new),
         z=torch.empty((batch, dim, length), **new) if z is not None else EMPTY(u),
@@ -365,50 +305,19 @@ def backward_launch(
     )
     scratch = torch.empty(batch * programs * (p.chunk // p.steps) * p.channels * p.states, **new)
     u, delta, z = u.contiguous(), delta.contiguous(), _contiguous(z)
-    launch = Launch(
-        grid=(programs * batch,),
-        args=[
-            *_operands(u, delta, z, A, B, C, D, delta_bias),
-            checkpoints.contiguous(),
-            grad_out.contiguous(),
-            grad_final,
-            *grad_final.stride(),
-            grads.u,
-            grads.delta,
-            grads.z if z is not None else grads.u,
-            grads.initial,
-            grads.A,
-            grads.B,
-            grads.C,
-            grads.D,
-            grads.delta_bias,
-            scratch,
-            *_sizes(u, A, B, C, p),
-        ],
-        constexprs=_constexprs(u, B, C, D, z, delta_bias, softplus, p),
-        warps=p.warps,
-        registers=p.registers,
-    )
-    return launch, grads, p
+    own = [
+        checkpoints.contiguous(), grad_out.contiguous(), grad_final, *grad_final.stride(),
+        g.u, g.delta, g.z if z is not None else g.u, g.initial, g.A, g.B, g.C, g.D,
+        g.delta_bias, scratch,
+    ]  # fmt: skip
+    return _launch(p, u, delta, A, B, C, D, z, delta_bias, softplus, own), g, p
 
 
 def backward(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    initial: Tensor | None,
-    softplus: bool,
-    checkpoints: Tensor,
-    grad_out: Tensor,
-    grad_final: Tensor,
-    *,
-    chunk: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+    initial: Opt, softplus: bool, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
+    *, chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """canonical.py's backward: the gradients of (u, delta, A, B, C, D, z, delta_bias,
     initial), from the checkpoints ``forward`` stored with the same ``chunk``."""
     _check(u, A, B, C)
@@ -424,9 +333,7 @@ def backward(
         for x in (g.A, g.B, g.C, g.D, g.delta_bias):
             x.zero_()
     else:
-        kernels.backward_kernel[launch.grid](
-            *launch.args, **launch.constexprs, **launch.options()
-        )  # fmt: skip
+        kernels.backward_kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options())
 
     def shared(X: Tensor, partial: Tensor) -> Tensor:
         if X.dim() != 4:  # (batch, dim, N) rows
@@ -436,13 +343,8 @@ def backward(
         return partial.view(batch, X.shape[1], per_group, n, length).sum(2)
 
     return (
-        g.u,
-        g.delta,
-        g.A.sum(0),
-        shared(B, g.B),
-        shared(C, g.C),
-        g.D.sum(0) if D is not None else EMPTY(u),
-        g.z,
+        g.u, g.delta, g.A.sum(0), shared(B, g.B), shared(C, g.C),
+        g.D.sum(0) if D is not None else EMPTY(u), g.z,
         g.delta_bias.sum(0) if delta_bias is not None else EMPTY(u),
         g.initial if initial is not None else EMPTY(u),
-    )
+    )  # fmt: skip

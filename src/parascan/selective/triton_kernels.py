@@ -92,15 +92,19 @@ def _chunk_end(c, K, L):
 
 @triton.jit
 def _program(
+    A_ptr, sA0, sA1, B_ptr, sB0, sB1, C_ptr, sC0, sC1, D_ptr, sD0, bias_ptr, sbias0,
     DIM, N, CELL, N_KB, GROUP_B, GROUP_C,
-    WIDE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    B_VARIABLE: tl.constexpr, C_VARIABLE: tl.constexpr, HAS_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """This program's batch row b and first channel (int64), its channels' local
     indices dl [BLOCK_D, 1, 1], the states n [1, BLOCK_N, 1], the tile's steps j
     [1, 1, BLOCK_T], the masks of real channels and of real (channel, state) pairs,
-    and the rows of B and C it reads (batch row x groups + group). The grid is flat,
-    batch row after batch row (no limit on the batch), the channel blocks of a row
-    consecutive."""
+    the rows of B and C it reads (batch row x groups + group); then its operands: A
+    and A log2(e), invariant B and C [BLOCK_D, BLOCK_N, 1] (zeros where variable), D
+    and delta_bias [BLOCK_D, 1, 1] (zeros where absent). The grid is flat, batch row
+    after batch row (no limit on the batch), the channel blocks of a row consecutive."""
     per_row = DIM // CELL * N_KB
     b = (tl.program_id(0) // per_row).to(tl.int64)
     pid = tl.program_id(0) % per_row
@@ -113,18 +117,7 @@ def _program(
     d_ok = (pid % N_KB) * BLOCK_D + dl < CELL
     row_b = b * (DIM // GROUP_B) + first // GROUP_B
     row_c = b * (DIM // GROUP_C) + first // GROUP_C
-    return b, first, dl, n, j, d_ok, d_ok & (n < N), row_b, row_c
-
-
-@triton.jit
-def _per_channel(
-    A_ptr, sA0, sA1, B_ptr, sB0, sB1, C_ptr, sC0, sC1, D_ptr, sD0, bias_ptr, sbias0,
-    first, dl, n, d_ok, dn_ok,
-    B_VARIABLE: tl.constexpr, C_VARIABLE: tl.constexpr, HAS_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    """The program's A, invariant B and C [BLOCK_D, BLOCK_N, 1] (zeros where variable),
-    D and delta_bias [BLOCK_D, 1, 1] (zeros where absent)."""
+    dn_ok = d_ok & (n < N)
     d = first + dl
     A = tl.load(A_ptr + d * sA0 + n * sA1, mask=dn_ok, other=0.0).to(ACC)
     Bi = tl.zeros(dn_ok.shape, ACC)
@@ -139,7 +132,7 @@ def _per_channel(
         Dv = tl.load(D_ptr + d * sD0, mask=d_ok, other=0.0).to(ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d * sbias0, mask=d_ok, other=0.0).to(ACC)
-    return A, Bi, Ci, Dv, bias
+    return b, first, dl, n, j, d_ok, dn_ok, row_b, row_c, A, A * LOG2E, Bi, Ci, Dv, bias
 
 
 @triton.jit
@@ -163,6 +156,34 @@ def _dt(
 
 
 @triton.jit
+def _inputs(
+    u_row, dl_row, B_row, t, dl, n, d_ok, N, L, Bi, bias,
+    B_VARIABLE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """At the tile's steps ``t``: the mask of real (channel, step) pairs, their offsets
+    in the program's rows, u and dt [BLOCK_D, 1, BLOCK_T] and B (Bi where invariant)."""
+    valid = d_ok & (t < L)
+    off = dl * L + t
+    u = tl.load(u_row + off, mask=valid, other=0.0).to(ACC)
+    dt, _ = _dt(dl_row, off, valid, bias, HAS_BIAS, SOFTPLUS, ACC)
+    Bt = Bi
+    if B_VARIABLE:
+        Bt = tl.load(B_row + n * L + t, mask=(n < N) & (t < L), other=0.0).to(ACC)
+    return valid, off, u, dt, Bt
+
+
+@triton.jit
+def _states(u, dt, Bt, A2, h, j):
+    """The states along the tile [BLOCK_D, BLOCK_N, BLOCK_T], the state ``h`` entering
+    it folded into the first step (not tl.reduce: on a GPU it takes its combine to be
+    commutative, which _then is not)."""
+    a = tl.exp2(dt * A2)
+    bx = Bt * (dt * u)
+    _, hs = tl.associative_scan((a, tl.where(j == 0, a * h + bx, bx)), 2, _then)
+    return hs
+
+
+@triton.jit
 def _forward_kernel(
     u_ptr, dl_ptr, z_ptr, A_ptr, sA0, sA1, B_ptr, sB0, sB1, C_ptr, sC0, sC1,
     D_ptr, sD0, bias_ptr, sbias0, init_ptr, si0, si1, si2,
@@ -173,14 +194,11 @@ def _forward_kernel(
     SOFTPLUS: tl.constexpr, WIDE: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    b, first, dl, n, j, d_ok, dn_ok, row_b, row_c = _program(
-        DIM, N, CELL, N_KB, GROUP_B, GROUP_C, WIDE, BLOCK_D, BLOCK_N, BLOCK_T
-    )  # fmt: skip
-    A, Bi, Ci, Dv, bias = _per_channel(
+    b, first, dl, n, j, d_ok, dn_ok, row_b, row_c, _, A2, Bi, Ci, Dv, bias = _program(
         A_ptr, sA0, sA1, B_ptr, sB0, sB1, C_ptr, sC0, sC1, D_ptr, sD0, bias_ptr, sbias0,
-        first, dl, n, d_ok, dn_ok, B_VARIABLE, C_VARIABLE, HAS_D, HAS_BIAS, ACC,
+        DIM, N, CELL, N_KB, GROUP_B, GROUP_C, B_VARIABLE, C_VARIABLE, HAS_D, HAS_BIAS, WIDE,
+        ACC, BLOCK_D, BLOCK_N, BLOCK_T,
     )  # fmt: skip
-    A2 = A * LOG2E
     if HAS_INIT:
         h = tl.load(
             init_ptr + b * si0 + (first + dl) * si1 + n * si2, mask=dn_ok, other=0.0
@@ -197,20 +215,14 @@ def _forward_kernel(
         tl.store(ck_ptr + (row * N_CHUNKS + c) * N + dl * (N_CHUNKS * N) + n, h, mask=dn_ok)
         for t0 in range(c * K, _chunk_end(c, K, L), BLOCK_T):
             t = t0 + j
-            valid = d_ok & (t < L)
-            off = dl * L + t
-            u = tl.load(u_row + off, mask=valid, other=0.0).to(ACC)
-            dt, _ = _dt(dl_row, off, valid, bias, HAS_BIAS, SOFTPLUS, ACC)
-            Bt = Bi
-            if B_VARIABLE:
-                Bt = tl.load(B_row + n * L + t, mask=(n < N) & (t < L), other=0.0).to(ACC)
+            valid, off, u, dt, Bt = _inputs(
+                u_row, dl_row, B_row, t, dl, n, d_ok, N, L, Bi, bias,
+                B_VARIABLE, HAS_BIAS, SOFTPLUS, ACC,
+            )  # fmt: skip
             Ct = Ci
             if C_VARIABLE:
                 Ct = tl.load(C_row + n * L + t, mask=(n < N) & (t < L), other=0.0).to(ACC)
-            a = tl.exp2(dt * A2)
-            bx = Bt * (dt * u)
-            # the entering state folded into the first step
-            _, hs = tl.associative_scan((a, tl.where(j == 0, a * h + bx, bx)), 2, _then)
+            hs = _states(u, dt, Bt, A2, h, j)
             y = tl.sum(Ct * hs, axis=1, keep_dims=True)
             if HAS_D:
                 y += Dv * u
@@ -233,14 +245,11 @@ def _backward_kernel(
     WIDE: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    b, first, dl, n, j, d_ok, dn_ok, row_b, row_c = _program(
-        DIM, N, CELL, N_KB, GROUP_B, GROUP_C, WIDE, BLOCK_D, BLOCK_N, BLOCK_T
-    )  # fmt: skip
-    A, Bi, Ci, Dv, bias = _per_channel(
+    b, first, dl, n, j, d_ok, dn_ok, row_b, row_c, A, A2, Bi, Ci, Dv, bias = _program(
         A_ptr, sA0, sA1, B_ptr, sB0, sB1, C_ptr, sC0, sC1, D_ptr, sD0, bias_ptr, sbias0,
-        first, dl, n, d_ok, dn_ok, B_VARIABLE, C_VARIABLE, HAS_D, HAS_BIAS, ACC,
+        DIM, N, CELL, N_KB, GROUP_B, GROUP_C, B_VARIABLE, C_VARIABLE, HAS_D, HAS_BIAS, WIDE,
+        ACC, BLOCK_D, BLOCK_N, BLOCK_T,
     )  # fmt: skip
-    A2 = A * LOG2E
     row = b * DIM + first  # the program's first (batch, channel) row
     u_row = u_ptr + row * L
     dl_row = dl_ptr + row * L
@@ -276,18 +285,11 @@ def _backward_kernel(
         for i in range(0, n_tiles):
             tl.store(scratch + i * (BLOCK_D * BLOCK_N), h)
             t = start + i * BLOCK_T + j
-            valid = d_ok & (t < L)
-            off = dl * L + t
-            u = tl.load(u_row + off, mask=valid, other=0.0).to(ACC)
-            dt, _ = _dt(dl_row, off, valid, bias, HAS_BIAS, SOFTPLUS, ACC)
-            Bt = Bi
-            if B_VARIABLE:
-                Bt = tl.load(B_row + n * L + t, mask=(n < N) & (t < L), other=0.0).to(ACC)
-            # the states along the tile, the entering one folded into the first step (not
-            # tl.reduce: on a GPU it takes its combine to be commutative, which _then is not)
-            a = tl.exp2(dt * A2)
-            bx = Bt * (dt * u)
-            _, hs = tl.associative_scan((a, tl.where(j == 0, a * h + bx, bx)), 2, _then)
+            _, _, u, dt, Bt = _inputs(
+                u_row, dl_row, B_row, t, dl, n, d_ok, N, L, Bi, bias,
+                B_VARIABLE, HAS_BIAS, SOFTPLUS, ACC,
+            )  # fmt: skip
+            hs = _states(u, dt, Bt, A2, h, j)
             h = tl.sum(tl.where(j == BLOCK_T - 1, hs, 0.0), axis=2, keep_dims=True)
         tl.debug_barrier()  # the entering states are stored
         for ii in range(0, n_tiles):
