@@ -88,6 +88,34 @@ def _program(
 
 
 @triton.jit
+def _head(A_ptr, D_ptr, head, HEADDIM, N, p, p_ok, tile, HAS_D: tl.constexpr, ACC: tl.constexpr,
+          BLOCK_P: tl.constexpr):  # fmt: skip
+    """The head's decay rate A, its rows of D (zeros without), and the offset of the
+    program's tile within a (heads, headdim, N) state, less the sequence's offset."""
+    A = tl.load(A_ptr + head).to(ACC)
+    Dv = tl.zeros((BLOCK_P,), ACC)
+    if HAS_D:
+        Dv = tl.load(D_ptr + head * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
+    return A, Dv, (head * HEADDIM) * N + tile
+
+
+@triton.jit
+def _restart(h, t, init_ptr, cu_ptr, seq_ptr, HEADS, HEADDIM, N, state, tile_ok,
+             HAS_INIT: tl.constexpr, ACC: tl.constexpr, BLOCK_P: tl.constexpr,
+             BLOCK_N: tl.constexpr):  # fmt: skip
+    """Packed sequences: step t's sequence s, and the state entering the step: the
+    sequence's initial state (zeros without) at its first step, else ``h``."""
+    s = tl.load(seq_ptr + t).to(tl.int64)
+    if t == tl.load(cu_ptr + s):  # the sequence's first step: its initial state
+        if HAS_INIT:
+            h = tl.load(init_ptr + s * HEADS * HEADDIM * N + state, mask=tile_ok)
+            h = h.to(ACC)
+        else:
+            h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
+    return h, s
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, init_ptr, cu_ptr, seq_ptr,
     out_ptr, final_ptr, ck_ptr,
@@ -98,24 +126,15 @@ def _forward_kernel(
     b, head, _, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
         HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
     )  # fmt: skip
-    A = tl.load(A_ptr + head).to(ACC)
-    Dv = tl.zeros((BLOCK_P,), ACC)
-    if HAS_D:
-        Dv = tl.load(D_ptr + head * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
-    state = (head * HEADDIM) * N + tile  # a state's tile, less the sequence's offset
+    A, Dv, state = _head(A_ptr, D_ptr, head, HEADDIM, N, p, p_ok, tile, HAS_D, ACC, BLOCK_P)
     h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
     if not PACKED and HAS_INIT:
         h = tl.load(init_ptr + b * HEADS * HEADDIM * N + state, mask=tile_ok, other=0.0)
         h = h.to(ACC)
     for t in tl.range(0, L, num_stages=STAGES):
         if PACKED:
-            s = tl.load(seq_ptr + t).to(tl.int64)
-            if t == tl.load(cu_ptr + s):  # the sequence's first step: its initial state
-                if HAS_INIT:
-                    h = tl.load(init_ptr + s * HEADS * HEADDIM * N + state, mask=tile_ok)
-                    h = h.to(ACC)
-                else:
-                    h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
+            h, s = _restart(h, t, init_ptr, cu_ptr, seq_ptr, HEADS, HEADDIM, N, state, tile_ok,
+                            HAS_INIT, ACC, BLOCK_P, BLOCK_N)  # fmt: skip
         if t % K == 0:
             ck = ((b * N_CHUNKS + t // K) * HEADS * HEADDIM) * N + state
             tl.store(ck_ptr + ck, h, mask=tile_ok)
@@ -152,11 +171,7 @@ def _backward_kernel(
     b, head, pb, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
         HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
     )  # fmt: skip
-    A = tl.load(A_ptr + head).to(ACC)
-    Dv = tl.zeros((BLOCK_P,), ACC)
-    if HAS_D:
-        Dv = tl.load(D_ptr + head * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
-    state = (head * HEADDIM) * N + tile
+    A, Dv, state = _head(A_ptr, D_ptr, head, HEADDIM, N, p, p_ok, tile, HAS_D, ACC, BLOCK_P)
     # the program's scratch: K whole (padded) tiles, the states entering a chunk's steps
     program = tl.program_id(0).to(tl.int64)
     scratch = (
@@ -186,13 +201,8 @@ def _backward_kernel(
         tl.debug_barrier()  # the previous chunk's reads of the scratch are done
         for t in tl.range(start, end, num_stages=STAGES):
             if PACKED:
-                s = tl.load(seq_ptr + t).to(tl.int64)
-                if t == tl.load(cu_ptr + s):
-                    if HAS_INIT:
-                        h = tl.load(init_ptr + s * HEADS * HEADDIM * N + state, mask=tile_ok)
-                        h = h.to(ACC)
-                    else:
-                        h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
+                h, _ = _restart(h, t, init_ptr, cu_ptr, seq_ptr, HEADS, HEADDIM, N, state,
+                                tile_ok, HAS_INIT, ACC, BLOCK_P, BLOCK_N)  # fmt: skip
             tl.store(scratch + (t - start) * (BLOCK_P * BLOCK_N), h)
             row = b * L + t
             dt = tl.load(dt_ptr + row * HEADS + head).to(ACC)
@@ -283,11 +293,7 @@ def _chunked_forward_kernel(
     b, head, _, group, p, n, p_ok, n_ok, tile, tile_ok = _program(
         HEADS, HEADDIM, N, RATIO, N_PB, BLOCK_P, BLOCK_N
     )  # fmt: skip
-    A = tl.load(A_ptr + head).to(ACC)
-    Dv = tl.zeros((BLOCK_P,), ACC)
-    if HAS_D:
-        Dv = tl.load(D_ptr + head * HEADDIM + p, mask=p_ok, other=0.0).to(ACC)
-    state = (head * HEADDIM) * N + tile
+    A, Dv, state = _head(A_ptr, D_ptr, head, HEADDIM, N, p, p_ok, tile, HAS_D, ACC, BLOCK_P)
     h = tl.zeros((BLOCK_P, BLOCK_N), ACC)
     if HAS_INIT:
         h = tl.load(init_ptr + b * HEADS * HEADDIM * N + state, mask=tile_ok, other=0.0)
