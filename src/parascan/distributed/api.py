@@ -47,7 +47,7 @@ from parascan.first_order import linear_scan as local_linear_scan
 from parascan.first_order import log_linear_scan as local_log_linear_scan
 from parascan.first_order.api import Prepared, prepare
 from parascan.first_order.ops import backward_op
-from parascan.first_order.packed import packed_initial, public_state_shape, to_public
+from parascan.first_order.packed import packed_initial, to_public
 from parascan.first_order.semiring import LINEAR, LOG, SEMIRINGS, Semiring, log_weight
 
 __all__ = ["linear_scan", "log_linear_scan"]
@@ -69,9 +69,8 @@ class _Sharded:
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """The local fused backward (one pass on CPU; not differentiable again:
         once_differentiable)."""
-        tokens_if_read = tokens if self.ring.backward_reads_tokens else None
         return backward_op(self.ring)(  # type: ignore[no-any-return]
-            gates, tokens_if_read, out, grad, start, dim, reverse, backend
+            gates, tokens, out, grad, start, dim, reverse, backend
         )
 
     def multiplier(
@@ -91,16 +90,37 @@ _LINEAR = _Sharded(LINEAR, "parascan.distributed.linear_scan", local_linear_scan
 _LOG = _Sharded(LOG, "parascan.distributed.log_linear_scan", local_log_linear_scan)
 
 
+def _all_gather_bytes(message: Tensor, group: Any) -> list[Tensor]:
+    """Every rank's ``message`` (uint8, of one size on every rank), in rank order."""
+    received = [torch.empty_like(message) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(received, message, group=group)
+    return received
+
+
+def _real_view(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _to_bytes(payload: Tensor) -> Tensor:
+    """``payload``'s bytes, complex tensors as real pairs (not every backend reduces
+    complex)."""
+    return _real_view(payload).contiguous().view(-1).view(torch.uint8)
+
+
+def _from_bytes(received: list[Tensor], at: int, like: Tensor) -> Tensor:
+    """Every rank's tensor like ``like``, read from byte ``at`` of its message (see
+    _to_bytes), stacked on ``like``'s device: (world, *like.shape)."""
+    wire = _real_view(like)
+    end = at + wire.numel() * wire.element_size()
+    gathered = torch.stack([m[at:end].view(wire.dtype).view(wire.shape) for m in received])
+    gathered = gathered.to(like.device)
+    return torch.view_as_complex(gathered) if like.is_complex() else gathered
+
+
 def _all_gather_stacked(parts: list[Tensor], group: Any) -> Tensor:
-    """all_gather of ``parts`` (tensors of one shape) stacked: (world, len(parts), *shape).
-    Complex tensors travel as real pairs (not every backend reduces complex)."""
+    """all_gather of ``parts`` (tensors of one shape) stacked: (world, len(parts), *shape)."""
     payload = torch.stack(parts)
-    wire = _real_view(payload).contiguous()
-    world = dist.get_world_size(group)
-    received = [torch.empty_like(wire) for _ in range(world)]
-    dist.all_gather(received, wire, group=group)
-    gathered = torch.stack(received)
-    return torch.view_as_complex(gathered) if payload.is_complex() else gathered
+    return _from_bytes(_all_gather_bytes(_to_bytes(payload), group), 0, payload)
 
 
 _HEADER_DIMS = 16  # state dims spelled out in the header; more are folded into a hash
@@ -109,6 +129,7 @@ _HEADER_FIELDS = (
     "cu_seqlens", "num_seqs", "return_final", "length",
 )  # fmt: skip
 _LENGTH = _HEADER_FIELDS.index("length")  # the one field the ranks need not agree on
+_HEADER_BYTES = 8 * (len(_HEADER_FIELDS) + _HEADER_DIMS)  # int64 each
 _OPS = {ring.code: ring.op.removeprefix("parascan.") for ring in SEMIRINGS.values()}
 _DEVICE_TYPES = ("cpu", "cuda")
 _REJECTED = -1  # the op field of a rank that failed before its exchange (its own error)
@@ -160,10 +181,6 @@ def _wire_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _real_view(t: Tensor) -> Tensor:
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
 def _first_message(header: Tensor, payload: Tensor | None, group: Any) -> list[Tensor]:
     """All-gather every rank's fixed-size message (header, then ``payload`` or
     nothing); returns the messages, as bytes, in rank order."""
@@ -171,34 +188,28 @@ def _first_message(header: Tensor, payload: Tensor | None, group: Any) -> list[T
     message = torch.zeros(head + _INLINE_BYTES, dtype=torch.uint8, device=device)
     message[:head] = header.to(device).view(torch.uint8)
     if payload is not None:
-        raw = _real_view(payload).contiguous().view(-1).view(torch.uint8)
+        raw = _to_bytes(payload)
         message[head : head + raw.numel()] = raw.to(device)
-    received = [torch.empty_like(message) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(received, message, group=group)
-    return received
+    return _all_gather_bytes(message, group)
 
 
 def _reject(group: Any) -> None:
     """This rank failed before its exchange: meet the others' first message with a
     header saying so (every rank then raises), and return to raise its own error."""
-    _first_message(torch.full((len(_HEADER_FIELDS) + _HEADER_DIMS,), _REJECTED), None, group)
+    _first_message(torch.full((_HEADER_BYTES // 8,), _REJECTED), None, group)
 
 
 def _exchange(name: str, header: Tensor, parts: list[Tensor], group: Any) -> Tensor:
     """Every rank's ``parts`` stacked, (world, len(parts), *shape), once every rank's
     header agrees with ``header``; the same RuntimeError on every rank otherwise."""
     payload = torch.stack(parts)
-    wire = _real_view(payload)
-    nbytes = wire.numel() * wire.element_size()
-    inline = nbytes <= _INLINE_BYTES  # the same on every rank once the headers agree
+    # the same on every rank once the headers agree
+    inline = payload.numel() * payload.element_size() <= _INLINE_BYTES
     received = _first_message(header, payload if inline else None, group)
-    head = header.numel() * 8
-    _check_agreement(name, [m[:head].view(torch.int64) for m in received], group)
+    _check_agreement(name, received, group)
     if not inline:
         return _all_gather_stacked(parts, group)
-    rows = [m[head : head + nbytes].view(wire.dtype).view(wire.shape) for m in received]
-    gathered = torch.stack(rows).to(payload.device)
-    return torch.view_as_complex(gathered) if payload.is_complex() else gathered
+    return _from_bytes(received, _HEADER_BYTES, payload)
 
 
 def _describe_header(row: list[int]) -> str:
@@ -222,13 +233,14 @@ def _describe_header(row: list[int]) -> str:
     )
 
 
-def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
-    """Raise on every rank when the ranks' headers differ (every rank holds the same
-    gathered headers, so every rank reaches the same verdict)."""
-    rows = [h.tolist() for h in gathered]
+def _check_agreement(name: str, received: list[Tensor], group: Any) -> list[list[int]]:
+    """The ranks' headers, read from their first messages; raise on every rank when
+    they differ (every rank holds the same messages, so every rank reaches the same
+    verdict)."""
+    rows = [m[:_HEADER_BYTES].view(torch.int64).tolist() for m in received]
     agreed = [[x for i, x in enumerate(row) if i != _LENGTH] for row in rows]
     if all(row == agreed[0] for row in agreed[1:]) and rows[0][0] != _REJECTED:
-        return
+        return rows
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(rows))
     rejected = [r for r, row in zip(ranks, rows, strict=True) if row[0] == _REJECTED]
     if rejected:
@@ -236,13 +248,13 @@ def _check_agreement(name: str, gathered: list[Tensor], group: Any) -> None:
             f"{name}: rank(s) {', '.join(map(str, rejected))} failed before the exchange "
             f"(their own error says why), so no rank can scan"
         )
-    received = "; ".join(
+    described = "; ".join(
         f"rank {r}: {_describe_header(row)}" for r, row in zip(ranks, rows, strict=True)
     )
     raise RuntimeError(
         f"{name}: expected every rank's shard to agree in all but the length of the time "
         f"dim (op, shape, dtype, device type, dim, reverse, whether initial is given, whether "
-        f"a backward runs, cu_seqlens and return_final), but got {received}"
+        f"a backward runs, cu_seqlens and return_final), but got {described}"
     )
 
 
@@ -344,7 +356,7 @@ def _distributed(
     sharded: _Sharded, gates: object, tokens: object, dim: object, group: Any,
     initial: object, reverse: bool, return_final: bool, backend: str, cu_seqlens: object,
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    from parascan.distributed.packed import check_offsets, packed_scan
+    from parascan.distributed.packed import _PackedShardScan, check_offsets
 
     name = sharded.name
     grouped = dist.is_available() and dist.is_initialized()
@@ -361,8 +373,7 @@ def _distributed(
         cu, h = None, None
         if packed:  # the checks a rank makes alone; the global length after the headers
             cu = check_offsets(name, cu_seqlens, p.tokens.shape[d], p.tokens.device)
-            shape = public_state_shape(name, tuple(p.tokens.shape), d, len(cu) - 1)
-            h = None if initial is None else packed_initial(name, initial, p.tokens, shape, d)
+            h = packed_initial(name, initial, p.tokens, d, len(cu) - 1)
         header = _header(sharded, p, reverse, cu, return_final, h)
     except Exception:
         if grouped:  # the other ranks wait in the exchange: all of them raise
@@ -385,7 +396,9 @@ def _distributed(
         )  # fmt: skip
         h = None if h is None else h.to(wide)
     if cu is not None:
-        out, final = packed_scan(sharded, p, h, cu, reverse, return_final, group, header)
+        out, final = _PackedShardScan.apply(
+            sharded, p.gates, p.tokens, h, d, cu, reverse, return_final, p.backend, group, header,
+        )  # type: ignore[no-untyped-call]  # fmt: skip
         final = to_public(final, d) if return_final else final
     else:
         out, final = _ShardScan.apply(
@@ -410,17 +423,10 @@ def linear_scan(
 
 
 def linear_scan(
-    gates: Tensor | float,
-    tokens: Tensor,
-    dim: int,
-    *,
-    group: Any = None,
-    initial: Tensor | float | None = None,
-    reverse: bool = False,
-    return_final: bool = False,
-    backend: str = "auto",
-    cu_seqlens: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    gates: Tensor | float, tokens: Tensor, dim: int, *, group: Any = None,
+    initial: Tensor | float | None = None, reverse: bool = False,
+    return_final: bool = False, backend: str = "auto", cu_seqlens: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     r""":func:`parascan.linear_scan` over a time dim sharded across ranks.
 
     Rank r of the process group ``group`` (default: the world) holds the r-th
@@ -487,17 +493,10 @@ def log_linear_scan(
 
 
 def log_linear_scan(
-    log_gates: Tensor | float,
-    log_tokens: Tensor,
-    dim: int,
-    *,
-    group: Any = None,
-    initial: Tensor | float | None = None,
-    reverse: bool = False,
-    return_final: bool = False,
-    backend: str = "auto",
-    cu_seqlens: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    log_gates: Tensor | float, log_tokens: Tensor, dim: int, *, group: Any = None,
+    initial: Tensor | float | None = None, reverse: bool = False,
+    return_final: bool = False, backend: str = "auto", cu_seqlens: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     r""":func:`parascan.log_linear_scan` over a time dim sharded across ranks.
 
     The same contract as :func:`linear_scan` of this module, in log space:

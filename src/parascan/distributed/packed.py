@@ -58,19 +58,20 @@ from parascan._higher_order import once_differentiable
 from parascan._ops import state_shape
 from parascan.distributed.api import (
     _LENGTH,
+    _all_gather_bytes,
     _all_gather_stacked,
     _check_agreement,
     _first_message,
-    _real_view,
+    _from_bytes,
     _Sharded,
+    _to_bytes,
     _wire_device,
     apply_map,
     carry_back,
 )
-from parascan.first_order.api import Prepared
 from parascan.first_order.packed import _OPS, _finals
 
-__all__ = ["check_offsets", "packed_scan"]
+__all__ = ["check_offsets"]
 
 
 def check_offsets(name: str, cu_seqlens: object, steps: int, device: torch.device) -> list[int]:
@@ -160,33 +161,26 @@ def _prefix_at(shard: _Shard, reverse: bool) -> int:
 
 
 def _gather_or_fail(
-    parts: list[Tensor] | None, count: int, like: Tensor, group: Any
-) -> tuple[Tensor, list[int]]:
+    name: str, parts: list[Tensor] | None, count: int, like: Tensor, group: Any
+) -> Tensor:
     """All-gather ``count`` state tensors shaped like ``like`` from every rank, each
     message led by a status word: ``parts`` is None on a rank whose local work
-    failed (it sends zeros). Returns the stacked parts (world, count, *state) and
-    the ranks that failed, so that all raise instead of one waiting forever."""
+    failed (it sends zeros, then raises its own error). Returns the stacked parts
+    (world, count, *state); when a rank failed, every other rank raises instead of
+    waiting forever."""
     device = _wire_device(group)
     payload = like.new_zeros((count, *like.shape)) if parts is None else torch.stack(parts)
-    raw = _real_view(payload).contiguous().view(-1).view(torch.uint8).to(device)
     status = torch.tensor([0 if parts is not None else 1], dtype=torch.int64, device=device)
-    message = torch.cat([status.view(torch.uint8), raw])
-    received = [torch.empty_like(message) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(received, message, group=group)
+    message = torch.cat([status.view(torch.uint8), _to_bytes(payload).to(device)])
+    received = _all_gather_bytes(message, group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(received))
     failed = [r for r, m in zip(ranks, received, strict=True) if int(m[:8].view(torch.int64)) != 0]
-    wire = _real_view(payload)
-    rows = [m[8:].view(wire.dtype).view(wire.shape) for m in received]
-    gathered = torch.stack(rows).to(like.device)
-    return (torch.view_as_complex(gathered) if like.is_complex() else gathered), failed
-
-
-def _raise_failed(name: str, failed: list[int]) -> None:
-    if failed:
+    if failed and parts is not None:
         raise RuntimeError(
             f"{name}: rank(s) {', '.join(map(str, failed))} failed in their local scan "
             f"(their own error says why), so no rank can finish"
         )
+    return _from_bytes(received, 8, payload)
 
 
 def _scan_order(shards: list[_Shard], reverse: bool) -> list[int]:
@@ -195,6 +189,9 @@ def _scan_order(shards: list[_Shard], reverse: bool) -> list[int]:
 
 
 class _PackedShardScan(torch.autograd.Function):
+    """This rank's shard of the packed scan, and the finals in the internal layout
+    (every sequence's, on every rank; an empty tensor without ``return_final``)."""
+
     @staticmethod
     def forward(
         ctx: Any, sharded: _Sharded, gates: Tensor, tokens: Tensor, initial: Tensor | None,
@@ -203,11 +200,8 @@ class _PackedShardScan(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         name, ring = sharded.name, sharded.ring
         # 1. the checked headers, and every shard's plan
-        received = _first_message(header, None, group)
-        head = header.numel() * 8
-        headers = [m[:head].view(torch.int64) for m in received]
-        _check_agreement(name, headers, group)
-        lengths = [int(h[_LENGTH]) for h in headers]
+        headers = _check_agreement(name, _first_message(header, None, group), group)
+        lengths = [h[_LENGTH] for h in headers]
         if sum(lengths) != cu[-1]:  # every rank reaches the same verdict
             raise ValueError(
                 f"{name}: expected cu_seqlens to end at the global length along dim, the sum "
@@ -241,11 +235,10 @@ class _PackedShardScan(torch.autograd.Function):
                 total = ring.total(gates.narrow(dim, _prefix_at(mine, reverse), mine.prefix), dim)
             parts = [total, leaving, *ends, *[zero] * (rows - len(ends))]
         except Exception:
-            _gather_or_fail(None, 2 + rows, zero, group)  # every other rank raises
+            _gather_or_fail(name, None, 2 + rows, zero, group)  # every other rank raises
             raise
         # 3. the exchange; the carries entering every shard, every final
-        gathered, failed = _gather_or_fail(parts, 2 + rows, zero, group)
-        _raise_failed(name, failed)
+        gathered = _gather_or_fail(name, parts, 2 + rows, zero, group)
         carries: dict[int, Tensor] = {}
         h = zero
         for q in _scan_order(shards, reverse):
@@ -328,10 +321,9 @@ class _PackedShardScan(torch.autograd.Function):
             for s in mine.ending if ctx.return_final else ():
                 arriving.select(dim, _last_step(local, s, reverse)).add_(summed[s])
             arriving.select(dim, 0 if reverse else mine.length - 1).add_(leaving[rank])
-            tokens_if_read = tokens if ring.backward_reads_tokens else None
             local_cu = torch.tensor(local, dtype=torch.int64)
             grad_gates, grad_tokens, grad_start = _OPS[ring.name][1](
-                gates, tokens_if_read, out, arriving, start, dim, local_cu, reverse, backend
+                gates, tokens, out, arriving, start, dim, local_cu, reverse, backend
             )
         grad_initial = None
         if ctx.had_initial:
@@ -351,16 +343,3 @@ class _PackedShardScan(torch.autograd.Function):
             None, grad_gates, grad_tokens, grad_initial,
             None, None, None, None, None, None, None,
         )  # fmt: skip
-
-
-def packed_scan(
-    sharded: _Sharded, p: Prepared, initial: Tensor | None, cu: list[int], reverse: bool,
-    return_final: bool, group: Any, header: Tensor,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """This rank's shard of the packed scan, and the finals in the internal layout
-    (every sequence's, on every rank; an empty tensor without ``return_final``)."""
-    out, final = _PackedShardScan.apply(
-        sharded, p.gates, p.tokens, initial, p.dim % p.tokens.dim(), cu, reverse, return_final,
-        p.backend, group, header,
-    )  # type: ignore[no-untyped-call]  # fmt: skip
-    return out, final

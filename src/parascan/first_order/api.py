@@ -24,9 +24,9 @@ from parascan._checks import (
     normalize_dim,
     result_dtype,
 )
-from parascan._native import kernel_library_error
+from parascan._native import bindings, kernel_library_error
 from parascan._ops import plain_eager, state_shape
-from parascan.first_order import cpu, packed
+from parascan.first_order import packed
 from parascan.first_order.autograd import apply
 from parascan.first_order.ops import ROWS
 from parascan.first_order.semiring import LINEAR, LOG, Semiring
@@ -34,7 +34,6 @@ from parascan.first_order.semiring import LINEAR, LOG, Semiring
 __all__ = [
     "Prepared",
     "cpu_fast_path",
-    "final_state",
     "linear_scan",
     "log_linear_scan",
     "prepare",
@@ -118,26 +117,23 @@ def prepare(
     )
 
 
-def final_state(out: Tensor, p: Prepared, reverse: bool, empty: float) -> Tensor:
-    """The last state (``out[T-1]``, or ``out[0]`` reversed) as a new tensor; for
-    T == 0 the initial state, or ``empty`` (the state of no steps) without one."""
-    steps = out.shape[p.dim]
-    if steps == 0:
-        if p.initial is None:
-            return out.new_full(state_shape(out, p.dim), empty)
-        return p.initial.clone()
-    return out.select(p.dim, 0 if reverse else steps - 1).clone()
-
-
 def with_final(
     out: Tensor, p: Prepared, reverse: bool, return_final: bool, empty: float
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The public return value: ``out`` (0-d for a 0-d call), with the final state
-    when asked for."""
+    """The public return value: ``out`` (0-d for a 0-d call), and when asked for the
+    final state as a new tensor: the last state (``out[T-1]``, or ``out[0]``
+    reversed); for T == 0 the initial state, or ``empty`` (the state of no steps)
+    without one."""
     result = out.reshape(()) if p.scalar else out
     if not return_final:
         return result
-    final = final_state(out, p, reverse, empty)
+    steps = out.shape[p.dim]
+    if steps:
+        final = out.select(p.dim, 0 if reverse else steps - 1).clone()
+    elif p.initial is None:
+        final = out.new_full(state_shape(out, p.dim), empty)
+    else:
+        final = p.initial.clone()
     return result, final.reshape(()) if p.scalar else final
 
 
@@ -204,7 +200,7 @@ def cpu_fast_path(
         ):
             return None
     # Every operand was checked above as check_operands would: verified.
-    return cpu.forward(ring, gates, tokens, initial, dim, reverse, True)
+    return bindings.scan_forward(ring.name, gates, tokens, initial, dim, reverse, True)
 
 
 def scan(
@@ -213,9 +209,8 @@ def scan(
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The public functions' body: ``ring``'s first-order scan with their arguments."""
     if cu_seqlens is not None:
-        return packed.scan(
-            ring, gates, tokens, dim, initial, reverse, return_final, backend, cu_seqlens
-        )
+        p = prepare(ring, gates, tokens, dim, None, reverse, return_final, backend)
+        return packed.scan(ring, p, initial, bool(reverse), bool(return_final), cu_seqlens)
     if not torch.compiler.is_compiling():
         fast = cpu_fast_path(ring, gates, tokens, dim, initial, reverse, return_final, backend)
         if fast is not None:

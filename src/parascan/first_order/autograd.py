@@ -15,10 +15,10 @@ from torch import Tensor
 
 from parascan._higher_order import tangent_mode
 from parascan.first_order import packed
-from parascan.first_order.ops import backward_from_partials, backward_op, forward_op
+from parascan.first_order.ops import ScanFn, backward_from_partials, backward_op, forward_op
 from parascan.first_order.semiring import LINEAR, SEMIRINGS
 
-__all__ = ["apply"]
+__all__ = ["apply", "linear_scan_fn"]
 
 
 class _FirstOrderScan(torch.autograd.Function):
@@ -69,7 +69,7 @@ class _FirstOrderScan(torch.autograd.Function):
             # differentiable torch ops and the linear scan's Function.
             partials = ring.partials(gates, tokens, out, initial, dim, reverse)
             grads = backward_from_partials(
-                _linear_scan_fn(backend), partials, grad_out, dim, reverse
+                linear_scan_fn(backend), partials, grad_out, dim, reverse
             )
         else:
             grads = backward_op(ring)(gates, tokens, out, grad_out, initial, dim, reverse, backend)
@@ -112,7 +112,9 @@ class _FirstOrderScanForwardMode(_FirstOrderScan):
             )
 
 
-def _linear_scan_fn(backend: str) -> Any:
+def linear_scan_fn(backend: str) -> ScanFn:
+    """The differentiable linear scan on ``backend``, as backward_from_partials takes it."""
+
     def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
         return apply(LINEAR.name, a, b, h, dim, reverse, backend)
 

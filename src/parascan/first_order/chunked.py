@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from parascan._checks import accumulate_dtype
-from parascan.first_order.semiring import LINEAR, LOG, Semiring
+from parascan.first_order.semiring import LINEAR, Semiring
 
-__all__ = ["forward_linear", "forward_log", "scan"]
+__all__ = ["forward_linear", "scan"]
 
 # Below this many steps one batched op per step is cheapest.
 SEQUENTIAL_STEPS = 32
@@ -104,10 +104,3 @@ def forward_linear(
 ) -> Tensor:
     """``scan`` in the linear semiring."""
     return scan(LINEAR, gates, tokens, initial, dim, reverse)
-
-
-def forward_log(
-    log_gates: Tensor, log_tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool
-) -> Tensor:
-    """``scan`` in the log semiring."""
-    return scan(LOG, log_gates, log_tokens, initial, dim, reverse)

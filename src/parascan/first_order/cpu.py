@@ -1,44 +1,35 @@
 """The ``cpu`` backend of the first-order scans: the C kernels of this folder (one
 forward and one fused backward template, cpu_forward.h and cpu_backward.h,
-instantiated per semiring and dtype in cpu.c), through parascan._native.bindings."""
+instantiated per semiring and dtype in cpu.c), through parascan._native.bindings,
+whose entries take the semiring's name where every backend takes the semiring."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, TypeVar
 
 from parascan._native import bindings
 from parascan.first_order.semiring import Semiring
 
 __all__ = ["backward", "forward"]
 
-
-def forward(
-    ring: Semiring,
-    gates: torch.Tensor,
-    tokens: torch.Tensor,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-    verified: bool = False,
-) -> torch.Tensor:
-    """Same contract as ``reference.loop``; CPU tensors of one dtype (``verified``:
-    see parascan._native.bindings.scan_forward)."""
-    return bindings.scan_forward(ring.name, gates, tokens, initial, dim, reverse, verified)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-def backward(
-    ring: Semiring,
-    gates: torch.Tensor,
-    tokens: torch.Tensor | None,
-    out: torch.Tensor,
-    grad_out: torch.Tensor,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused backward: reads gates (and tokens, when the semiring's partials need
-    them), out and grad_out once; writes the gradients of gates, tokens and initial
-    once (the equations: _native/abi.h)."""
-    if not ring.backward_reads_tokens:
-        tokens = None
-    return bindings.scan_backward(ring.name, gates, tokens, out, grad_out, initial, dim, reverse)
+def _by_semiring(
+    entry: Callable[Concatenate[str, _P], _R],
+) -> Callable[Concatenate[Semiring, _P], _R]:
+    def kernel(ring: Semiring, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return entry(ring.name, *args, **kwargs)
+
+    return kernel
+
+
+# The contract of ``reference.loop``, CPU tensors of one dtype (``verified`` and
+# ``cu_seqlens``: see bindings.scan_forward).
+forward = _by_semiring(bindings.scan_forward)
+# The fused backward: reads gates (and tokens, which only the log semiring's reads;
+# None otherwise), out and grad_out once, and writes the gradients of gates, tokens
+# and initial once (the equations: _native/abi.h).
+backward = _by_semiring(bindings.scan_backward)

@@ -1,21 +1,23 @@
 """The raw ops of the first-order scans, registered with torch.library, and their
 rows of the backend table.
 
-Each semiring (semiring.py) gets two ops, made by one definition (``_define``):
+Each semiring (semiring.py) gets two ops, made by one definition (``_define``, on
+``define_ops``, which packed.py's ops share):
 ``parascan::<op>(gates, tokens, initial, dim, reverse, backend)`` and
 ``parascan::<op>_backward(gates, tokens, out, grad_out, initial, dim, reverse,
-backend)`` (tokens None where the semiring's backward never reads them), for
-``linear_scan`` and ``log_linear_scan``. They take validated, broadcast inputs (gates
-and tokens of one shape and dtype, initial of that shape without ``dim``, or None)
-and a backend the table resolved. They carry fake kernels (torch.compile) and vmap
-rules; they are not differentiable themselves: autograd.py puts an
-autograd.Function around them, because ``torch.library.register_autograd`` breaks
-torch.func on torch 2.13.
+backend)`` (tokens None, or not read, where the semiring's backward never reads
+them), for ``linear_scan`` and ``log_linear_scan``. They take validated, broadcast
+inputs (gates and tokens of one shape and dtype, initial of that shape without
+``dim``, or None) and a backend the table resolved. They carry fake kernels
+(torch.compile) and vmap rules; they are not differentiable themselves: autograd.py
+puts an autograd.Function around them, because ``torch.library.register_autograd``
+breaks torch.func on torch 2.13.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,9 +41,11 @@ __all__ = [
     "backward_from_partials",
     "backward_from_weights",
     "backward_op",
+    "backward_tokens",
     "backward_via_scan",
+    "define_ops",
+    "empty_gradients",
     "forward_op",
-    "gradient_chain",
 ]
 
 ScanFn = Callable[[Tensor, Tensor, "Tensor | None", int, bool], Tensor]
@@ -73,24 +77,6 @@ def _row(ring: Semiring, triton_dtypes: tuple[torch.dtype, ...]) -> OpBackends:
 ROWS = {"linear": _row(LINEAR, FLOAT_DTYPES), "log": _row(LOG, _REAL)}
 
 
-def gradient_chain(
-    scan: ScanFn, weights: Tensor, grad_out: Tensor, dim: int, reverse: bool
-) -> Tensor:
-    """g[t] = grad_out[t] + conj(weights[t+1]) g[t+1] (t-1 when reversed), g past the
-    end 0: the total gradient reaching each state of a recurrence whose step
-    multiplies the previous state by ``weights``. One linear scan (``scan``) run the
-    other way over the weights shifted by one step."""
-    steps = grad_out.shape[dim]
-    if steps == 0:
-        return torch.zeros_like(grad_out)
-    no_gate = torch.zeros_like(weights.narrow(dim, 0, 1))
-    if reverse:
-        a_next = torch.cat([no_gate, weights.narrow(dim, 0, steps - 1)], dim)
-    else:
-        a_next = torch.cat([weights.narrow(dim, 1, steps - 1), no_gate], dim)
-    return scan(conj(a_next), grad_out, None, dim, not reverse)
-
-
 def backward_from_partials(
     scan: ScanFn, partials: Partials, grad_out: Tensor, dim: int, reverse: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -105,7 +91,12 @@ def backward_from_partials(
     if steps == 0:
         zeros = torch.zeros_like(grad_out)
         return zeros, zeros.clone(), grad_out.new_zeros(state_shape(grad_out, dim))
-    g = gradient_chain(scan, w, grad_out, dim, reverse)
+    no_gate = torch.zeros_like(w.narrow(dim, 0, 1))  # none past the end
+    if reverse:
+        w_next = torch.cat([no_gate, w.narrow(dim, 0, steps - 1)], dim)
+    else:
+        w_next = torch.cat([w.narrow(dim, 1, steps - 1), no_gate], dim)
+    g = scan(conj(w_next), grad_out, None, dim, not reverse)
     first = steps - 1 if reverse else 0
     grad_initial = conj(w.select(dim, first)) * g.select(dim, first)
     grad_tokens = g if d_tokens is None else g * conj(d_tokens)
@@ -142,6 +133,46 @@ def backward_from_weights(
     return backward_from_partials(scan, partials, grad_out, dim, reverse)
 
 
+def backward_tokens(ring: Semiring, tokens: Tensor | None) -> Tensor | None:
+    """A backward op's ``tokens`` as its backend takes them: resolved where ``ring``'s
+    backward reads them (log), else None."""
+    return resolved_optional(tokens) if ring.backward_reads_tokens else None
+
+
+def empty_gradients(out: Tensor, state: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """A fake backward's results: the gates' and tokens' gradients of ``out``'s shape,
+    the initial state's of shape ``state``."""
+    return (
+        torch.empty(out.shape, dtype=out.dtype, device=out.device),
+        torch.empty(out.shape, dtype=out.dtype, device=out.device),
+        torch.empty(state, dtype=out.dtype, device=out.device),
+    )
+
+
+def define_ops(
+    name: str, consts: str, forward: Callable[..., Tensor], forward_fake: Callable[..., Tensor],
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]],
+    backward_fake: Callable[..., tuple[Tensor, Tensor, Tensor]],
+) -> tuple[Any, Any]:  # fmt: skip
+    """A first-order scan's ops, from their bodies and fake kernels:
+    ``parascan::<name>(gates, tokens, initial, dim, <consts>, backend)`` and
+    ``parascan::<name>_backward(gates, tokens, out, grad_out, initial, dim, <consts>,
+    backend)`` -> the gradients of gates, tokens and initial; ``consts`` the schema
+    of the plain arguments after ``dim``; vmapped by batch_first_vmap."""
+    tensors = "Tensor gates, Tensor tokens, Tensor? initial, int dim"
+    grads = "Tensor gates, Tensor? tokens, Tensor out, Tensor grad_out, Tensor? initial, int dim"
+    return (
+        custom_op(
+            name, f"({tensors}, {consts}, str backend) -> Tensor", forward, forward_fake,
+            batch_first_vmap(tensors=3, outputs=1),
+        ),
+        custom_op(
+            f"{name}_backward", f"({grads}, {consts}, str backend) -> (Tensor, Tensor, Tensor)",
+            backward, backward_fake, batch_first_vmap(tensors=5, outputs=3),
+        ),
+    )  # fmt: skip
+
+
 def _define(ring: Semiring) -> tuple[Any, Any]:
     """The forward and backward ops of ``ring``, with fake kernels and vmap rules."""
     row = ROWS[ring.name]
@@ -161,31 +192,19 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         torch._check(gates.dtype == tokens.dtype, lambda: f"parascan::{name}: dtype mismatch")
         return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
 
-    forward_op = custom_op(
-        name,
-        "(Tensor gates, Tensor tokens, Tensor? initial, int dim, bool reverse, str backend)"
-        " -> Tensor",
-        forward,
-        forward_fake,
-        batch_first_vmap(tensors=3, outputs=1),
-    )
-
     def backward(
         gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
         initial: Tensor | None, dim: int, reverse: bool, backend: str,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         gates, out, grad_out = resolved(gates), resolved(out), resolved(grad_out)
-        tokens, initial = resolved_optional(tokens), resolved_optional(initial)
+        tokens, initial = backward_tokens(ring, tokens), resolved_optional(initial)
         fused = row.backends[backend].backward
         if fused is not None:
             return fused(ring, gates, tokens, out, grad_out, initial, dim, reverse)  # type: ignore[no-any-return]
         # Backends without a fused backward: the partials and one reverse linear scan
         # of the same backend, accumulating half types in float32 like the forward.
         acc = accumulate_dtype(out.dtype)
-
-        def scan(a: Tensor, b: Tensor, h: Tensor | None, dim: int, reverse: bool) -> Tensor:
-            return linear_forward[backend].forward(LINEAR, a, b, h, dim, reverse)  # type: ignore[no-any-return]
-
+        scan = partial(linear_forward[backend].forward, LINEAR)
         partials = ring.partials(
             gates.to(acc), None if tokens is None else tokens.to(acc), out.to(acc),
             None if initial is None else initial.to(acc), dim, reverse,
@@ -199,21 +218,9 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         torch._check(gates.shape == out.shape, lambda: f"parascan::{name}_backward: shapes")
         torch._check(grad_out.shape == out.shape, lambda: f"parascan::{name}_backward: shapes")
-        return (
-            torch.empty(out.shape, dtype=out.dtype, device=out.device),
-            torch.empty(out.shape, dtype=out.dtype, device=out.device),
-            torch.empty(state_shape(out, dim), dtype=out.dtype, device=out.device),
-        )
+        return empty_gradients(out, state_shape(out, dim))
 
-    backward_op = custom_op(
-        f"{name}_backward",
-        "(Tensor gates, Tensor? tokens, Tensor out, Tensor grad_out, Tensor? initial, int dim,"
-        " bool reverse, str backend) -> (Tensor, Tensor, Tensor)",
-        backward,
-        backward_fake,
-        batch_first_vmap(tensors=5, outputs=3),
-    )
-    return forward_op, backward_op
+    return define_ops(name, "bool reverse", forward, forward_fake, backward, backward_fake)
 
 
 _OPS = {name: _define(ring) for name, ring in SEMIRINGS.items()}

@@ -18,7 +18,7 @@ num_seqs dim in place of the batch (``to_internal``/``to_public``): a result of 
 Backends. ``cpu``: the C kernels' packed entries (cpu_packed.h), every input read
 once, each channel block walking every sequence in one parallel region. ``triton``:
 the Triton kernels in their usual launches, restarting the state where a sequence
-starts inside their tiles and chunks (triton.packed_forward). ``torch`` and ``loop``:
+starts inside their tiles and chunks (triton.py, ``cu_seqlens``). ``torch`` and ``loop``:
 the backend's own scan on each sequence in turn (a view of its steps), the results
 written into one output.
 """
@@ -39,15 +39,20 @@ from parascan._checks import (
     check_offsets,
     describe,
 )
-from parascan._native import bindings
-from parascan._ops import batch_first_vmap, custom_op, resolved, resolved_optional
-from parascan.first_order import api, autograd, triton
-from parascan.first_order.ops import ROWS, backward_from_partials, backward_op
-from parascan.first_order.semiring import LINEAR, SEMIRINGS, Semiring
+from parascan._ops import resolved, resolved_optional
+from parascan.first_order import api, autograd, cpu, triton
+from parascan.first_order.ops import (
+    ROWS,
+    backward_from_partials,
+    backward_op,
+    backward_tokens,
+    define_ops,
+    empty_gradients,
+)
+from parascan.first_order.semiring import SEMIRINGS, Semiring
 
 __all__ = [
     "packed_initial",
-    "public_state_shape",
     "scan",
     "to_internal",
     "to_public",
@@ -119,8 +124,11 @@ def _by_segments_backward(
     return grad_gates, grad_tokens, grad_initial
 
 
-def _cpu_cu(cu_seqlens: Tensor) -> Tensor:
-    return cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+def _cpu_offsets(op: str, cu_seqlens: Tensor, steps: int) -> Tensor:
+    """``cu_seqlens`` checked, as the C kernels take it: int64, on the CPU."""
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    check_offsets(op, cu.tolist(), steps)
+    return cu
 
 
 def _define(ring: Semiring) -> tuple[Any, Any]:
@@ -135,16 +143,13 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
     ) -> Tensor:  # fmt: skip
         gates, tokens, initial = resolved(gates), resolved(tokens), resolved_optional(initial)
         dim %= tokens.dim()
-        if backend == "triton":
-            check_offsets(ring.op, cu_seqlens.tolist(), tokens.shape[dim])
+        steps = tokens.shape[dim]
         if backend == "cpu":
-            cu = _cpu_cu(cu_seqlens)
-            check_offsets(ring.op, cu.tolist(), tokens.shape[dim])
-            return bindings.scan_forward(
-                ring.name, gates, tokens, initial, dim, reverse, cu_seqlens=cu
-            )
+            cu = _cpu_offsets(ring.op, cu_seqlens, steps)
+            return cpu.forward(ring, gates, tokens, initial, dim, reverse, cu_seqlens=cu)
         if backend == "triton":
-            return triton.packed_forward(ring, gates, tokens, initial, dim, reverse, cu_seqlens)
+            check_offsets(ring.op, cu_seqlens.tolist(), steps)
+            return triton.forward(ring, gates, tokens, initial, dim, reverse, cu_seqlens)
         return _by_segments_forward(ring, backend, gates, tokens, initial, cu_seqlens, dim,
                                     reverse)  # fmt: skip
 
@@ -152,35 +157,24 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         torch._check(gates.shape == tokens.shape, lambda: f"parascan::{name}: shape mismatch")
         return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
 
-    fwd = custom_op(
-        name,
-        "(Tensor gates, Tensor tokens, Tensor? initial, int dim, Tensor cu_seqlens,"
-        " bool reverse, str backend) -> Tensor",
-        forward,
-        forward_fake,
-        batch_first_vmap(tensors=3, outputs=1),
-    )
-
     def backward(
         gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
         initial: Tensor | None, dim: int, cu_seqlens: Tensor, reverse: bool, backend: str,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         gates, out, grad_out = resolved(gates), resolved(out), resolved(grad_out)
-        tokens, initial = resolved_optional(tokens), resolved_optional(initial)
+        tokens, initial = backward_tokens(ring, tokens), resolved_optional(initial)
         dim %= out.dim()
+        steps = out.shape[dim]
         if backend == "cpu":
-            cu = _cpu_cu(cu_seqlens)
-            check_offsets(ring.op, cu.tolist(), out.shape[dim])
-            return bindings.scan_backward(
-                ring.name, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
-                initial, dim, reverse, cu_seqlens=cu,
-            )  # fmt: skip
+            cu = _cpu_offsets(ring.op, cu_seqlens, steps)
+            return cpu.backward(
+                ring, gates, tokens, out, grad_out, initial, dim, reverse, cu_seqlens=cu
+            )
         if backend == "triton":
-            check_offsets(ring.op, cu_seqlens.tolist(), out.shape[dim])
-            return triton.packed_backward(
-                ring, gates, tokens if ring.backward_reads_tokens else None, out, grad_out,
-                initial, dim, reverse, cu_seqlens,
-            )  # fmt: skip
+            check_offsets(ring.op, cu_seqlens.tolist(), steps)
+            return triton.backward(
+                ring, gates, tokens, out, grad_out, initial, dim, reverse, cu_seqlens
+            )
         return _by_segments_backward(ring, backend, gates, tokens, out, grad_out, initial,
                                      cu_seqlens, dim, reverse)  # fmt: skip
 
@@ -189,22 +183,11 @@ def _define(ring: Semiring) -> tuple[Any, Any]:
         initial: Tensor | None, dim: int, cu_seqlens: Tensor, *_: object,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         d = dim % out.dim()
-        seq_shape = (*out.shape[:d], cu_seqlens.shape[0] - 1, *out.shape[d + 1 :])
-        return (
-            torch.empty(out.shape, dtype=out.dtype, device=out.device),
-            torch.empty(out.shape, dtype=out.dtype, device=out.device),
-            torch.empty(seq_shape, dtype=out.dtype, device=out.device),
-        )
+        return empty_gradients(out, (*out.shape[:d], cu_seqlens.shape[0] - 1, *out.shape[d + 1 :]))
 
-    bwd = custom_op(
-        f"{name}_backward",
-        "(Tensor gates, Tensor? tokens, Tensor out, Tensor grad_out, Tensor? initial, int dim,"
-        " Tensor cu_seqlens, bool reverse, str backend) -> (Tensor, Tensor, Tensor)",
-        backward,
-        backward_fake,
-        batch_first_vmap(tensors=5, outputs=3),
+    return define_ops(
+        name, "Tensor cu_seqlens, bool reverse", forward, forward_fake, backward, backward_fake
     )
-    return fwd, bwd
 
 
 _OPS = {name: _define(ring) for name, ring in SEMIRINGS.items()}
@@ -224,10 +207,7 @@ def differentiable_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The gradients of every sequence (ops.backward_from_partials on its steps, the
     chain a linear scan through the differentiable public path), side by side."""
-
-    def linear(a: Tensor, b: Tensor, h: Tensor | None, d: int, rev: bool) -> Tensor:
-        return autograd.apply(LINEAR.name, a, b, h, d, rev, backend)
-
+    linear = autograd.linear_scan_fn(backend)
     acc = accumulate_dtype(out.dtype)
     nseq = cu_seqlens.numel() - 1
     ga, gb, gh = [], [], []
@@ -256,51 +236,38 @@ def differentiable_backward(
 # ---- the public path ----------------------------------------------------------------
 
 
-def public_state_shape(name: str, shape: tuple[int, ...], dim: int, nseq: int) -> tuple[int, ...]:
-    if dim == 0:
-        return (nseq, *shape[1:])
-    if shape[0] != 1:
-        raise ValueError(
-            f"{name}: with cu_seqlens the sequences are packed along dim {dim} of a batch of one: "
-            f"expected the leading dim to be 1 (or dim to be 0), but got shape {tuple(shape)}"
-        )
-    return (nseq, *shape[1:dim], *shape[dim + 1 :])
-
-
 def scan(
-    ring: Semiring,
-    gates: object,
-    tokens: object,
-    dim: object,
-    initial: object,
-    reverse: object,
-    return_final: object,
-    backend: object,
+    ring: Semiring, p: api.Prepared, initial: object, reverse: bool, return_final: bool,
     cu_seqlens: object,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The public scan of ``ring`` over packed sequences: validation, then the op."""
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """The public scan of ``ring`` over packed sequences, from its operands as
+    ``api.prepare`` validated them (``initial`` aside): the packed checks, then the op."""
     name = ring.op
-    p: api.Prepared = api.prepare(ring, gates, tokens, dim, None, reverse, return_final, backend)
-    out_shape = tuple(p.tokens.shape)
-    d = p.dim % len(out_shape)
-    cu = check_cu_seqlens(name, cu_seqlens, out_shape[d], p.tokens.device)
-    nseq = cu.numel() - 1
-    public_shape = public_state_shape(name, out_shape, d, nseq)
-    h = None if initial is None else packed_initial(name, initial, p.tokens, public_shape, d)
-    rev = bool(reverse)  # validated by prepare
-    out = autograd.apply(ring.name, p.gates, p.tokens, h, d, rev, p.backend, cu)
+    d = p.dim % p.tokens.dim()
+    cu = check_cu_seqlens(name, cu_seqlens, p.tokens.shape[d], p.tokens.device)
+    h = packed_initial(name, initial, p.tokens, d, cu.numel() - 1)
+    out = autograd.apply(ring.name, p.gates, p.tokens, h, d, reverse, p.backend, cu)
     result = out.reshape(()) if p.scalar else out
     if not return_final:
         return result
-    return result, to_public(_finals(ring, out, h, cu, d, rev), d)
+    return result, to_public(_finals(ring, out, h, cu, d, reverse), d)
 
 
-def packed_initial(
-    name: str, initial: object, like: Tensor, public_shape: tuple[int, ...], dim: int
-) -> Tensor:
-    """``initial`` validated for packed sequences of a result like ``like``: broadcast
-    to the public per-sequence shape (num_seqs leading), converted to ``like``'s
-    dtype, returned in the internal layout (to_internal, ``dim`` non-negative)."""
+def packed_initial(name: str, initial: object, like: Tensor, dim: int, nseq: int) -> Tensor | None:
+    """For ``nseq`` packed sequences along ``dim`` (non-negative) of a result like
+    ``like``: its layout checked (a batch of one, or ``dim`` 0), and ``initial``
+    (None stays None) validated: broadcast to the public per-sequence shape (num_seqs
+    leading, in place of the batch), converted to ``like``'s dtype, returned in the
+    internal layout (to_internal)."""
+    shape = tuple(like.shape)
+    if dim != 0 and shape[0] != 1:
+        raise ValueError(
+            f"{name}: with cu_seqlens the sequences are packed along dim {dim} of a batch of one: "
+            f"expected the leading dim to be 1 (or dim to be 0), but got shape {shape}"
+        )
+    public_shape = (nseq, *shape[1:dim], *shape[dim + 1 :])
+    if initial is None:
+        return None
     h = as_operand(name, "initial", initial, allow_number=True, like=like)
     check_dtype(name, "initial", h)
     if h.device != like.device:

@@ -14,6 +14,7 @@ The tests keep their own float64 loops as the oracle (tests/oracles.py).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from parascan._checks import accumulate_dtype
 from parascan.first_order.semiring import LINEAR, LOG, Semiring
@@ -22,13 +23,8 @@ __all__ = ["linear_loop", "log_loop", "loop"]
 
 
 def loop(
-    ring: Semiring,
-    gates: torch.Tensor,
-    tokens: torch.Tensor,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-) -> torch.Tensor:
+    ring: Semiring, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool
+) -> Tensor:
     """The recurrence of ``ring`` one step at a time. ``gates`` and ``tokens`` share
     one shape; ``initial`` has that shape without ``dim``. Half types accumulate in
     float32. Differentiable with ordinary autograd (it is plain torch)."""
@@ -38,7 +34,7 @@ def loop(
     b = tokens.movedim(dim, 0).to(acc)
     state = b.new_full(b.shape[1:], ring.zero) if initial is None else initial.to(acc)
     steps = range(b.shape[0] - 1, -1, -1) if reverse else range(b.shape[0])
-    out: list[torch.Tensor] = [state] * b.shape[0]
+    out: list[Tensor] = [state] * b.shape[0]
     for t in steps:
         state = ring.step(a[t], state, b[t])
         out[t] = state
@@ -49,23 +45,15 @@ def loop(
 
 
 def linear_loop(
-    gates: torch.Tensor,
-    tokens: torch.Tensor,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-) -> torch.Tensor:
+    gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool
+) -> Tensor:
     """``loop`` in the linear semiring: x[t] = gates[t] * x[t-1] + tokens[t]."""
     return loop(LINEAR, gates, tokens, initial, dim, reverse)
 
 
 def log_loop(
-    log_gates: torch.Tensor,
-    log_tokens: torch.Tensor,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-) -> torch.Tensor:
+    log_gates: Tensor, log_tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool
+) -> Tensor:
     """``loop`` in the log semiring: h[t] = logaddexp(log_gates[t] + h[t-1], log_tokens[t])
     (complex results: imaginary part in [-pi, pi))."""
     return loop(LOG, log_gates, log_tokens, initial, dim, reverse)

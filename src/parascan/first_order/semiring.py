@@ -147,9 +147,7 @@ class Semiring:
     compose_: Callable[[Tensor, Tensor, Tensor], object]
     total: Callable[[Tensor, int], Tensor]
     backward_reads_tokens: bool  # whether partials (and the fused backward) read b
-    # (gates, tokens, out, initial, dim, reverse, cu_seqlens=None) -> the partial
-    # derivatives of every step: (d x[t]/d x[t-1], d x[t]/d a[t], d x[t]/d b[t]), None
-    # standing for 1; with cu_seqlens, of packed sequences (see previous_states)
+    # every step's Partials, from the forward's output (packed: see previous_states)
     partials: PartialsFn
 
 
@@ -172,10 +170,6 @@ def _log_partials(
     h_prev = previous_states(out, initial, dim, reverse, -math.inf, cu_seqlens)
     wu = log_weight(log_gates + h_prev, out)
     return wu, wu, log_weight(log_tokens, out)
-
-
-def _log_step_(a: Tensor, s: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    return out.copy_(logaddexp(a + s, b))
 
 
 def _ordered_product(gates: Tensor, dim: int) -> Tensor:
@@ -213,7 +207,7 @@ LOG = Semiring(
     one=0.0,
     zero=-math.inf,
     step=lambda a, s, b: logaddexp(a + s, b),
-    step_=_log_step_,
+    step_=lambda a, s, b, out: out.copy_(logaddexp(a + s, b)),
     compose_=lambda p, a, out: out.copy_(p + a),
     total=torch.sum,
     backward_reads_tokens=True,

@@ -72,9 +72,9 @@ __all__ = [
     "TIME_CONTIGUOUS",
     "TIME_MAJOR",
     "Blocks",
-    "backward",
     "blocks",
-    "forward",
+    "plan",
+    "run",
 ]
 
 LINEAR, LOG = 0, 1  # LINEAR.code, LOG.code
@@ -149,7 +149,7 @@ def _store(ptr, off, re, im, mask, IS_COMPLEX: tl.constexpr):
 @triton.jit
 def _time(REVERSE: tl.constexpr, s, T):
     """The time index of step s of this pass: offsets t * stride may pass 2^31, and
-    s is int64 (``_tile``)."""
+    s is int64 (``_pass_tile``)."""
     if REVERSE:
         return T - 1 - s
     return s
@@ -165,10 +165,10 @@ def _shift(REVERSE: tl.constexpr, t, NEXT: tl.constexpr):
 
 @triton.jit
 def _channels(cb, C, INNER, BLOCK_C: tl.constexpr):
-    """Block cb's channels as a column [BLOCK_C, 1] of int64 (offsets from here on
+    """Block cb's channels c as a column [BLOCK_C, 1] of int64 (offsets from here on
     are int64), their mask, and their (outer, inner) indices."""
     c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
-    return c < C, c // INNER, c % INNER
+    return c, c < C, c // INNER, c % INNER
 
 
 @triton.jit
@@ -179,14 +179,6 @@ def _chunk_end(k, CHUNK, T):
     if end > T:
         end = T
     return end
-
-
-@triton.jit
-def _tile(s0, T, in_channels, BLOCK_T: tl.constexpr):
-    """The steps s0 .. s0 + BLOCK_T - 1 of this pass as a row [1, BLOCK_T] of int64,
-    and the tile's mask [BLOCK_C, BLOCK_T]."""
-    s = s0 + tl.arange(0, BLOCK_T)[None, :].to(tl.int64)
-    return s, in_channels & (s < T)
 
 
 @triton.jit
@@ -332,12 +324,8 @@ def _resets(
         qp = tl.load(seq_ptr + _shift(REVERSE, t, False), mask=inside & (s > 0), other=-2)
         reset = (q != qp) & inside
         if MODE < 2:
-            if HAS_INIT:
-                hr, hi = _load(i_ptr, i_base + q.to(tl.int64) * si1, mask & reset, IS_COMPLEX, ACC)
-            else:
-                fill = float("-inf") if MODE == 1 else 0.0
-                hr = tl.full(mr.shape, fill, ACC)
-                hi = tl.zeros(mr.shape, ACC)
+            i_at = i_base + q.to(tl.int64) * si1
+            hr, hi = _start(MODE, IS_COMPLEX, HAS_INIT, ACC, i_ptr, i_at, mask & reset)
             rr, ri = _combine(MODE, IS_COMPLEX, mr, mi, hr, hi, dr, di)
         else:
             rr, ri = dr, di
@@ -379,17 +367,43 @@ def _step_inputs(
 @triton.jit
 def _start(
     MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
-    i_ptr, i_base, in_channels,
+    i_ptr, i_base, mask,
 ):  # fmt: skip
-    """The state before the pass's first step: the initial state (forward modes,
-    ``HAS_INIT``), else the empty state (log 0 in LOG, 0 otherwise)."""
+    """The state before the pass's (or a packed sequence's) first step, of
+    ``i_base``'s shape: the initial state at ``i_base`` (forward modes, ``HAS_INIT``),
+    else the empty state (log 0 in LOG, 0 otherwise)."""
     if HAS_INIT and MODE < 2:
-        hr, hi = _load(i_ptr, i_base, in_channels, IS_COMPLEX, ACC)
+        hr, hi = _load(i_ptr, i_base, mask, IS_COMPLEX, ACC)
     else:
         fill = float("-inf") if MODE == 1 else 0.0
         hr = tl.full(i_base.shape, fill, ACC)
         hi = tl.zeros(i_base.shape, ACC)
     return hr, hi
+
+
+@triton.jit
+def _pass_tile(
+    MODE: tl.constexpr, IS_COMPLEX: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+    REVERSE: tl.constexpr, PACKED: tl.constexpr, BLOCK_T: tl.constexpr,
+    s0, T, in_channels, a_ptr, a_base, sa1, b_ptr, b_base, sb1, h_ptr, h_base, sh1, seq_ptr,
+    i_ptr, i_base, si1, hr, hi,
+):  # fmt: skip
+    """The tile of this pass's steps s0 .. s0 + BLOCK_T - 1 scanned from the states
+    (hr, hi) entering it: the steps s (a row [1, BLOCK_T] of int64), the tile's mask
+    [BLOCK_C, BLOCK_T], the steps' time indices t, and ``_scan_tile``'s results."""
+    s = s0 + tl.arange(0, BLOCK_T)[None, :].to(tl.int64)
+    mask = in_channels & (s < T)
+    t, mr, mi, dr, di = _step_inputs(
+        MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1, h_ptr,
+        h_base, sh1, mask,
+    )  # fmt: skip
+    reset, rr, ri = _resets(
+        MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, s, t, T, seq_ptr, i_ptr, i_base, si1,
+        mask, mr, mi, dr, di,
+    )  # fmt: skip
+    Pr, Pi, Hr, Hi = _scan_tile(MODE, IS_COMPLEX, BLOCK_T, PACKED, mr, mi, dr, di, hr, hi,
+                                reset, rr, ri)  # fmt: skip
+    return s, mask, t, Pr, Pi, Hr, Hi
 
 
 @triton.jit
@@ -401,34 +415,22 @@ def _summaries(
     ACC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
-    in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
+    c, in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
     i_base = o * si0 + i * si2
     # the map of no steps: multiplier 1 (0 in LOG), state 0 (-inf, log 0, in LOG)
-    if MODE == 1:
-        Mr = tl.zeros((BLOCK_C, 1), ACC)
-        Fr = tl.full((BLOCK_C, 1), float("-inf"), ACC)
-    else:
-        Mr = tl.full((BLOCK_C, 1), 1.0, ACC)
-        Fr = tl.zeros((BLOCK_C, 1), ACC)
+    Mr = tl.full((BLOCK_C, 1), 0.0 if MODE == 1 else 1.0, ACC)
+    Fr = tl.full((BLOCK_C, 1), float("-inf") if MODE == 1 else 0.0, ACC)
     Mi = tl.zeros((BLOCK_C, 1), ACC)
     Fi = tl.zeros((BLOCK_C, 1), ACC)
     for s0 in range(k * CHUNK, _chunk_end(k, CHUNK, T), BLOCK_T):
-        s, mask = _tile(s0, T, in_channels, BLOCK_T)
-        t, mr, mi, dr, di = _step_inputs(
-            MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
-            h_ptr, h_base, sh1, mask,
-        )  # fmt: skip
-        reset, rr, ri = _resets(
-            MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, s, t, T, seq_ptr, i_ptr, i_base,
-            si1, mask, mr, mi, dr, di,
-        )  # fmt: skip
-        Pr, Pi, Hr, Hi = _scan_tile(
-            MODE, IS_COMPLEX, BLOCK_T, PACKED, mr, mi, dr, di, Fr, Fi, reset, rr, ri
+        _, _, _, Pr, Pi, Hr, Hi = _pass_tile(
+            MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, BLOCK_T, s0, T, in_channels,
+            a_ptr, a_base, sa1, b_ptr, b_base, sb1, h_ptr, h_base, sh1, seq_ptr, i_ptr, i_base,
+            si1, Fr, Fi,
         )  # fmt: skip
         Fr, Fi = _last(Hr, BLOCK_T), _last(Hi, BLOCK_T)
         Mr, Mi = _compose(MODE, IS_COMPLEX, Mr, Mi, _last(Pr, BLOCK_T), _last(Pi, BLOCK_T))
-    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
     tl.store(Mr_ptr + k * C + c, Mr, mask=in_channels)
     tl.store(Mi_ptr + k * C + c, Mi, mask=in_channels)
     tl.store(Fr_ptr + k * C + c, Fr, mask=in_channels)
@@ -452,8 +454,7 @@ def _carries(
     ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cb = tl.program_id(0)
-    in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
-    c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    c, in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
     hr, hi = _start(MODE, IS_COMPLEX, HAS_INIT, ACC, i_ptr, o * si0 + i * si2, in_channels)
     for k in range(0, N_CHUNKS):
         tl.store(Cr_ptr + k * C + c, hr, mask=in_channels)
@@ -478,28 +479,20 @@ def _apply(
     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     cb, k = tl.program_id(0), tl.program_id(1)
-    in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
+    c, in_channels, o, i = _channels(cb, C, INNER, BLOCK_C)
     a_base, b_base, h_base = o * sa0 + i * sa2, o * sb0 + i * sb2, o * sh0 + i * sh2
     e_base, i_base = o * se0 + i * se2, o * si0 + i * si2
     out_base = o * (T * INNER) + i
     if SINGLE:  # one chunk: no carry pass, the initial state enters it
         hr, hi = _start(MODE, IS_COMPLEX, HAS_INIT, ACC, i_ptr, i_base, in_channels)
     else:
-        c = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
         hr = tl.load(Cr_ptr + k * C + c, mask=in_channels, other=0.0)
         hi = tl.load(Ci_ptr + k * C + c, mask=in_channels, other=0.0)
     for s0 in range(k * CHUNK, _chunk_end(k, CHUNK, T), BLOCK_T):
-        s, mask = _tile(s0, T, in_channels, BLOCK_T)
-        t, mr, mi, dr, di = _step_inputs(
-            MODE, IS_COMPLEX, ACC, REVERSE, s, T, a_ptr, a_base, sa1, b_ptr, b_base, sb1,
-            h_ptr, h_base, sh1, mask,
-        )  # fmt: skip
-        reset, rr, ri = _resets(
-            MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, s, t, T, seq_ptr, i_ptr, i_base,
-            si1, mask, mr, mi, dr, di,
-        )  # fmt: skip
-        _, _, Hr, Hi = _scan_tile(
-            MODE, IS_COMPLEX, BLOCK_T, PACKED, mr, mi, dr, di, hr, hi, reset, rr, ri
+        s, mask, t, _, _, Hr, Hi = _pass_tile(
+            MODE, IS_COMPLEX, HAS_INIT, ACC, REVERSE, PACKED, BLOCK_T, s0, T, in_channels,
+            a_ptr, a_base, sa1, b_ptr, b_base, sb1, h_ptr, h_base, sh1, seq_ptr, i_ptr, i_base,
+            si1, hr, hi,
         )  # fmt: skip
         hr, hi = _last(Hr, BLOCK_T), _last(Hi, BLOCK_T)
         if MODE < 2:
@@ -559,42 +552,6 @@ def _real_view(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def forward(
-    mode: int,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-    chunk: int | None = None,
-    seq: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A forward scan (LINEAR or LOG) of tensors of one shape and dtype along ``dim``;
-    packed sequences with ``seq`` (see ``_run``)."""
-    out, _ = _run(mode, a, b, None, None, initial, dim, reverse, chunk, seq)
-    return out
-
-
-def backward(
-    mode: int,
-    a: torch.Tensor,
-    grad_out: torch.Tensor,
-    out: torch.Tensor,
-    log_tokens: torch.Tensor | None,
-    initial: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
-    chunk: int | None = None,
-    seq: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A backward pass (LINEAR_BWD or LOG_BWD) in the order ``reverse`` (the opposite
-    of the forward's): (the tokens' gradient, the gates' gradient)."""
-    grad_tokens, grad_gates = _run(
-        mode, a, grad_out, out, log_tokens, initial, dim, reverse, chunk, seq
-    )
-    return grad_tokens, grad_gates if grad_gates is not None else grad_tokens
-
-
 def plan(
     steps: int, channels: int, time_stride: int, chunk: int | None = None
 ) -> tuple[Blocks, int]:
@@ -610,7 +567,7 @@ def plan(
     return tile, tile.steps * triton.cdiv(chunk, tile.steps)
 
 
-def _run(
+def run(
     mode: int,
     a: torch.Tensor,
     b: torch.Tensor,
