@@ -243,7 +243,7 @@ class CheckpointedScan:
     negative views resolved, and every result leaves contiguous, as the fake kernels say
     (torch.compile's graphs assert the strides they report)."""
 
-    # the op's row of the backend table (parascan._backends.OpBackends): its public
+    # the op's row of the backend table (parascan._checks.OpBackends): its public
     # name (for errors: "parascan.ssd_scan") and its backends, each one's
     # forward(*tensors, *consts) -> (out, final, checkpoints) and
     # backward(*tensors, [*consts,] checkpoints, grad_out, grad_final) -> gradients;

@@ -41,7 +41,7 @@ from triton.compiler import ASTSource
 
 from parascan.first_order import triton_kernels as kernels
 
-# (mode, pointer dtype, complex): what _run launches. The log modes take real inputs.
+# (mode, pointer dtype, complex): what run launches. The log modes take real inputs.
 LINEAR_MODES = (kernels.LINEAR, kernels.LINEAR_BWD)
 LOG_MODES = (kernels.LOG, kernels.LOG_BWD)
 REAL = ("fp16", "bf16", "fp32", "fp64")

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parascan._backends import backends
-from parascan._checks import FLOAT_DTYPES
+from parascan._checks import FLOAT_DTYPES, backends
 from parascan.cli.tolerance import TOLERANCE, relative_error
 from parascan.first_order import linear_scan, log_linear_scan
 from parascan.first_order.reference import linear_loop

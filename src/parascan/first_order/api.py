@@ -12,7 +12,6 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from parascan._backends import resolve
 from parascan._checks import (
     FLOAT_DTYPES,
     as_operand,
@@ -22,6 +21,7 @@ from parascan._checks import (
     check_same_device,
     describe,
     normalize_dim,
+    resolve,
     result_dtype,
 )
 from parascan._native import bindings, kernel_library_error

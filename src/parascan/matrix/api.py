@@ -9,7 +9,6 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from parascan._backends import resolve
 from parascan._checks import (
     FLOAT_DTYPES,
     accumulate_dtype,
@@ -19,6 +18,7 @@ from parascan._checks import (
     check_layout,
     check_same_device,
     describe,
+    resolve,
 )
 from parascan._higher_order import tangent_mode
 from parascan.matrix.autograd import ROW, matrix_linear_scan_op

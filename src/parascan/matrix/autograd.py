@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._backends import Backend, OpBackends, register
-from parascan._checks import FLOAT_DTYPES, accumulate_dtype
+from parascan._checks import FLOAT_DTYPES, Backend, OpBackends, accumulate_dtype, register
 from parascan._ops import batch_first, custom_op, resolved, resolved_optional
 from parascan.matrix import chunked, cpu, reference
 

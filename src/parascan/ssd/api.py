@@ -9,8 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._backends import resolve
-from parascan._checks import check_cu_seqlens, check_flag, check_shape, check_tensor, describe
+from parascan._checks import (
+    check_cu_seqlens,
+    check_flag,
+    check_shape,
+    check_tensor,
+    describe,
+    resolve,
+)
 from parascan.ssd import autograd as ssd_ops
 
 __all__ = ["ssd_scan"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._backends import Backend, OpBackends, register
+from parascan._checks import Backend, OpBackends, register
 from parascan._ops import CheckpointedScan, checkpointed_scan
 from parascan.ssd import chunked, cpu, reference, triton
 from parascan.ssd.canonical import n_chunks, states
