@@ -124,6 +124,7 @@ def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
     dtypes = DTYPES if target.backend == "cpu" else [torch.float32, torch.complex64]
     if target.interpreted:
         dtypes = [torch.float32]
+    turn = 0
     for dtype in dtypes:
         if op == "log" and dtype.is_complex and target.backend == "triton":
             continue  # the Triton log kernel is real (the backend table says so)
@@ -136,9 +137,12 @@ def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
                 initial = random_tokens(state, dtype, gen).to(target.device)
                 if op == "log":
                     initial = initial.abs().log() if not dtype.is_complex else initial.log()
+                # the four (reverse, initial) pairs taken in turn over the cases (each
+                # meets every dtype and length); interpreted: each direction once, each
+                # kind of start once
                 runs = [(r, h) for r in (False, True) for h in (None, initial)]
-                if target.interpreted:  # each direction once, each kind of start once
-                    runs = [(False, None), (True, initial)]
+                runs = [runs[turn % 4]] if not target.interpreted else [runs[0], runs[3]]
+                turn += 1
                 for reverse, h in runs:
                     out, final = _run(op, gates, tokens, dim, cu, h, reverse, target.backend)
                     want, want_final = _oracle(op, gates, tokens, dim, cu, h, reverse)
