@@ -49,6 +49,14 @@ def _conv_taps(x: Tensor, weight: Tensor, masks: list[Tensor | None], transpose:
     return out
 
 
+def _pre_activation(
+    x: Tensor, weight: Tensor, bias: Tensor | None, masks: list[Tensor | None]
+) -> Tensor:
+    """The pre-activation: the causal convolution of ``x`` by ``weight`` plus ``bias``."""
+    pre = _conv_taps(x, weight.to(x.dtype), masks, transpose=False)
+    return pre if bias is None else pre + bias.to(x.dtype)
+
+
 class _CausalConv1d(torch.autograd.Function):
     """Depthwise causal convolution (+ bias, + silu) along dim 1 of ``(batch, L, c)``:
     ``(out, pre)``, ``pre`` the pre-activation the backward reads (not differentiable;
@@ -67,9 +75,7 @@ class _CausalConv1d(torch.autograd.Function):
         x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
     ) -> tuple[Tensor, Tensor]:
         masks = _shift_masks(seq_idx, weight.shape[1], x.shape[1])
-        pre = _conv_taps(x.contiguous(), weight.to(x.dtype), masks, transpose=False)
-        if bias is not None:
-            pre = pre + bias.to(x.dtype)
+        pre = _pre_activation(x.contiguous(), weight, bias, masks)
         if not silu:
             return pre, pre.new_empty(0)
         return torch.nn.functional.silu(pre), pre
@@ -94,9 +100,7 @@ class _CausalConv1d(torch.autograd.Function):
             if torch.is_grad_enabled():
                 # create_graph: the saved pre-activation has no graph back to x, weight
                 # and bias (forward runs without grad), so recompute it with one.
-                pre = _conv_taps(x, weight.to(x.dtype), masks, transpose=False)
-                if bias is not None:
-                    pre = pre + bias.to(x.dtype)
+                pre = _pre_activation(x, weight, bias, masks)
             sig = torch.sigmoid(pre)
             grad = grad * sig * (1 + pre * (1 - sig))
         width, length = weight.shape[1], x.shape[1]

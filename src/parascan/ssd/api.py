@@ -126,7 +126,6 @@ def ssd_scan(
         )
     C = check_tensor(_FN, "C", C)
     check_shape(_FN, "C", C, (batch, length, groups, n), "(batch, L, groups, N) like B")
-    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)]
     if D is not None:
         D = check_tensor(_FN, "D", D)
         if tuple(D.shape) not in ((heads, headdim), (heads,)):
@@ -134,17 +133,14 @@ def ssd_scan(
                 f"{_FN}: expected D of shape (heads, headdim) = {(heads, headdim)} or (heads,) "
                 f"= {(heads,)}, but got {describe(D)}"
             )
-        named.append(("D", D))
     if z is not None:
         z = check_tensor(_FN, "z", z)
         check_shape(
             _FN, "z", z, (batch, length, heads, headdim), "(batch, L, heads, headdim) like x"
         )
-        named.append(("z", z))
     if dt_bias is not None:
         dt_bias = check_tensor(_FN, "dt_bias", dt_bias)
         check_shape(_FN, "dt_bias", dt_bias, (heads,), "(heads,)")
-        named.append(("dt_bias", dt_bias))
     states = batch
     if cu_seqlens is not None:
         cu_seqlens = check_cu_seqlens(_FN, cu_seqlens, length, x.device)
@@ -158,9 +154,10 @@ def ssd_scan(
         initial = check_tensor(_FN, "initial", initial)
         what = f"({'num_seqs' if cu_seqlens is not None else 'batch'}, heads, headdim, N)"
         check_shape(_FN, "initial", initial, (states, heads, headdim, n), what)
-        named.append(("initial", initial))
+    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+             ("dt_bias", dt_bias), ("initial", initial)]  # fmt: skip
     for name, t in named:
-        if t.device != x.device:
+        if t is not None and t.device != x.device:
             raise ValueError(
                 f"{_FN}: expected all tensors on one device, but x is on {x.device} and {name} "
                 f"is on {t.device}"

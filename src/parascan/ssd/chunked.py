@@ -28,7 +28,7 @@ how a piece of a chunk is computed (``bind``'s ``piece_for``):
   and exp(a[0] + ... + a[i]) as large as exp(q * max(dt * A)): they overflow long
   before the state does where the state or the early inputs are zero (a scan from
   no initial state), and inf * 0 is NaN. So q is cut, for a whole call, to keep every
-  weight below exp(half the dtype's exponent range) (``_block_length``): each
+  weight below exp(half the dtype's exponent range) (``dual_form_steps``): each
   product is then a term of the loop's own states or bounded by one, finite wherever
   the loop is. A decaying state (dt * A <= 0, the normal regime) keeps BLOCK steps.
 
@@ -107,23 +107,17 @@ class _Chunk:
         return [p.seq for p in self.pieces if p.ends]
 
 
-def _bounds(cu_seqlens: Optional, length: int) -> list[int]:
+def _plan(cu_seqlens: Optional, length: int, k: int) -> tuple[list[int], list[_Chunk]]:
     """The sequences' offsets: cu_seqlens's values (checked again here: a compiled
-    graph skips the public function's check), or the one sequence [0, L)."""
-    if cu_seqlens is None:
-        return [0, length]
-    cu = [int(v) for v in cu_seqlens.tolist()]
+    graph skips the public function's check), or the one sequence [0, L); and the
+    chunks of K steps of L, each cut at the sequence boundaries inside it."""
+    cu = [0, length] if cu_seqlens is None else [int(v) for v in cu_seqlens.tolist()]
     if not cu or cu[0] != 0 or cu[-1] != length or any(b < a for a, b in pairwise(cu)):
         raise ValueError(
             f"{_FN}: expected cu_seqlens to be non-decreasing offsets from 0 to L = {length}, "
             f"but got {cu}"
         )
-    return cu
-
-
-def _plan(length: int, k: int, bounds: list[int]) -> list[_Chunk]:
-    """The chunks of K steps of L, each cut at the sequence boundaries inside it."""
-    seqs = [(s, lo, hi) for s, (lo, hi) in enumerate(pairwise(bounds)) if hi > lo]
+    seqs = [(s, lo, hi) for s, (lo, hi) in enumerate(pairwise(cu)) if hi > lo]
     chunks, first = [], 0
     for start in range(0, length, k):
         stop = min(start + k, length)
@@ -138,7 +132,7 @@ def _plan(length: int, k: int, bounds: list[int]) -> list[_Chunk]:
             i += 1
         entry = seqs[first][0] if seqs[first][1] == start else None
         chunks.append(_Chunk(start, stop, entry, tuple(pieces)))
-    return chunks
+    return cu, chunks
 
 
 # --- one piece of a sequence: the loop, and the dual form -----------------------------
@@ -183,12 +177,6 @@ def _values(t: Tensor) -> Tensor:
     while torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t
-
-
-def _block_length(dt: Tensor, A: Tensor) -> int:
-    """The dual form's block length for this backend's calls: ``dual_form_steps``
-    with BLOCK steps at the most."""
-    return dual_form_steps(dt, A, BLOCK)
 
 
 def dual_form_steps(dt: Tensor, A: Tensor, most: int) -> int:
@@ -307,8 +295,7 @@ def _forward(
     batch, length, heads, headdim = x.shape
     n = B.shape[-1]
     packed = cu_seqlens is not None
-    bounds = _bounds(cu_seqlens, length)
-    plan = _plan(length, k, bounds)
+    bounds, plan = _plan(cu_seqlens, length, k)
 
     def start_state(s: int) -> Tensor:
         if initial is None:
@@ -348,8 +335,7 @@ def _backward(
 ) -> tuple[Tensor, ...]:  # fmt: skip
     batch, length, heads, headdim = x.shape
     packed = cu_seqlens is not None
-    bounds = _bounds(cu_seqlens, length)
-    plan = _plan(length, k, bounds)
+    bounds, plan = _plan(cu_seqlens, length, k)
     grad_x, grad_dt = torch.zeros_like(x), torch.zeros_like(dt)
     grad_b, grad_c = torch.zeros_like(B), torch.zeros_like(C)
     grad_z = EMPTY(x) if z is None else torch.zeros_like(z)
@@ -419,7 +405,7 @@ def bind(
 
 
 def _dual_for(dt: Tensor, A: Tensor) -> Piece:
-    block = _block_length(dt, A)
+    block = dual_form_steps(dt, A, BLOCK)
     return _dual_piece if block == BLOCK else partial(_dual_piece, block=block)
 
 

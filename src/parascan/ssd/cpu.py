@@ -23,11 +23,6 @@ _FN = "parascan.ssd_scan"
 Opt = Tensor | None
 
 
-def _flat(t: Opt) -> Opt:
-    """An optional operand as _dense makes it; None stays None."""
-    return None if t is None else _dense(t)
-
-
 def _dense(t: Tensor) -> Tensor:
     """A required operand contiguous, with any lazy conjugate or negative bit applied."""
     return t.resolve_conj().resolve_neg().contiguous()
@@ -35,15 +30,6 @@ def _dense(t: Tensor) -> Tensor:
 
 def _ptr(t: Opt) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
-
-def _cu(cu_seqlens: Opt) -> Opt:
-    """``cu_seqlens`` as the kernel reads it, a contiguous int64 CPU vector. Its values
-    were checked by the public function (parascan._checks.check_cu_seqlens); the kernel
-    checks them again and fails the call rather than read out of bounds."""
-    if cu_seqlens is None:
-        return None
-    return cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 class _Operands:
@@ -55,7 +41,7 @@ class _Operands:
         z: Opt, initial: Opt, cu_seqlens: Opt,
     ) -> None:  # fmt: skip
         x, dt, A, B, C = (_dense(t) for t in (x, dt, A, B, C))
-        D, z, initial = _flat(D), _flat(z), _flat(initial)
+        D, z, initial = (None if t is None else _dense(t) for t in (D, z, initial))
         if x.dim() != 4 or B.dim() != 4:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel takes x (batch, L, heads, "
@@ -64,7 +50,10 @@ class _Operands:
             )
         batch, length, heads, headdim = x.shape
         groups, n = B.shape[2], B.shape[3]
-        self.cu = _cu(cu_seqlens)
+        # cu_seqlens as the kernel reads it, a contiguous int64 CPU vector. Its values were
+        # checked by the public function (parascan._checks.check_cu_seqlens); the kernel
+        # checks them again and fails the call rather than read out of bounds.
+        self.cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64).contiguous()
         self.states = batch if self.cu is None else self.cu.numel() - 1
         self.dtype = x.dtype
         self.shape = (batch, length, heads, headdim, groups, n)

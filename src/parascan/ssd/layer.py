@@ -43,6 +43,7 @@ from torch import Tensor
 from parascan._native import arg_struct, check_operands, kernel, kernel_library_error, simd
 from parascan._ops import plain_eager, refuse_second_derivatives
 from parascan.ssd import cpu as ssd_cpu
+from parascan.ssd.cpu import _ptr
 
 __all__ = [
     "CONV_MAX_WIDTH",
@@ -62,10 +63,6 @@ _NO_LIMIT = (0.0, math.inf)
 Opt = Tensor | None
 
 
-def _ptr(t: Opt) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
-
 def _run(entry: str, dtype: torch.dtype, args: Any, what: str) -> None:
     if kernel(entry, dtype)(args) != 0:
         raise RuntimeError(f"parascan: the {entry} CPU kernel failed (out of memory?) on {what}")
@@ -81,22 +78,6 @@ def _rows(entry: str, t: Tensor) -> tuple[int, int, int]:
             f"{t.stride()}"
         )
     return _ptr(t), t.stride(0), t.stride(1)
-
-
-def _width(entry: str, width: int) -> None:
-    if not 1 <= width <= CONV_MAX_WIDTH:
-        raise RuntimeError(
-            f"parascan: internal error: the {entry} CPU kernel takes filters of 1 to "
-            f"{CONV_MAX_WIDTH} taps, but got {width}"
-        )
-
-
-def _split(entry: str, split: list[int], channels: int) -> None:
-    if len(split) != 3 or min(split) < 0 or sum(split) != channels:
-        raise RuntimeError(
-            f"parascan: internal error: the {entry} CPU kernel splits {channels} channels in "
-            f"three pieces, but got widths {split}"
-        )
 
 
 def conv_forward(
@@ -120,12 +101,20 @@ def _conv(
     ``grads``, more (tensor, shape) pairs), and the struct members both directions fill."""
     batch, length, channels = x.shape
     width = weight.shape[1]
-    _width(entry, width)
+    if not 1 <= width <= CONV_MAX_WIDTH:
+        raise RuntimeError(
+            f"parascan: internal error: the {entry} CPU kernel takes filters of 1 to "
+            f"{CONV_MAX_WIDTH} taps, but got {width}"
+        )
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     check_operands(entry, x.dtype, (x, (batch, length, channels)), (weight, (channels, width)),
                    (bias, (channels,)), *grads)  # fmt: skip
-    _split(entry, split, channels)
+    if len(split) != 3 or min(split) < 0 or sum(split) != channels:
+        raise RuntimeError(
+            f"parascan: internal error: the {entry} CPU kernel splits {channels} channels in "
+            f"three pieces, but got widths {split}"
+        )
     plain = {
         "batch": batch, "length": length, "channels": channels, "width": width,
         "x": _rows(entry, x), "weight": _ptr(weight), "bias": _ptr(bias), "silu": int(silu),
@@ -160,11 +149,6 @@ def conv_backward(
     return grad_weight, grad_bias
 
 
-def _eps_bits(eps: float) -> int:
-    bits: int = struct.unpack("<q", struct.pack("<d", float(eps)))[0]
-    return bits
-
-
 def norm_forward(
     y: Tensor, z: Tensor, weight: Tensor, eps: float, groups: int, before_gate: bool
 ) -> tuple[Tensor, Tensor]:
@@ -182,9 +166,10 @@ def norm_forward(
         )
     out = torch.empty_like(y)
     rstd = y.new_empty(batch, length, groups)
+    (eps_bits,) = struct.unpack("<q", struct.pack("<d", float(eps)))  # eps's float64 bits
     args = arg_struct(
         "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=_ptr(y),
-        z=_rows("ssd_norm_fwd", z), weight=_ptr(weight), eps_bits=_eps_bits(eps),
+        z=_rows("ssd_norm_fwd", z), weight=_ptr(weight), eps_bits=eps_bits,
         before_gate=int(before_gate), out=_ptr(out), rstd=_ptr(rstd),
         nthreads=torch.get_num_threads(), simd=int(simd()),
     )  # fmt: skip

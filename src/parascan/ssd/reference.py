@@ -17,11 +17,8 @@ def _loop_piece(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(y, last state) of q steps from the state ``h``, one step at a time."""
-    heads = x.shape[2]
-    b_heads, c_heads = (
-        chunked.per_head(B, heads),
-        chunked.per_head(C, heads),
-    )  # (batch, q, heads, N)
+    b_heads = chunked.per_head(B, x.shape[2])  # (batch, q, heads, N)
+    c_heads = chunked.per_head(C, x.shape[2])
     ys = []
     for t in range(x.shape[1]):
         decay = torch.exp(dt[:, t] * A)[..., None, None]

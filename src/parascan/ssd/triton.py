@@ -192,45 +192,42 @@ def _sequence_of_steps(cu_seqlens: Tensor, length: int, device: torch.device) ->
     return torch.searchsorted(ends, steps, right=True).to(torch.int32)
 
 
-def _operands(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
-    z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
-) -> list[Any]:  # fmt: skip
-    """The kernels' leading arguments, contiguous (an absent operand is replaced by
-    x, never read): x, dt, A, B, C, D, z, initial, cu_seqlens and the steps'
-    sequences (int64 offsets, int32 sequences)."""
-    length = x.shape[1]
+def _launch(
+    p: Plan, programs: int, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Tensor | None, z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
+    *outputs: Tensor,
+) -> Launch:  # fmt: skip
+    """A pass's launch over ``programs`` programs. The kernels' arguments: the
+    operands contiguous (an absent operand is replaced by x, never read): x, dt, A,
+    B, C, D, z, initial, cu_seqlens and the steps' sequences (int64 offsets, int32
+    sequences); then the pass's ``outputs``; then the sizes."""
+    import triton.language as tl
+
+    _batch, length, heads, headdim = x.shape
+    groups, n = B.shape[2], B.shape[3]
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=x.device, dtype=torch.int64).contiguous()
         seq = _sequence_of_steps(cu, length, x.device)
     else:
         cu = seq = x
-    return [
-        x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
-        D.contiguous() if D is not None else x, z.contiguous() if z is not None else x,
-        initial.contiguous() if initial is not None else x, cu, seq,
-    ]  # fmt: skip
-
-
-def _sizes(x: Tensor, B: Tensor, p: Plan) -> list[int]:
-    _batch, length, heads, headdim = x.shape
-    groups, n = B.shape[2], B.shape[3]
-    n_chunks = -(-length // p.chunk)
-    return [length, heads, headdim, n, groups, heads // groups, p.blocks, p.chunk, n_chunks]
-
-
-def _constexprs(
-    x: Tensor, D: Tensor | None, z: Tensor | None, initial: Tensor | None,
-    cu_seqlens: Tensor | None, p: Plan,
-) -> dict[str, Any]:  # fmt: skip
-    import triton.language as tl
-
-    return dict(
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_INIT=initial is not None,
-        PACKED=cu_seqlens is not None,
-        ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
-        BLOCK_P=p.rows, BLOCK_N=p.states, STAGES=p.stages,
-        **({"BLOCK_T": p.steps, "PRECISION": PRECISION[x.dtype]} if p.steps > 1 else {}),
+    return Launch(
+        grid=(programs,),
+        args=[
+            x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
+            D.contiguous() if D is not None else x, z.contiguous() if z is not None else x,
+            initial.contiguous() if initial is not None else x, cu, seq, *outputs,
+            length, heads, headdim, n, groups, heads // groups, p.blocks, p.chunk,
+            -(-length // p.chunk),
+        ],
+        constexprs=dict(
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_INIT=initial is not None,
+            PACKED=cu_seqlens is not None,
+            ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+            BLOCK_P=p.rows, BLOCK_N=p.states, STAGES=p.stages,
+            **({"BLOCK_T": p.steps, "PRECISION": PRECISION[x.dtype]} if p.steps > 1 else {}),
+        ),
+        warps=p.warps,
+        registers=p.registers,
     )  # fmt: skip
 
 
@@ -261,19 +258,10 @@ def forward_launch(
     out = torch.empty((batch, length, heads, headdim), **new)
     final = torch.empty((states(x, cu_seqlens), heads, headdim, n), **new)
     checkpoints = torch.empty((batch, -(-length // p.chunk), heads, headdim, n), **new)
-    launch = Launch(
-        grid=(batch * heads * p.blocks,),
-        args=[
-            *_operands(x, dt, A, B, C, D, z, initial, cu_seqlens),
-            out,
-            final,
-            checkpoints,
-            *_sizes(x, B, p),
-        ],
-        constexprs=_constexprs(x, D, z, initial, cu_seqlens, p),
-        warps=p.warps,
-        registers=p.registers,
-    )
+    launch = _launch(
+        p, batch * heads * p.blocks, x, dt, A, B, C, D, z, initial, cu_seqlens, out, final,
+        checkpoints,
+    )  # fmt: skip
     return launch, out, final, checkpoints
 
 
@@ -308,8 +296,8 @@ def forward(
         if final.numel():
             final.copy_(start)
         return out, final, checkpoints
-    kernel = kernels.chunked_forward_kernel if "BLOCK_T" in launch.constexprs else None
-    kernel = kernel or kernels.forward_kernel
+    chunked = "BLOCK_T" in launch.constexprs
+    kernel = kernels.chunked_forward_kernel if chunked else kernels.forward_kernel
     kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options())
     if cu_seqlens is not None:  # an empty sequence's final state is its initial state
         final = torch.where(_empty_sequences(cu_seqlens, x.device), start, final)
@@ -360,28 +348,12 @@ def backward_launch(
     )
     programs = batch * heads * p.blocks
     scratch = torch.empty(programs * p.chunk * p.rows * p.states, **new)
-    launch = Launch(
-        grid=(programs,),
-        args=[
-            *_operands(x, dt, A, B, C, D, z, initial, cu_seqlens),
-            checkpoints.contiguous(),
-            grad_out.contiguous(),
-            grad_final.contiguous(),
-            grads.x,
-            grads.z if z is not None else grads.x,
-            grads.initial,
-            grads.dt,
-            grads.B,
-            grads.C,
-            grads.A,
-            grads.D,
-            scratch,
-            *_sizes(x, B, p),
-        ],
-        constexprs=_constexprs(x, D, z, initial, cu_seqlens, p),
-        warps=p.warps,
-        registers=p.registers,
-    )
+    launch = _launch(
+        p, programs, x, dt, A, B, C, D, z, initial, cu_seqlens, checkpoints.contiguous(),
+        grad_out.contiguous(), grad_final.contiguous(), grads.x,
+        grads.z if z is not None else grads.x, grads.initial, grads.dt, grads.B, grads.C,
+        grads.A, grads.D, scratch,
+    )  # fmt: skip
     return launch, grads, p
 
 
