@@ -44,15 +44,6 @@ __all__ = ["once_differentiable", "tangent_mode"]
 _functorch = torch._C._functorch
 
 
-def _jvp_level() -> int:
-    """The innermost forward-mode transform's level: the one whose ``jvp`` runs. (A
-    vmap may sit above it: torch runs the ``jvp`` of a vmapped Function under a vmap
-    of its own.)"""
-    jvp = _functorch.TransformType.Jvp
-    stack = _functorch.get_interpreter_stack() or []
-    return max(i.level() for i in stack if i.key() == jvp)
-
-
 def _without_tangent(t: Any, level: int, public: str) -> Any:
     """``t`` without its tangent at ``level``, keeping those of the levels below and
     the batch dims of the vmaps above."""
@@ -82,7 +73,10 @@ def tangent_mode(saved: tuple[Any, ...], public: str) -> Iterator[tuple[Any, ...
     if not nested_forward_mode():
         yield saved
         return
-    level = _jvp_level()
+    # The innermost forward-mode transform's level: the one whose ``jvp`` runs. (A vmap
+    # may sit above it: torch runs the ``jvp`` of a vmapped Function under a vmap of its own.)
+    stack = _functorch.get_interpreter_stack() or []
+    level = max(i.level() for i in stack if i.key() == _functorch.TransformType.Jvp)
     stripped = tuple(_without_tangent(t, level, public) for t in saved)
     with forward_ad._set_fwd_grad_enabled(True):
         yield stripped
@@ -113,9 +107,7 @@ def once_differentiable(
     differentiable: it runs without grad, and under ``create_graph`` its gradients
     become a function of the incoming gradients and the saved tensors that require
     grad, whose own backward raises parascan's second-derivative error (naming
-    ``public(ctx)``). (torch's decorator of that name ties its error to new leaves,
-    not to the saved tensors, so a ``torch.autograd.grad`` of a second derivative
-    never reached it and left this Function's part out.)"""
+    ``public(ctx)``); why not torch's decorator: see the module's doc."""
 
     def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(backward)

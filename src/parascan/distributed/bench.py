@@ -13,6 +13,7 @@ one process (1 thread, and all threads) for the overhead.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -34,7 +35,8 @@ def _timed_calls(
     scan: Callable[..., torch.Tensor], shape: tuple[int, ...], repeat: int
 ) -> tuple[float, float]:
     """(forward, forward + backward) median seconds of ``scan(gates, tokens, -1)``."""
-    gates, tokens = _inputs(shape)
+    gen = torch.Generator().manual_seed(0)
+    gates, tokens = 0.9 + 0.1 * torch.rand(shape, generator=gen), torch.rand(shape, generator=gen)
     a, b = gates.clone().requires_grad_(), tokens.clone().requires_grad_()
 
     def forward() -> object:
@@ -47,11 +49,6 @@ def _timed_calls(
     return median_time(forward, repeat), median_time(both, repeat)
 
 
-def _inputs(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return 0.9 + 0.1 * torch.rand(shape, generator=gen), torch.rand(shape, generator=gen)
-
-
 def _worker(rank: int, world: int, init: str, shape: tuple[int, int], steps: list[int],
             repeat: int, results: Any) -> None:  # fmt: skip
     import parascan.distributed as psd
@@ -62,16 +59,10 @@ def _worker(rank: int, world: int, init: str, shape: tuple[int, int], steps: lis
     for t in steps:
         payload = torch.empty(2, *shape)  # what each rank sends forward
         received = list(torch.empty(world, 2, *shape).unbind(0))
-
-        def gather(
-            payload: torch.Tensor = payload, received: list[torch.Tensor] = received
-        ) -> object:
-            return dist.all_gather(received, payload)
-
         dist.barrier()
         fwd, fwd_bwd = _timed_calls(psd.linear_scan, (*shape, t // world), repeat)
         dist.barrier()
-        comm = median_time(gather, repeat)
+        comm = median_time(functools.partial(dist.all_gather, received, payload), repeat)
         times = torch.tensor([fwd, fwd_bwd, comm], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         rows.append(
@@ -136,11 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ranks':>5} {'thr':>4} {'T':>8} {'forward':>9} {'fwd+bwd':>9} {'all-gather':>11}"
           f" {'bytes sent fwd/bwd':>19}")  # fmt: skip
     for r in rows:
-        threads = r.get("threads", 1)
         gather = f"{r['allgather_ms']:11.3f}" if "allgather_ms" in r else f"{'-':>11}"
         sent = (f"{r['bytes_sent_forward']:>9,}/{r['bytes_sent_backward']:<9,}"
                 if "bytes_sent_forward" in r else f"{'-':>19}")  # fmt: skip
-        print(f"{r['world']:>5} {threads:>4} {r['T']:>8} {r['forward_ms']:9.3f}"
+        print(f"{r['world']:>5} {r.get('threads', 1):>4} {r['T']:>8} {r['forward_ms']:9.3f}"
               f" {r['forward_backward_ms']:9.3f} {gather} {sent:>19}")  # fmt: skip
     return 0
 

@@ -27,9 +27,8 @@ class _Combine:
         if self.spec.is_leaf():  # a single tensor: no pytree round trip (small calls)
             leaves = [self.combine_fn(lhs[0], rhs[0])]
         else:
-            unflatten = pytree.tree_unflatten
-            like = unflatten(lhs, self.spec)
-            out = self.combine_fn(like, unflatten(rhs, self.spec))
+            like = pytree.tree_unflatten(lhs, self.spec)
+            out = self.combine_fn(like, pytree.tree_unflatten(rhs, self.spec))
             leaves, spec = pytree.tree_flatten(_keys_in_order_of(out, like))
             if spec != self.spec and _loose_spec(spec) != _loose_spec(self.spec):
                 raise TypeError(
@@ -51,21 +50,14 @@ def _keys_in_order_of(tree: Any, like: Any) -> Any:
     combine_fn may build its result's dicts in any order."""
     if isinstance(tree, dict) and isinstance(like, dict) and tree.keys() == like.keys():
         return {k: _keys_in_order_of(tree[k], like[k]) for k in like}
-    if (
-        isinstance(tree, (list, tuple))
-        and isinstance(like, (list, tuple))
-        and len(tree) == len(like)
-    ):
+    sequence = (list, tuple)
+    if isinstance(tree, sequence) and isinstance(like, sequence) and len(tree) == len(like):
         items = [_keys_in_order_of(t, u) for t, u in zip(tree, like, strict=True)]
-        return items if type(tree) is list else _same_tuple_type(tree, items)
+        if type(tree) is list:
+            return items
+        # a tuple of tree's type holding items (a namedtuple takes its fields)
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
     return tree
-
-
-def _same_tuple_type(
-    tree: tuple[Any, ...] | list[Any], items: list[Any]
-) -> tuple[Any, ...] | list[Any]:
-    """A tuple of ``tree``'s type (a namedtuple takes its fields) holding ``items``."""
-    return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
 
 
 def _as_tuples(tree: Any) -> Any:
@@ -82,8 +74,13 @@ def _loose_spec(spec: Any) -> Any:
     return pytree.tree_structure(_as_tuples(pytree.tree_unflatten([0] * spec.num_leaves, spec)))
 
 
-def _flatten(fn: str, elems: object, dim: object) -> tuple[list[Tensor], Any, int, int]:
-    """The leaves, their structure, ``dim`` made non-negative and the common length."""
+def _flatten(
+    fn: str, combine_fn: object, elems: object, dim: object
+) -> tuple[list[Tensor], Any, int, int]:
+    """The leaves, their structure, ``dim`` made non-negative and the common length,
+    once ``combine_fn`` is checked callable."""
+    if not callable(combine_fn):
+        raise TypeError(f"{fn}: expected combine_fn to be callable, but got {describe(combine_fn)}")
     leaves, spec = pytree.tree_flatten(elems)
     if not leaves:
         raise ValueError(f"{fn}: expected elems to hold at least one tensor, but got {elems!r}")
@@ -111,11 +108,6 @@ def _flatten(fn: str, elems: object, dim: object) -> tuple[list[Tensor], Any, in
                 f"first one does, but got shapes {received}"
             )
     return leaves, spec, d, n
-
-
-def _check_callable(fn: str, combine_fn: object) -> None:
-    if not callable(combine_fn):
-        raise TypeError(f"{fn}: expected combine_fn to be callable, but got {describe(combine_fn)}")
 
 
 def associative_scan(
@@ -165,8 +157,7 @@ def associative_scan(
                 [0., 1.]])
     """
     fn = "parascan.associative_scan"
-    _check_callable(fn, combine_fn)
-    leaves, spec, d, n = _flatten(fn, elems, dim)
+    leaves, spec, d, n = _flatten(fn, combine_fn, elems, dim)
     reverse = check_flag(fn, "reverse", reverse)
     if n < 2:
         return pytree.tree_unflatten([x.clone() for x in leaves], spec)
@@ -203,8 +194,7 @@ def associative_reduce(combine_fn: Callable[[Any, Any], Any], elems: Any, dim: i
                 [0., 1.]])
     """
     fn = "parascan.associative_reduce"
-    _check_callable(fn, combine_fn)
-    leaves, spec, d, n = _flatten(fn, elems, dim)
+    leaves, spec, d, n = _flatten(fn, combine_fn, elems, dim)
     if n == 0:
         raise ValueError(
             f"{fn}: expected at least one element along dim {d} (a reduction of nothing has "

@@ -59,15 +59,6 @@ def scan(combine: Combine, leaves: Leaves, dim: int) -> Leaves:
     return _pairwise(combine, leaves, dim, n)
 
 
-def _empty_like(result: Tensor, like: Tensor, dim: int, n: int) -> Tensor:
-    """A new tensor for ``n`` results along ``dim``, shaped like ``like``. It is made
-    from a combine result, so under vmap it is batched when the results are, and
-    its dtype is the results' (which may have promoted the inputs')."""
-    shape = list(like.shape)
-    shape[dim] = n
-    return result.new_empty(shape)
-
-
 def _pairwise(combine: Combine, leaves: Leaves, dim: int, n: int) -> Leaves:
     pairs = combine(
         [_slice(x, dim, 0, n - 1, 2) for x in leaves], [_slice(x, dim, 1, n, 2) for x in leaves]
@@ -80,9 +71,11 @@ def _pairwise(combine: Combine, leaves: Leaves, dim: int, n: int) -> Leaves:
     )
     # The results are written into place (the copies are the only data movement
     # beside the combines); autograd, vmap and compile all follow copy_ into views.
+    # Each is made from a combine result, so under vmap it is batched when the results
+    # are, and its dtype is the results' (which may have promoted the inputs').
     out = []
     for x, o, e in zip(leaves, odd, even, strict=True):
-        result = _empty_like(o, x, dim, n)
+        result = o.new_empty(x.shape)
         result.narrow(dim, 0, 1).copy_(x.narrow(dim, 0, 1))
         _slice(result, dim, 1, n, 2).copy_(o)
         _slice(result, dim, 2, n, 2).copy_(e)
@@ -101,7 +94,7 @@ def _chunked(combine: Combine, leaves: Leaves, dim: int, n: int) -> Leaves:
         columns.append(combine(columns[-1], [b.select(dim + 1, j) for b in blocks]))
     # The prefix before chunks 1 .. m-1: the inclusive scan of the totals of 0 .. m-2.
     prefix = scan(combine, [t.narrow(dim, 0, m - 1) for t in columns[-1]], dim) if m > 1 else []
-    out = [_empty_like(c, x, dim, n) for c, x in zip(columns[-1], leaves, strict=True)]
+    out = [c.new_empty(x.shape) for c, x in zip(columns[-1], leaves, strict=True)]  # see _pairwise
     out_blocks = [o.narrow(dim, 0, main).unflatten(dim, (m, length)) for o in out]
     last = columns[-1]  # after the loop: the prefix through element main - 1, at m - 1
     for j, column in enumerate(columns):

@@ -41,8 +41,7 @@ def matrix_product_fast_path(
     in which the tree would multiply the same matrices, i.e. ``dim`` before them."""
     if not any(combine_fn is f for f in _MATMULS) or type(elems) is not torch.Tensor:
         return None
-    nd = elems.dim()
-    if not 0 <= dim < nd - 2:
+    if not 0 <= dim < elems.dim() - 2:
         return None
     d, dtype = elems.shape[-1], elems.dtype
     steps = elems.shape[dim]

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from parascan._checks import (
-    FLOAT_DTYPES,
     accumulate_dtype,
     broadcast_shape,
     check_dtype,
@@ -74,18 +73,14 @@ def _gradients(
         return torch.zeros_like(weights), out.new_zeros(biases_shape), zero_h
     if steps == 1:
         g = grad_out
-    elif reverse:
-        tail = _apply(
-            weights.narrow(-3, 0, steps - 1).mH, grad_out.narrow(-2, 1, steps - 1),
-            grad_out.select(-2, 0), False, backend,
-        )  # fmt: skip
-        g = torch.cat([grad_out.narrow(-2, 0, 1), tail], -2)
     else:
-        head = _apply(
-            weights.narrow(-3, 1, steps - 1).mH, grad_out.narrow(-2, 0, steps - 1),
-            grad_out.select(-2, steps - 1), True, backend,
+        edge, w_start, g_start = (0, 0, 1) if reverse else (steps - 1, 1, 0)
+        rest = _apply(
+            weights.narrow(-3, w_start, steps - 1).mH, grad_out.narrow(-2, g_start, steps - 1),
+            grad_out.select(-2, edge), not reverse, backend,
         )  # fmt: skip
-        g = torch.cat([head, grad_out.narrow(-2, steps - 1, 1)], -2)
+        parts = [grad_out.narrow(-2, edge, 1), rest]
+        g = torch.cat(parts if reverse else parts[::-1], -2)
     grad_w = _weight_grad(g, _previous_states(out, initial, reverse).conj(), weights.shape)
     grad_initial = None
     if initial is not None:
@@ -182,7 +177,8 @@ def _auto_backend(
 
 def _validate(
     weights: object, biases: object, initial: object, reverse: object, return_final: object
-) -> tuple[Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor | None, tuple[int, ...]]:
+    """The three inputs, checked, and their broadcast batch shape."""
     if not isinstance(weights, Tensor):
         raise TypeError(f"{_NAME}: expected weights to be a Tensor, but got {describe(weights)}")
     if not isinstance(biases, Tensor):
@@ -200,6 +196,7 @@ def _validate(
             f"match weights {tuple(weights.shape)}, but got {tuple(biases.shape)}"
         )
     named = [("weights", weights), ("biases", biases)]
+    batches = [("weights batch", weights.shape[:-3]), ("biases batch", biases.shape[:-2])]
     if initial is not None:
         if not isinstance(initial, Tensor):
             raise TypeError(
@@ -212,20 +209,14 @@ def _validate(
                 f"{tuple(initial.shape)}"
             )
         named.append(("initial", initial))
+        batches.append(("initial batch", initial.shape[:-1]))
     for name, t in named:
         check_dtype(_NAME, name, t)
     check_same_device(_NAME, named)
-    reverse = check_flag(_NAME, "reverse", reverse)
-    return_final = check_flag(_NAME, "return_final", return_final)
-    broadcast_shape(
-        _NAME,
-        [
-            ("weights batch", weights.shape[:-3]),
-            ("biases batch", biases.shape[:-2]),
-            *([("initial batch", initial.shape[:-1])] if isinstance(initial, Tensor) else []),
-        ],
-    )
-    return weights, biases, initial
+    check_flag(_NAME, "reverse", reverse)
+    check_flag(_NAME, "return_final", return_final)
+    batch = broadcast_shape(_NAME, batches)
+    return weights, biases, initial, batch
 
 
 @overload
@@ -288,16 +279,11 @@ def matrix_linear_scan(
                 [1., 1.],
                 [0., 1.]])
     """
-    weights, biases, initial = _validate(weights, biases, initial, reverse, return_final)
+    weights, biases, initial, batch = _validate(weights, biases, initial, reverse, return_final)
     dtype = torch.promote_types(weights.dtype, biases.dtype)
-    if initial is not None:
+    if initial is not None:  # every pair of FLOAT_DTYPES promotes to one of them
         dtype = torch.promote_types(dtype, initial.dtype)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{_NAME}: the inputs promote to {dtype}, which parascan does not support")
     steps, d = biases.shape[-2], biases.shape[-1]
-    batch = torch.broadcast_shapes(
-        weights.shape[:-3], biases.shape[:-2], () if initial is None else initial.shape[:-1]
-    )
     choose = _auto_backend(biases.device, math.prod(batch), steps, d)
     chosen = resolve(ROW, backend, biases.device, dtype, choose)
     # One batch rank for all three (leading size-1 dims, views): the op's vmap rule

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from parascan._checks import FLOAT_DTYPES, Backend, OpBackends, accumulate_dtype, register
-from parascan._ops import batch_first, custom_op, resolved, resolved_optional
+from parascan._ops import batch_first, custom_op, resolved
 from parascan.matrix import chunked, cpu, reference
 
-__all__ = ["ROW", "matrix_linear_scan_op", "result_shape"]
+__all__ = ["ROW", "matrix_linear_scan_op"]
 
 # The backend table's row of matrix_linear_scan. The C kernel takes real dtypes (half
 # types run in float32); the backward runs through the forward (api.py).
@@ -42,13 +42,6 @@ ROW = register(
 )
 
 
-def result_shape(weights: Tensor, biases: Tensor, initial: Tensor | None) -> tuple[int, ...]:
-    batch = torch.broadcast_shapes(
-        weights.shape[:-3], biases.shape[:-2], () if initial is None else initial.shape[:-1]
-    )
-    return (*batch, *biases.shape[-2:])
-
-
 def _forward(
     weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bool, backend: str
 ) -> Tensor:
@@ -57,16 +50,17 @@ def _forward(
     dtype = biases.dtype
     acc = accumulate_dtype(dtype)
     weights, biases = resolved(weights).to(acc), resolved(biases).to(acc)
-    initial = resolved_optional(initial)
-    forward = ROW.backends[backend].forward
-    out: Tensor = forward(weights, biases, None if initial is None else initial.to(acc), reverse)
+    initial = None if initial is None else resolved(initial).to(acc)
+    out: Tensor = ROW.backends[backend].forward(weights, biases, initial, reverse)
     return out.to(dtype)
 
 
 def _fake(weights: Tensor, biases: Tensor, initial: Tensor | None, *_: object) -> Tensor:
     torch._check(weights.dtype == biases.dtype, lambda: "parascan::matrix_linear_scan: dtypes")
-    shape = result_shape(weights, biases, initial)
-    return torch.empty(shape, dtype=biases.dtype, device=biases.device)
+    batch = torch.broadcast_shapes(
+        weights.shape[:-3], biases.shape[:-2], () if initial is None else initial.shape[:-1]
+    )
+    return torch.empty((*batch, *biases.shape[-2:]), dtype=biases.dtype, device=biases.device)
 
 
 def _vmap_rule(op: Any) -> Any:
@@ -74,8 +68,6 @@ def _vmap_rule(op: Any) -> Any:
         info: Any, in_dims: tuple[Any, ...], weights: Tensor, biases: Tensor,
         initial: Tensor | None, reverse: bool, backend: str,
     ) -> tuple[Tensor, int]:  # fmt: skip
-        # The vmapped dim becomes the first batch dim of every operand; the batch dims
-        # have one rank, so the operands still broadcast.
         n = info.batch_size
         operands = (weights, biases, initial)
         w, b, h = (batch_first(t, d, n) for t, d in zip(operands, in_dims[:3], strict=True))

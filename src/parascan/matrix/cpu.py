@@ -32,10 +32,8 @@ def forward(weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bo
     w = _flat_batch(weights, batch, 3)
     b = _flat_batch(biases, batch, 2)
     h = _flat_batch(initial, batch, 1)
-    if b.stride(-1) != 1:
-        b = b.contiguous()
-    if h.stride(-1) != 1:
-        h = h.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    h = h if h.stride(-1) == 1 else h.contiguous()
     nbatch = w.shape[0]
     out = torch.empty((nbatch, steps, d), dtype=biases.dtype)  # written contiguously
     check_operands(
