@@ -243,9 +243,9 @@ def test_inputs_are_never_modified(target, gen) -> None:
 
 
 def test_fused_backward_equals_reverse_scan_identity(gen) -> None:
-    """The cpu backend's fused backward against backward_via_scan on the loop."""
+    """The cpu backend's fused backward against composed_backward on the loop."""
     from parascan.first_order import cpu
-    from parascan.first_order.ops import backward_via_scan
+    from parascan.first_order.ops import composed_backward
     from parascan.first_order.reference import linear_loop
 
     if "cpu" not in ps.backends("cpu"):
@@ -258,6 +258,6 @@ def test_fused_backward_equals_reverse_scan_identity(gen) -> None:
             out = linear_loop(a, b, h, -2, reverse)
             g = random_tokens((3, 31, 5), dtype, gen)
             fused = cpu.backward(LINEAR, a, None, out, g, h, -2, reverse)
-            composed = backward_via_scan(linear_loop, a, out, g, h, -2, reverse)
+            composed = composed_backward(LINEAR, linear_loop, a, None, out, g, h, -2, reverse)
             for x, y in zip(fused, composed, strict=True):
                 torch.testing.assert_close(x, y)

@@ -184,9 +184,9 @@ def test_inputs_are_never_modified(target, gen) -> None:
 
 
 def test_fused_backward_equals_the_weights_identity(gen) -> None:
-    """The cpu kernel's fused backward against backward_from_weights on the loop."""
+    """The cpu kernel's fused backward against composed_backward on the loop."""
     from parascan.first_order import cpu
-    from parascan.first_order.ops import backward_from_weights
+    from parascan.first_order.ops import composed_backward
     from parascan.first_order.reference import linear_loop, log_loop
 
     if "cpu" not in ps.backends("cpu"):
@@ -198,6 +198,6 @@ def test_fused_backward_equals_the_weights_identity(gen) -> None:
             out = log_loop(la, lb, h0, -2, reverse)
             g = random_tokens((3, 31, 5), dtype, gen)
             fused = cpu.backward(LOG, la, lb, out, g, h0, -2, reverse)
-            composed = backward_from_weights(linear_loop, la, lb, out, g, h0, -2, reverse)
+            composed = composed_backward(LOG, linear_loop, la, lb, out, g, h0, -2, reverse)
             for x, y in zip(fused, composed, strict=True):
                 torch.testing.assert_close(x, y)

@@ -69,8 +69,9 @@ from parascan.cli.timing import elapsed as _elapsed
 from parascan.cli.tolerance import TOLERANCE, relative_error
 from parascan.first_order import linear_scan, log_linear_scan
 from parascan.first_order.chunked import forward_linear
-from parascan.first_order.ops import backward_from_weights, backward_via_scan
+from parascan.first_order.ops import composed_backward
 from parascan.first_order.reference import linear_loop
+from parascan.first_order.semiring import LINEAR, LOG
 
 __all__ = [
     "CUDA_CASES",
@@ -263,12 +264,12 @@ def _reference(case: Case, gates: torch.Tensor, tokens: torch.Tensor, grad: torc
         out = scan(a.exp(), b.exp(), None, case.dim, False).log()
         if not case.backward:
             return out, None
-        ga, gb, _ = backward_from_weights(scan, a, b, out, g, None, case.dim, False)
+        ga, gb, _ = composed_backward(LOG, scan, a, b, out, g, None, case.dim, False)
         return out, (ga, gb)
     out = scan(a, b, None, case.dim, False)
     if not case.backward:
         return out, None
-    ga, gb, _ = backward_via_scan(scan, a, out, g, None, case.dim, False)
+    ga, gb, _ = composed_backward(LINEAR, scan, a, None, out, g, None, case.dim, False)
     return out, (ga, gb)
 
 

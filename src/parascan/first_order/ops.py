@@ -38,10 +38,9 @@ from parascan.first_order.semiring import LINEAR, LOG, SEMIRINGS, Partials, Semi
 __all__ = [
     "ROWS",
     "backward_from_partials",
-    "backward_from_weights",
     "backward_op",
     "backward_tokens",
-    "backward_via_scan",
+    "composed_backward",
     "define_ops",
     "empty_gradients",
     "forward_op",
@@ -102,33 +101,14 @@ def backward_from_partials(
     return g * conj(d_gates), grad_tokens, grad_initial
 
 
-def backward_via_scan(
-    scan: ScanFn,
-    gates: Tensor,
-    out: Tensor,
-    grad_out: Tensor,
-    initial: Tensor | None,
-    dim: int,
-    reverse: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of linear_scan (backward_from_partials in the linear semiring)."""
-    partials = LINEAR.partials(gates, None, out, initial, dim, reverse)
-    return backward_from_partials(scan, partials, grad_out, dim, reverse)
-
-
-def backward_from_weights(
-    scan: ScanFn,
-    log_gates: Tensor,
-    log_tokens: Tensor,
-    out: Tensor,
-    grad_out: Tensor,
-    initial: Tensor | None,
-    dim: int,
-    reverse: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of log_linear_scan (backward_from_partials in the log semiring,
-    whose partials are the step weights); ``scan`` is a linear scan."""
-    partials = LOG.partials(log_gates, log_tokens, out, initial, dim, reverse)
+def composed_backward(
+    ring: Semiring, scan: ScanFn, gates: Tensor, tokens: Tensor | None, out: Tensor,
+    grad_out: Tensor, initial: Tensor | None, dim: int, reverse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of ``ring``'s scan composed of a linear ``scan`` of its partials
+    (backward_from_partials; in the log semiring the partials are the step weights,
+    read from ``tokens``, which the linear one never reads)."""
+    partials = ring.partials(gates, tokens, out, initial, dim, reverse)
     return backward_from_partials(scan, partials, grad_out, dim, reverse)
 
 
