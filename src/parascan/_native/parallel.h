@@ -52,28 +52,7 @@ typedef uint16_t ps_bf16;
 typedef struct { float re, im; } ps_c64;
 typedef struct { double re, im; } ps_c128;
 
-static inline float ps_bf16_to_f32(ps_bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, NaN stays NaN (quiet), as torch converts. */
-static inline ps_bf16 ps_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ps_bf16)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (ps_bf16)(u >> 16);
-}
-
-/* IEEE half <-> float in plain integer and float arithmetic, with no branches the
- * vectorizer cannot turn into selects (compilers do not vectorize _Float16
- * casts without AVX-512 FP16). Round to nearest even; overflow gives infinity;
- * subnormals are exact; NaN stays NaN (quiet). */
-typedef uint16_t ps_f16;
-
+/* A float's bits and back. */
 static inline float ps_bits_to_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
@@ -85,6 +64,23 @@ static inline uint32_t ps_f32_to_bits(float f) {
     memcpy(&u, &f, sizeof u);
     return u;
 }
+
+/* bfloat16 is a float's upper 16 bits. */
+static inline float ps_bf16_to_f32(ps_bf16 v) { return ps_bits_to_f32((uint32_t)v << 16); }
+
+/* Round to nearest even, NaN stays NaN (quiet), as torch converts. */
+static inline ps_bf16 ps_f32_to_bf16(float f) {
+    uint32_t u = ps_f32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (ps_bf16)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (ps_bf16)(u >> 16);
+}
+
+/* IEEE half <-> float in plain integer and float arithmetic, with no branches the
+ * vectorizer cannot turn into selects (compilers do not vectorize _Float16
+ * casts without AVX-512 FP16). Round to nearest even; overflow gives infinity;
+ * subnormals are exact; NaN stays NaN (quiet). */
+typedef uint16_t ps_f16;
 
 static inline float ps_f16_to_f32(ps_f16 h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

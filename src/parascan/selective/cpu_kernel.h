@@ -395,6 +395,19 @@ PS_HOT __attribute__((noinline)) static void FN(ps_sel_sweep_growing)(
         default: CALL(nv); break;                  \
     }
 
+/* STMT with the chunk's nv = NV state vectors at hv through hp: a local copy (kept in
+ * registers) when NV is a small constant, copied back after; else hv itself. */
+#define PS_SEL_STATE_IN_REGISTERS(NV, hv, hp, STMT)                                        \
+    do {                                                                                  \
+        V hl_[(NV) <= 4 ? (NV) : 1];                                                      \
+        V *hp = (NV) <= 4 ? hl_ : (hv);                                                   \
+        if ((NV) <= 4)                                                                    \
+            for (int64_t j_ = 0; j_ < (NV); j_++) hl_[j_] = (hv)[j_];                     \
+        STMT;                                                                             \
+        if ((NV) <= 4)                                                                    \
+            for (int64_t j_ = 0; j_ < (NV); j_++) (hv)[j_] = hl_[j_];                     \
+    } while (0)
+
 /* Whether every dt[t] A[n] of a chunk is at most 0 and not NaN: 0 <= dt < inf and
  * -inf < A <= 0 (the padding lanes of A are 0). */
 static inline int FN(ps_sel_nonpos)(const T *dt, int64_t len, const T *a, int64_t npad) {
@@ -489,20 +502,14 @@ PS_HOT static void FN(ps_sel_fwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         const int nonpos = FN(ps_sel_nonpos)(dt, len, s->a, c->npad);
         V *hv = (V *)h;
 #define PS_SEL_FWD_CALL(NV)                                                               \
-    do {                                                                                  \
-        V hl[(NV) <= 4 ? (NV) : 1];                                                       \
-        V *hp = (NV) <= 4 ? hl : hv;                                                      \
-        if ((NV) <= 4)                                                                    \
-            for (int64_t j = 0; j < (NV); j++) hl[j] = hv[j];                             \
+    PS_SEL_STATE_IN_REGISTERS(                                                            \
+        NV, hv, hp,                                                                       \
         if (nonpos)                                                                       \
             FN(ps_sel_steps)(len, NV, 1, dt, du, (const V *)s->a, (const V *)bv,          \
                              bstep / W, (const V *)cv, cstep / W, hp, s->p, NULL, NULL);  \
         else                                                                              \
             FN(ps_sel_steps)(len, NV, 0, dt, du, (const V *)s->a, (const V *)bv,          \
-                             bstep / W, (const V *)cv, cstep / W, hp, s->p, NULL, NULL);  \
-        if ((NV) <= 4)                                                                    \
-            for (int64_t j = 0; j < (NV); j++) hv[j] = hl[j];                             \
-    } while (0)
+                             bstep / W, (const V *)cv, cstep / W, hp, s->p, NULL, NULL))
         PS_SEL_BY_NV(nv, PS_SEL_FWD_CALL)
 #undef PS_SEL_FWD_CALL
         for (int64_t t = len; t < c->kpad; t++) s->p[t] = SPLAT(0);
@@ -735,18 +742,12 @@ PS_HOT static void FN(ps_sel_bwd_chunk)(const CTX *c, SCRATCH *s, int64_t b, int
         const int64_t nv = c->nv;
         V *ghv = (V *)gh;
 #define PS_SEL_SWEEP_CALL(NV)                                                             \
-    do {                                                                                  \
-        V hl[(NV) <= 4 ? (NV) : 1];                                                       \
-        V *hp = (NV) <= 4 ? hl : ghv;                                                     \
-        if ((NV) <= 4)                                                                    \
-            for (int64_t j = 0; j < (NV); j++) hl[j] = ghv[j];                            \
+    PS_SEL_STATE_IN_REGISTERS(                                                            \
+        NV, ghv, hp,                                                                      \
         FN(ps_sel_sweep)(len, NV, 1, dt, du, gr, (const V *)s->a, (const V *)bv,          \
                          bstep / W, (const V *)cv, cstep / W, (const V *)s->hs,           \
                          (const V *)s->da, hp, (V *)ga, (V *)gb, gbstep / W, (V *)gc,     \
-                         gcstep / W, s->pa, s->pb);                                       \
-        if ((NV) <= 4)                                                                    \
-            for (int64_t j = 0; j < (NV); j++) ghv[j] = hl[j];                            \
-    } while (0)
+                         gcstep / W, s->pa, s->pb))
         if (nonpos) {
             PS_SEL_BY_NV(nv, PS_SEL_SWEEP_CALL)
         } else {
@@ -1185,6 +1186,7 @@ PS_API int PS_CAT(ps_selective_math, SFX)(int64_t which, const T *x, T *out, int
 #undef SCRATCH
 #undef PS_SEL_SHUF
 #undef PS_SEL_BY_NV
+#undef PS_SEL_STATE_IN_REGISTERS
 #undef PS_SEL_PERSIST
 #undef PS_SEL_AT
 #undef PS_SEL_AT_W
