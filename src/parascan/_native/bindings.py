@@ -17,10 +17,7 @@ import torch
 from parascan._native import arg_struct, check_operands, kernel
 
 __all__ = [
-    "arg_struct",
-    "check_operands",
     "dims3",
-    "kernel",
     "scan_backward",
     "scan_forward",
     "state2",

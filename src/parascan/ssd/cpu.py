@@ -18,7 +18,6 @@ from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
 __all__ = ["backward", "forward"]
 
 _K = CHECKPOINT_STEPS["cpu"]
-_FN = "parascan.ssd_scan"
 
 Opt = Tensor | None
 
