@@ -214,6 +214,31 @@ PS_HOT static void FN(bwd_time_contiguous)(const void *vp, int64_t u0, int64_t u
     }
 }
 
+/* reverse, handled once (as fwd_flip): the time-indexed operands of p from their last
+ * step. The tokens are not read, and may be NULL, when TOKEN_WEIGHT_IS_ONE. */
+static inline void FN(bwd_flip)(ps_scan_bwd_args *p) {
+    const int64_t steps = p->steps;
+    if (p->reverse) {
+        PS_FLIP(p->gates, p->gates_stride);
+        if (!TOKEN_WEIGHT_IS_ONE) PS_FLIP(p->tokens, p->tokens_stride);
+        PS_FLIP(p->out, p->out_stride);
+        PS_FLIP(p->grad_out, p->grad_out_stride);
+        PS_FLIP(p->grad_gates, p->grad_gates_stride);
+        PS_FLIP(p->grad_tokens, p->grad_tokens_stride);
+    }
+}
+
+/* The time-contiguous worker for p (as fwd_tc_worker). */
+static inline ps_task_fn FN(bwd_tc_worker)(const ps_scan_bwd_args *p) {
+    ps_task_fn tc = NULL;
+#ifdef PS_BWD_TC_FAST
+    if (p->inner == 1) tc = PS_BWD_TC_FAST(p);
+#else
+    (void)p;
+#endif
+    return tc ? tc : FN(bwd_time_contiguous);
+}
+
 PS_API int PS_BWD_ENTRY(const ps_scan_bwd_args *args) {
     if (args->outer < 0 || args->steps < 0 || args->inner < 0) return -1;
     if (args->outer == 0 || args->inner == 0) return 0;
@@ -224,23 +249,11 @@ PS_API int PS_BWD_ENTRY(const ps_scan_bwd_args *args) {
         return 0;
     }
     ps_scan_bwd_args p = *args;
-    const int64_t steps = p.steps;
     ps_prefer_huge_pages(p.grad_gates, p.outer * p.steps * p.inner * (int64_t)sizeof(ST));
     ps_prefer_huge_pages(p.grad_tokens, p.outer * p.steps * p.inner * (int64_t)sizeof(ST));
-    if (p.reverse) {
-        PS_FLIP(p.gates, p.gates_stride);
-        if (!TOKEN_WEIGHT_IS_ONE) PS_FLIP(p.tokens, p.tokens_stride);
-        PS_FLIP(p.out, p.out_stride);
-        PS_FLIP(p.grad_out, p.grad_out_stride);
-        PS_FLIP(p.grad_gates, p.grad_gates_stride);
-        PS_FLIP(p.grad_tokens, p.grad_tokens_stride);
-    }
+    FN(bwd_flip)(&p);
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
-    ps_task_fn tc = NULL;
-#ifdef PS_BWD_TC_FAST
-    if (p.inner == 1) tc = PS_BWD_TC_FAST(&p);
-#endif
-    if (!tc) tc = FN(bwd_time_contiguous);
+    const ps_task_fn tc = FN(bwd_tc_worker)(&p);
     p.nthreads = nthreads;
     ps_run_units(p.outer, p.inner, nthreads, tc, FN(bwd_time_major), &p);
     return 0;

@@ -141,6 +141,16 @@ static inline int ps_run_varlen(const void *args, const ps_varlen_args *v, ps_se
     return job.failed ? -1 : 0;
 }
 
+/* The packed entries' schedule (first_order/cpu_packed.h) for outer x inner channels of
+ * `steps` steps: the team size of the walk, or 0 where there are no steps or too few
+ * work units to keep the team busy, and the sequences are shared instead
+ * (ps_run_varlen). */
+static inline int64_t ps_walk_threads(int64_t outer, int64_t steps, int64_t inner,
+                                      int64_t nthreads) {
+    const int64_t n = ps_threads_for(outer * inner * steps, ps_clamp_threads(nthreads));
+    return steps == 0 || ps_units(outer, inner, n) < n ? 0 : n;
+}
+
 /* Point a time-indexed operand at its last step and negate its time stride
  * (needs `steps` and ST in scope). */
 #define PS_FLIP(ptr, stride) \

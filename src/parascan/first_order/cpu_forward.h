@@ -299,17 +299,35 @@ static void FN(fwd_long)(const ps_scan_fwd_args *p, int64_t nthreads) {
 
 #endif
 
+/* reverse, handled once: every time-indexed operand of p pointed at its last step,
+ * its time stride negated. */
+static inline void FN(fwd_flip)(ps_scan_fwd_args *p) {
+    const int64_t steps = p->steps;
+    if (p->reverse) {
+        PS_FLIP(p->gates, p->gates_stride);
+        PS_FLIP(p->tokens, p->tokens_stride);
+        PS_FLIP(p->out, p->out_stride);
+    }
+}
+
+/* The time-contiguous worker for p: the includer's faster one where it has one that
+ * takes p's strides, else the portable tiles. */
+static inline ps_task_fn FN(fwd_tc_worker)(const ps_scan_fwd_args *p) {
+    ps_task_fn tc = NULL;
+#ifdef PS_FWD_TC_FAST
+    if (p->inner == 1) tc = PS_FWD_TC_FAST(p);
+#else
+    (void)p;
+#endif
+    return tc ? tc : FN(fwd_time_contiguous);
+}
+
 PS_API int PS_FWD_ENTRY(const ps_scan_fwd_args *args) {
     if (args->outer < 0 || args->steps < 0 || args->inner < 0) return -1;
     if (args->outer == 0 || args->steps == 0 || args->inner == 0) return 0;
     ps_scan_fwd_args p = *args;
-    const int64_t steps = p.steps;
     ps_prefer_huge_pages(p.out, p.outer * p.steps * p.inner * (int64_t)sizeof(ST));
-    if (p.reverse) {
-        PS_FLIP(p.gates, p.gates_stride);
-        PS_FLIP(p.tokens, p.tokens_stride);
-        PS_FLIP(p.out, p.out_stride);
-    }
+    FN(fwd_flip)(&p);
     const int64_t nthreads = ps_threads_for(p.outer * p.steps * p.inner, p.nthreads);
 #ifdef PS_ACC_IS_STORAGE
     if (p.inner == 1 && p.steps >= PS_LONG_STEPS && p.outer <= PS_LONG_ROWS) {
@@ -317,11 +335,7 @@ PS_API int PS_FWD_ENTRY(const ps_scan_fwd_args *args) {
         return 0;
     }
 #endif
-    ps_task_fn tc = NULL;
-#ifdef PS_FWD_TC_FAST
-    if (p.inner == 1) tc = PS_FWD_TC_FAST(&p);
-#endif
-    if (!tc) tc = FN(fwd_time_contiguous);
+    const ps_task_fn tc = FN(fwd_tc_worker)(&p);
     p.nthreads = nthreads;
     ps_run_units(p.outer, p.inner, nthreads, tc, FN(fwd_time_major), &p);
     return 0;

@@ -92,31 +92,18 @@ typedef struct {
 
 /* Sequence s's view as the plain entry hands it to its workers: under reverse,
  * every time-indexed operand pointed at the sequence's last step with its time
- * stride negated (PS_FLIP). */
+ * stride negated (fwd_flip, bwd_flip). */
 static ps_scan_fwd_args FN(fwd_walk_view)(const ps_scan_fwd_args *f, const ps_varlen_args *v,
                                           int64_t s) {
     ps_scan_fwd_args p = FN(fwd_view)(f, v, s);
-    const int64_t steps = p.steps;
-    if (p.reverse) {
-        PS_FLIP(p.gates, p.gates_stride);
-        PS_FLIP(p.tokens, p.tokens_stride);
-        PS_FLIP(p.out, p.out_stride);
-    }
+    FN(fwd_flip)(&p);
     return p;
 }
 
 static ps_scan_bwd_args FN(bwd_walk_view)(const ps_scan_bwd_args *f, const ps_varlen_args *v,
                                           int64_t s) {
     ps_scan_bwd_args p = FN(bwd_view)(f, v, s);
-    const int64_t steps = p.steps;
-    if (p.reverse) {
-        PS_FLIP(p.gates, p.gates_stride);
-        if (!TOKEN_WEIGHT_IS_ONE) PS_FLIP(p.tokens, p.tokens_stride);
-        PS_FLIP(p.out, p.out_stride);
-        PS_FLIP(p.grad_out, p.grad_out_stride);
-        PS_FLIP(p.grad_gates, p.grad_gates_stride);
-        PS_FLIP(p.grad_tokens, p.grad_tokens_stride);
-    }
+    FN(bwd_flip)(&p);
     return p;
 }
 
@@ -206,20 +193,14 @@ PS_API int PS_FWD_VARLEN_ENTRY(const ps_scan_fwd_args *args, const ps_varlen_arg
     const int64_t channels = args->outer * args->inner;
     if (channels == 0) return 0;
     ps_prefer_huge_pages(args->out, channels * args->steps * (int64_t)sizeof(ST));
-    const int64_t nthreads = ps_threads_for(channels * args->steps, ps_clamp_threads(args->nthreads));
-    const int64_t units = ps_units(args->outer, args->inner, nthreads);
-    if (args->steps == 0 || units < nthreads)
+    const int64_t nthreads = ps_walk_threads(args->outer, args->steps, args->inner, args->nthreads);
+    if (nthreads == 0)
         return ps_run_varlen(args, v, FN(fwd_segment), args->steps, channels, args->nthreads);
     FN(fwd_walk_job) job = {*args, v, FN(fwd_time_major)};
     job.full.nthreads = nthreads;
-    if (args->inner == 1) {
-        job.work = NULL;
-#ifdef PS_FWD_TC_FAST
-        job.work = PS_FWD_TC_FAST(&job.full); /* strides flipped alike: the same choice */
-#endif
-        if (!job.work) job.work = FN(fwd_time_contiguous);
-    }
-    ps_parallel_for(units, nthreads, FN(fwd_walk), &job);
+    /* The views' strides are flipped alike: the same choice for every sequence. */
+    if (args->inner == 1) job.work = FN(fwd_tc_worker)(&job.full);
+    ps_parallel_for(ps_units(args->outer, args->inner, nthreads), nthreads, FN(fwd_walk), &job);
     int failed = 0;
     for (int64_t s = 0; s < v->nseq; ++s)
         if (FN(fwd_is_long)(args, v->cu_seqlens[s + 1] - v->cu_seqlens[s]) &&
@@ -236,21 +217,15 @@ PS_API int PS_BWD_VARLEN_ENTRY(const ps_scan_bwd_args *args, const ps_varlen_arg
     const int64_t bytes = channels * args->steps * (int64_t)sizeof(ST);
     ps_prefer_huge_pages(args->grad_gates, bytes);
     ps_prefer_huge_pages(args->grad_tokens, bytes);
-    const int64_t nthreads = ps_threads_for(channels * args->steps, ps_clamp_threads(args->nthreads));
-    const int64_t units = ps_units(args->outer, args->inner, nthreads);
-    if (args->steps == 0 || units < nthreads)
+    const int64_t nthreads = ps_walk_threads(args->outer, args->steps, args->inner, args->nthreads);
+    if (nthreads == 0)
         return ps_run_varlen(args, v, FN(bwd_segment), args->steps, channels, args->nthreads);
     FN(bwd_walk_job) job = {*args, v, FN(bwd_time_major)};
     job.full.nthreads = nthreads;
-    if (args->inner == 1) {
-        job.work = NULL;
-#ifdef PS_BWD_TC_FAST
-        job.work = PS_BWD_TC_FAST(&job.full); /* strides flipped alike: the same choice */
-#endif
-        if (!job.work) job.work = FN(bwd_time_contiguous);
-    }
+    /* The views' strides are flipped alike: the same choice for every sequence. */
+    if (args->inner == 1) job.work = FN(bwd_tc_worker)(&job.full);
     FN(bwd_zero_empty)(args, v);
-    ps_parallel_for(units, nthreads, FN(bwd_walk), &job);
+    ps_parallel_for(ps_units(args->outer, args->inner, nthreads), nthreads, FN(bwd_walk), &job);
     return 0;
 }
 

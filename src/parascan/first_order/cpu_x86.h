@@ -182,12 +182,10 @@ PS_AVX2 static void ps_long_scan_f32_avx2(const void *vp, int64_t u0, int64_t u1
     const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
     const int rev = st < 0;
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const float *a[8], *b[8];
         float *x[8];
-        float s0[8];
-        PS_FWD_UNIT_ROWS(p, float, PS_DEREF, 0.0f, r0, nr, a, b, x, s0);
-        __m256 s = _mm256_loadu_ps(s0);
+        __m256 s;
+        const int64_t nr = ps_fwd_unit_f32(p, u, a, b, x, &s);
         for (int64_t t0 = 0; t0 < whole; t0 += 8) {
             __m256 va[8], vb[8];
             for (int r = 0; r < 8; ++r) {
@@ -210,14 +208,7 @@ PS_AVX2 static void ps_long_scan_f32_avx2(const void *vp, int64_t u0, int64_t u1
             ps_transpose8(va);
             for (int64_t r = 0; r < nr; ++r) ps_store8_f32(x[r], t0, rev, va[r]);
         }
-        _mm256_storeu_ps(s0, s);
-        for (int64_t r = 0; r < nr; ++r) {
-            float v = s0[r];
-            for (int64_t t = whole; t < steps; ++t) {
-                v = a[r][t * st] * v + b[r][t * st];
-                x[r][t * st] = v;
-            }
-        }
+        ps_fwd_rest_f32(a, b, x, nr, s, whole, steps, st);
     }
 }
 

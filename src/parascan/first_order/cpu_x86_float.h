@@ -20,17 +20,43 @@ PS_AVX2 static inline void XFN(ps_store8)(XT *row, int64_t t, int rev, __m256 v)
         XFN(ps_narrow8)(row + t, v);
 }
 
+/* The forward's work unit u (8 rows from row 8u, see PS_FWD_UNIT_ROWS): its row
+ * pointers, and its rows' initial states as a vector in *s. Returns its real rows. */
+PS_AVX2 static inline int64_t XFN(ps_fwd_unit)(const ps_scan_fwd_args *p, int64_t u,
+                                              const XT *a[8], const XT *b[8], XT *x[8],
+                                              __m256 *s) {
+    const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
+    float s0[8];
+    PS_FWD_UNIT_ROWS(p, XT, XLD, 0.0f, r0, nr, a, b, x, s0);
+    *s = _mm256_loadu_ps(s0);
+    return nr;
+}
+
+/* Steps [whole, steps) of the unit's nr rows (time stride st), one at a time from
+ * their states in s. */
+PS_AVX2 static inline void XFN(ps_fwd_rest)(const XT *const a[8], const XT *const b[8],
+                                           XT *const x[8], int64_t nr, __m256 s,
+                                           int64_t whole, int64_t steps, int64_t st) {
+    float s0[8];
+    _mm256_storeu_ps(s0, s);
+    for (int64_t r = 0; r < nr; ++r) {
+        float v = s0[r];
+        for (int64_t t = whole; t < steps; ++t) {
+            v = XLD(a[r] + t * st) * v + XLD(b[r] + t * st);
+            XST(x[r] + t * st, v);
+        }
+    }
+}
+
 PS_AVX2 static void XFN(ps_fwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) {
     const ps_scan_fwd_args *p = (const ps_scan_fwd_args *)vp;
     const int64_t st = p->out_stride[1], steps = p->steps, whole = steps / 8 * 8;
     const int rev = st < 0;
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t r0 = u * 8, nr = p->outer - r0 < 8 ? p->outer - r0 : 8;
         const XT *a[8], *b[8];
         XT *x[8];
-        float s0[8];
-        PS_FWD_UNIT_ROWS(p, XT, XLD, 0.0f, r0, nr, a, b, x, s0);
-        __m256 s = _mm256_loadu_ps(s0);
+        __m256 s;
+        const int64_t nr = XFN(ps_fwd_unit)(p, u, a, b, x, &s);
         int64_t t0 = 0;
         /* 16 steps per visit: each row's 64-byte line is used whole before the other
          * rows' lines (which may share its cache set) can evict it. */
@@ -66,14 +92,7 @@ PS_AVX2 static void XFN(ps_fwd_tc_avx2)(const void *vp, int64_t u0, int64_t u1) 
             ps_transpose8(va);
             for (int64_t r = 0; r < nr; ++r) XFN(ps_store8)(x[r], t0, rev, va[r]);
         }
-        _mm256_storeu_ps(s0, s);
-        for (int64_t r = 0; r < nr; ++r) {
-            float v = s0[r];
-            for (int64_t t = whole; t < steps; ++t) {
-                v = XLD(a[r] + t * st) * v + XLD(b[r] + t * st);
-                XST(x[r] + t * st, v);
-            }
-        }
+        XFN(ps_fwd_rest)(a, b, x, nr, s, whole, steps, st);
     }
 }
 

@@ -144,26 +144,17 @@ static int ps_ssd_check(const ps_ssd_args *a, int backward) {
  * baseline when a->simd is 0. */
 #define PS_SSD_DISPATCH(fn, sfx, a) PS_ISA_DISPATCH(fn##_##sfx, (a)->simd, a)
 
-PS_API int ps_ssd_fwd_f32(ps_ssd_args *a) {
-    if (ps_ssd_check(a, 0)) return -1;
-    a->failed = 0;
-    PS_SSD_DISPATCH(ps_ssd_fwd, f32, a)
-}
-PS_API int ps_ssd_fwd_f64(ps_ssd_args *a) {
-    if (ps_ssd_check(a, 0)) return -1;
-    a->failed = 0;
-    PS_SSD_DISPATCH(ps_ssd_fwd, f64, a)
-}
-PS_API int ps_ssd_bwd_f32(ps_ssd_args *a) {
-    if (ps_ssd_check(a, 1)) return -1;
-    a->failed = 0;
-    PS_SSD_DISPATCH(ps_ssd_bwd, f32, a)
-}
-PS_API int ps_ssd_bwd_f64(ps_ssd_args *a) {
-    if (ps_ssd_check(a, 1)) return -1;
-    a->failed = 0;
-    PS_SSD_DISPATCH(ps_ssd_bwd, f64, a)
-}
+/* An entry: check the arguments, clear the failure flag, run the level's instance. */
+#define PS_SSD_ENTRY(name, check, backward, sfx, args_t)        \
+    PS_API int name##_##sfx(args_t *a) {                          \
+        if (check(a, backward)) return -1;                        \
+        a->failed = 0;                                            \
+        PS_SSD_DISPATCH(name, sfx, a)                             \
+    }
+PS_SSD_ENTRY(ps_ssd_fwd, ps_ssd_check, 0, f32, ps_ssd_args)
+PS_SSD_ENTRY(ps_ssd_fwd, ps_ssd_check, 0, f64, ps_ssd_args)
+PS_SSD_ENTRY(ps_ssd_bwd, ps_ssd_check, 1, f32, ps_ssd_args)
+PS_SSD_ENTRY(ps_ssd_bwd, ps_ssd_check, 1, f64, ps_ssd_args)
 
 /* The layer's convolution and gated norm (cpu_layer.h). */
 static int ps_ssd_conv_check(const ps_ssd_conv_args *a, int backward) {
@@ -194,17 +185,11 @@ static int ps_ssd_norm_check(const ps_ssd_norm_args *a, int backward) {
                : 0;
 }
 
-#define PS_SSD_LAYER_ENTRY(name, check, backward, sfx, args_t)  \
-    PS_API int name##_##sfx(args_t *a) {                          \
-        if (check(a, backward)) return -1;                        \
-        a->failed = 0;                                            \
-        PS_SSD_DISPATCH(name, sfx, a)                             \
-    }
-PS_SSD_LAYER_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f32, ps_ssd_conv_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f64, ps_ssd_conv_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f32, ps_ssd_conv_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f64, ps_ssd_conv_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f32, ps_ssd_norm_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f64, ps_ssd_norm_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f32, ps_ssd_norm_args)
-PS_SSD_LAYER_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f64, ps_ssd_norm_args)
+PS_SSD_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f32, ps_ssd_conv_args)
+PS_SSD_ENTRY(ps_ssd_conv_fwd, ps_ssd_conv_check, 0, f64, ps_ssd_conv_args)
+PS_SSD_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f32, ps_ssd_conv_args)
+PS_SSD_ENTRY(ps_ssd_conv_bwd, ps_ssd_conv_check, 1, f64, ps_ssd_conv_args)
+PS_SSD_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f32, ps_ssd_norm_args)
+PS_SSD_ENTRY(ps_ssd_norm_fwd, ps_ssd_norm_check, 0, f64, ps_ssd_norm_args)
+PS_SSD_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f32, ps_ssd_norm_args)
+PS_SSD_ENTRY(ps_ssd_norm_bwd, ps_ssd_norm_check, 1, f64, ps_ssd_norm_args)

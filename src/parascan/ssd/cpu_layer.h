@@ -118,30 +118,50 @@ ATTR static void F(ps_conv_gather)(const ps_ssd_conv_args *a, int64_t b, int64_t
     }
 }
 
-/* Tiles are numbered (batch, time block, channel block), channel block fastest. */
+/* The tiling: a batch row's L steps in ntb blocks of PS_SSD_CONV_STEPS, its CH
+ * channels in ncb blocks of PS_SSD_CONV_CHANNELS; the tiles are numbered (batch, time
+ * block, channel block), channel block fastest. */
+typedef struct {
+    int64_t L, CH, ntb, ncb;
+} F(ps_conv_grid);
+
+ATTR static inline F(ps_conv_grid) F(ps_conv_grid_of)(const ps_ssd_conv_args *a) {
+    const int64_t L = a->length, CH = a->channels;
+    return (F(ps_conv_grid)){L, CH, (L + PS_SSD_CONV_STEPS - 1) / PS_SSD_CONV_STEPS,
+                             (CH + PS_SSD_CONV_CHANNELS - 1) / PS_SSD_CONV_CHANNELS};
+}
+
+/* Tile i: batch row b, time block tb (steps [t0, t1)), channels [c0, c0 + nc) in nv
+ * vectors. */
+typedef struct {
+    int64_t b, tb, c0, nc, nv, t0, t1;
+} F(ps_conv_tile);
+
+ATTR static inline F(ps_conv_tile) F(ps_conv_tile_at)(const F(ps_conv_grid) *g, int64_t i) {
+    const int64_t b = i / (g->ntb * g->ncb), tb = i / g->ncb % g->ntb, cb = i % g->ncb;
+    const int64_t c0 = cb * PS_SSD_CONV_CHANNELS;
+    const int64_t nc = g->CH - c0 < PS_SSD_CONV_CHANNELS ? g->CH - c0 : PS_SSD_CONV_CHANNELS;
+    const int64_t t0 = tb * PS_SSD_CONV_STEPS;
+    const int64_t t1 = t0 + PS_SSD_CONV_STEPS < g->L ? t0 + PS_SSD_CONV_STEPS : g->L;
+    return (F(ps_conv_tile)){b, tb, c0, nc, (nc + W - 1) / W, t0, t1};
+}
+
 ATTR static void F(ps_conv_fwd_tiles)(const void *ctx, int64_t begin, int64_t end) {
     const ps_ssd_conv_args *a = (const ps_ssd_conv_args *)ctx;
     enum { NV = PS_SSD_CONV_CHANNELS / W };
-    const int64_t L = a->length, CH = a->channels;
-    const int64_t ntb = (L + PS_SSD_CONV_STEPS - 1) / PS_SSD_CONV_STEPS;
-    const int64_t ncb = (CH + PS_SSD_CONV_CHANNELS - 1) / PS_SSD_CONV_CHANNELS;
+    const F(ps_conv_grid) grid = F(ps_conv_grid_of)(a);
     V taps[PS_SSD_CONV_MAX_WIDTH * NV], bias[NV];
     V row[NV];
     for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / (ntb * ncb), tb = i / ncb % ntb, cb = i % ncb;
-        const int64_t c0 = cb * PS_SSD_CONV_CHANNELS;
-        const int64_t nc = CH - c0 < PS_SSD_CONV_CHANNELS ? CH - c0 : PS_SSD_CONV_CHANNELS;
-        const int64_t nv = (nc + W - 1) / W;
-        const int64_t t0 = tb * PS_SSD_CONV_STEPS;
-        const int64_t t1 = t0 + PS_SSD_CONV_STEPS < L ? t0 + PS_SSD_CONV_STEPS : L;
-        const T *xrow0 = (const T *)a->x + b * a->x_stride[0] + c0;
-        F(ps_conv_taps)(a, c0, nc, taps, bias);
-        for (int64_t t = t0; t < t1; ++t) {
-            for (int64_t j = 0; j < nv; ++j) {
-                const V pre = F(ps_conv_pre)(a, xrow0, t, j, nc, taps, bias);
+        const F(ps_conv_tile) tile = F(ps_conv_tile_at)(&grid, i);
+        const T *xrow0 = (const T *)a->x + tile.b * a->x_stride[0] + tile.c0;
+        F(ps_conv_taps)(a, tile.c0, tile.nc, taps, bias);
+        for (int64_t t = tile.t0; t < tile.t1; ++t) {
+            for (int64_t j = 0; j < tile.nv; ++j) {
+                const V pre = F(ps_conv_pre)(a, xrow0, t, j, tile.nc, taps, bias);
                 row[j] = a->silu ? pre * F(ps_vsigmoid)(pre) : pre;
             }
-            F(ps_conv_scatter)(a, b, t, c0, nc, (const T *)row);
+            F(ps_conv_scatter)(a, tile.b, t, tile.c0, tile.nc, (const T *)row);
         }
     }
 }
@@ -158,21 +178,17 @@ ATTR static void F(ps_conv_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
     const ps_ssd_conv_args *a = ((const F(ps_conv_bwd_ctx) *)ctx)->a;
     T *part = ((const F(ps_conv_bwd_ctx) *)ctx)->part;
     enum { NV = PS_SSD_CONV_CHANNELS / W, ROWS = PS_SSD_CONV_STEPS + PS_SSD_CONV_MAX_WIDTH - 1 };
-    const int64_t L = a->length, CH = a->channels, K = a->width;
-    const int64_t ntb = (L + PS_SSD_CONV_STEPS - 1) / PS_SSD_CONV_STEPS;
-    const int64_t ncb = (CH + PS_SSD_CONV_CHANNELS - 1) / PS_SSD_CONV_CHANNELS;
+    const F(ps_conv_grid) grid = F(ps_conv_grid_of)(a);
+    const int64_t L = grid.L, CH = grid.CH, K = a->width;
     V taps[PS_SSD_CONV_MAX_WIDTH * NV], bias[NV];
     V gp[ROWS * NV]; /* the gradient of pre for steps t0 .. te - 1 */
     V gw[PS_SSD_CONV_MAX_WIDTH * NV], gb[NV];
     V grow[NV];
     for (int64_t j = 0; j < NV; ++j) grow[j] = (V){0}; /* lanes past the channels stay 0 */
     for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / (ntb * ncb), tb = i / ncb % ntb, cb = i % ncb;
-        const int64_t c0 = cb * PS_SSD_CONV_CHANNELS;
-        const int64_t nc = CH - c0 < PS_SSD_CONV_CHANNELS ? CH - c0 : PS_SSD_CONV_CHANNELS;
-        const int64_t nv = (nc + W - 1) / W;
-        const int64_t t0 = tb * PS_SSD_CONV_STEPS;
-        const int64_t t1 = t0 + PS_SSD_CONV_STEPS < L ? t0 + PS_SSD_CONV_STEPS : L;
+        const F(ps_conv_tile) tile = F(ps_conv_tile_at)(&grid, i);
+        const int64_t b = tile.b, c0 = tile.c0, nc = tile.nc, nv = tile.nv;
+        const int64_t t0 = tile.t0, t1 = tile.t1;
         const int64_t te = t1 + K - 1 < L ? t1 + K - 1 : L;
         const T *xrow0 = (const T *)a->x + b * a->x_stride[0] + c0;
         T *gx0 = (T *)a->grad_x + b * a->grad_x_stride[0] + c0;
@@ -206,7 +222,7 @@ ATTR static void F(ps_conv_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
                 }
                 F(ps_layer_store)(gx0 + t * a->grad_x_stride[1] + j * W, dx, nc - j * W);
             }
-        T *dst = part + (b * ntb + tb) * (K + 1) * CH + c0;
+        T *dst = part + (b * grid.ntb + tile.tb) * (K + 1) * CH + c0;
         for (int64_t j = 0; j < nv; ++j) {
             for (int64_t k = 0; k < K; ++k) F(ps_layer_store)(dst + k * CH + j * W, gw[k * NV + j],
                                                               nc - j * W);
@@ -216,17 +232,16 @@ ATTR static void F(ps_conv_bwd_tiles)(const void *ctx, int64_t begin, int64_t en
 }
 
 ATTR static int F(ps_ssd_conv_fwd)(ps_ssd_conv_args *a) {
-    const int64_t tiles = a->batch * ((a->length + PS_SSD_CONV_STEPS - 1) / PS_SSD_CONV_STEPS) *
-                          ((a->channels + PS_SSD_CONV_CHANNELS - 1) / PS_SSD_CONV_CHANNELS);
+    const F(ps_conv_grid) grid = F(ps_conv_grid_of)(a);
+    const int64_t tiles = a->batch * grid.ntb * grid.ncb;
     ps_parallel_for(tiles, a->nthreads, F(ps_conv_fwd_tiles), a);
     return 0;
 }
 
 ATTR static int F(ps_ssd_conv_bwd)(ps_ssd_conv_args *a) {
-    const int64_t L = a->length, CH = a->channels, K = a->width;
-    const int64_t ntb = (L + PS_SSD_CONV_STEPS - 1) / PS_SSD_CONV_STEPS;
-    const int64_t rows = a->batch * ntb, tiles = rows * ((CH + PS_SSD_CONV_CHANNELS - 1) /
-                                                          PS_SSD_CONV_CHANNELS);
+    const F(ps_conv_grid) grid = F(ps_conv_grid_of)(a);
+    const int64_t CH = grid.CH, K = a->width;
+    const int64_t rows = a->batch * grid.ntb, tiles = rows * grid.ncb;
     T *part = NULL;
     if (rows * CH > 0) {
         part = (T *)ps_ssd_alloc(sizeof(T) * (size_t)(rows * (K + 1) * CH));
