@@ -14,7 +14,7 @@ with _warnings.catch_warnings():
     # quiet (`parascan bench` opened with it). Only this import, only that message: the
     # program's own warning filters are restored as they were.
     _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
-    from parascan._checks import backends
+    from parascan._core import backends
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
     from parascan.matrix import matrix_linear_scan

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from parascan._ops import nested_forward_mode, refuse_second_derivatives
+from parascan._core import nested_forward_mode, refuse_second_derivatives
 
 __all__ = ["once_differentiable", "tangent_mode"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan import _checks
+from parascan import _core
 
 from conftest import DTYPES, assert_matches
 
@@ -75,7 +75,7 @@ def _call(op: str, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", _checks.BACKENDS)
+@pytest.mark.parametrize("backend", _core.BACKENDS)
 @pytest.mark.parametrize("op", ["linear_scan", "log_linear_scan", "matrix_linear_scan"])
 def test_every_op_backend_and_dtype_runs_or_says_why(op: str, backend: str, dtype: torch.dtype):
     if dtype in EXPECTED[(op, backend)]:
@@ -95,7 +95,7 @@ def test_auto_always_finds_a_backend_on_cpu(op: str, dtype: torch.dtype):
 
 
 def test_the_table_has_a_row_for_every_op_with_a_backend_argument():
-    assert set(_checks.table()) == {
+    assert set(_core.table()) == {
         "parascan.linear_scan",
         "parascan.log_linear_scan",
         "parascan.matrix_linear_scan",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan import _checks, _native
+from parascan import _core, _native
 
 T = torch.ones(2, 5)
 
@@ -97,9 +97,9 @@ def test_backends_lists_what_runs() -> None:
 
 def test_missing_kernel_library_makes_cpu_unavailable(monkeypatch) -> None:
     monkeypatch.setattr(_native, "_load", lambda: (None, "no kernels here (test)"))
-    monkeypatch.setattr(_checks, "kernel_library_error", _native.kernel_library_error)
+    monkeypatch.setattr(_core, "kernel_library_error", _native.kernel_library_error)
     monkeypatch.setattr(
-        _checks, "_kernel_library_error", lambda: _native.kernel_library_error() or ""
+        _core, "_kernel_library_error", lambda: _native.kernel_library_error() or ""
     )
     assert ps.backends("cpu") == ["torch", "loop"]
     with pytest.raises(RuntimeError, match=r"backend 'cpu' is not available: no kernels here"):

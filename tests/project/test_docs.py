@@ -6,7 +6,7 @@ import doctest
 
 import pytest
 
-import parascan._checks
+import parascan._core
 import parascan.compat.accelerated_scan
 import parascan.compat.fla
 import parascan.compat.mamba_ssm
@@ -26,7 +26,7 @@ import parascan.matrix.api
         parascan.compat.fla,
         parascan.compat.mamba_ssm,
         parascan.compat.torch_parallel_scan,
-        parascan._checks,
+        parascan._core,
     ],
 )
 def test_docstring_examples(module) -> None:

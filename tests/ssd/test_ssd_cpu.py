@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan._checks import resolve
+from parascan._core import resolve
 from parascan.ssd import autograd as ssd_ops
 from parascan.ssd import cpu as ssd_cpu
 

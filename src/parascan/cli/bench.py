@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 import torch
 
-from parascan._checks import backends
+from parascan._core import backends
 from parascan.cli import peers
 from parascan.cli.bench_generic import (
     DEFAULT_GENERIC_CASES,

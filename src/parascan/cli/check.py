@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parascan._checks import FLOAT_DTYPES, backends
+from parascan._core import FLOAT_DTYPES, backends
 from parascan.cli.tolerance import TOLERANCE, relative_error
 from parascan.first_order import linear_scan, log_linear_scan
 from parascan.first_order.reference import linear_loop

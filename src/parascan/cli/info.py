@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from parascan._checks import backends
+from parascan._core import backends
 from parascan._native import kernel_library_error
 
 __all__ = ["cpu_flags", "cpu_model", "summary"]

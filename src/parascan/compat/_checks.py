@@ -1,4 +1,4 @@
-"""Argument checks that several drop-ins share (parascan._checks holds the library's
+"""Argument checks that several drop-ins share (parascan._core holds the library's
 own): each states a convention of the originals once, so that the drop-ins that
 follow it check it, and word its errors, alike."""
 
@@ -9,7 +9,7 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
-from parascan._checks import describe
+from parascan._core import describe
 
 __all__ = ["check_same_3d", "is_integer_tensor"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from parascan._checks import check_dtype
+from parascan._core import check_dtype
 from parascan.compat._checks import check_same_3d
 from parascan.first_order import linear_scan
 

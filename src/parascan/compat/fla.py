@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import check_cu_seqlens, check_dtype, check_flag, check_same_device, describe
+from parascan._core import check_cu_seqlens, check_dtype, check_flag, check_same_device, describe
 from parascan.compat._checks import check_same_3d
 from parascan.first_order import linear_scan
 

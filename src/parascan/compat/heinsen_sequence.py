@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import describe
+from parascan._core import describe
 from parascan.first_order import log_linear_scan
 
 __all__ = ["compute_in_parallel", "compute_in_parallel_special_case"]

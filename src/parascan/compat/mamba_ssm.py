@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 import parascan as ps
-from parascan._checks import check_cu_seqlens, check_flag, check_in_place, check_tensor, describe
+from parascan._core import check_cu_seqlens, check_flag, check_in_place, check_tensor, describe
 from parascan.compat._checks import is_integer_tensor
 from parascan.mixer.conv import causal_conv1d
 from parascan.ssd import layer as ssd_layer

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from parascan._checks import describe
+from parascan._core import describe
 from parascan.generic import associative_reduce, associative_scan
 
 __all__ = ["prefix_scan", "reduce_scan"]

@@ -40,9 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._checks import FLOAT_DTYPES, check_flag
+from parascan._core import FLOAT_DTYPES, check_flag, conj
 from parascan._higher_order import once_differentiable
-from parascan._ops import conj
 from parascan.first_order import linear_scan as local_linear_scan
 from parascan.first_order import log_linear_scan as local_log_linear_scan
 from parascan.first_order.api import Prepared, prepare

@@ -53,9 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._checks import check_cu_seqlens
+from parascan._core import check_cu_seqlens, state_shape
 from parascan._higher_order import once_differentiable
-from parascan._ops import state_shape
 from parascan.distributed.api import (
     _LENGTH,
     _all_gather_bytes,

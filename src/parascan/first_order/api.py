@@ -12,7 +12,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from parascan._checks import (
+from parascan._core import (
     FLOAT_DTYPES,
     as_operand,
     broadcast_shape,
@@ -21,11 +21,12 @@ from parascan._checks import (
     check_same_device,
     describe,
     normalize_dim,
+    plain_eager,
     resolve,
     result_dtype,
+    state_shape,
 )
 from parascan._native import bindings, kernel_library_error
-from parascan._ops import plain_eager, state_shape
 from parascan.first_order import packed
 from parascan.first_order.autograd import apply
 from parascan.first_order.ops import ROWS

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from parascan._checks import accumulate_dtype
+from parascan._core import accumulate_dtype
 from parascan.first_order.semiring import LINEAR, Semiring
 
 __all__ = ["forward_linear", "scan"]

@@ -23,11 +23,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._checks import FLOAT_DTYPES, Backend, OpBackends, accumulate_dtype, register
-from parascan._ops import (
+from parascan._core import (
+    FLOAT_DTYPES,
+    Backend,
+    OpBackends,
+    accumulate_dtype,
     batch_first_vmap,
     conj,
     custom_op,
+    register,
     resolved,
     resolved_optional,
     state_shape,

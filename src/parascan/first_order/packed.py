@@ -31,15 +31,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._checks import (
+from parascan._core import (
     accumulate_dtype,
     as_operand,
     check_cu_seqlens,
     check_dtype,
     check_offsets,
     describe,
+    resolved,
+    resolved_optional,
 )
-from parascan._ops import resolved, resolved_optional
 from parascan.first_order import api, autograd, cpu, triton
 from parascan.first_order.ops import (
     ROWS,

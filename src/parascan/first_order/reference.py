@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import accumulate_dtype
+from parascan._core import accumulate_dtype
 from parascan.first_order.semiring import LINEAR, LOG, Semiring
 
 __all__ = ["linear_loop", "log_loop", "loop"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._ops import conj, state_shape
+from parascan._core import conj, state_shape
 from parascan.first_order.semiring import LOG, Semiring
 
 __all__ = ["backward", "forward"]

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from parascan._checks import check_flag, check_layout, describe, normalize_dim
+from parascan._core import check_flag, check_layout, describe, normalize_dim
 from parascan.generic import chunked
 from parascan.generic.cpu import matrix_product_fast_path
 

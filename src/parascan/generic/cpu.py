@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._core import plain_eager
 from parascan._native import arg_struct, check_operands, kernel, kernel_library_error, simd
-from parascan._ops import plain_eager
 
 __all__ = ["matrix_product_fast_path"]
 

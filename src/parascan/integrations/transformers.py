@@ -96,7 +96,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._checks import check_in_place, describe
+from parascan._core import check_in_place, describe
 from parascan.compat import mamba_ssm
 from parascan.compat._checks import is_integer_tensor
 from parascan.mixer import conv

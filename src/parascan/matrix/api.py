@@ -9,7 +9,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from parascan._checks import (
+from parascan._core import (
     accumulate_dtype,
     broadcast_shape,
     check_dtype,

@@ -13,8 +13,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._checks import FLOAT_DTYPES, Backend, OpBackends, accumulate_dtype, register
-from parascan._ops import batch_first, custom_op, resolved
+from parascan._core import (
+    FLOAT_DTYPES,
+    Backend,
+    OpBackends,
+    accumulate_dtype,
+    batch_first,
+    custom_op,
+    register,
+    resolved,
+)
 from parascan.matrix import chunked, cpu, reference
 
 __all__ = ["ROW", "matrix_linear_scan_op"]

@@ -7,9 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._checks import check_flag, check_in_place, check_shape, check_tensor, describe
+from parascan._core import (
+    check_flag,
+    check_in_place,
+    check_shape,
+    check_tensor,
+    describe,
+    plain_eager,
+)
 from parascan._native import arg_struct, kernel
-from parascan._ops import plain_eager
 from parascan.selective.api import _complex_of
 
 __all__ = ["selective_state_update"]
@@ -149,7 +155,7 @@ def selective_state_update(
 
 def _eager_no_grad(tensors: tuple[Tensor, ...]) -> bool:
     """True when a decoding step may run the C kernel directly: plain eager tensors
-    (no subclass, transform, mode or compile; _ops.plain_eager) that autograd
+    (no subclass, transform, mode or compile; _core.plain_eager) that autograd
     does not track (a generation loop runs under no_grad; a differentiable step takes
     the torch ops below)."""
     if not all(type(t) is Tensor for t in tensors) or not plain_eager():

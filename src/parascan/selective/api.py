@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import check_flag, check_shape, check_tensor, describe, resolve
+from parascan._core import check_flag, check_shape, check_tensor, describe, resolve
 from parascan.selective import autograd as ops
 
 __all__ = ["selective_scan"]

@@ -1,5 +1,5 @@
 """The selective scan's op: its row of the backend table, and its torch.library ops and
-autograd.Functions, made by the core's builder (parascan._ops.checkpointed_scan) from
+autograd.Functions, made by the core's builder (parascan._core.checkpointed_scan) from
 the canonical operands of canonical.py."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import Backend, OpBackends, register
-from parascan._ops import CheckpointedScan, checkpointed_scan
+from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
 from parascan.selective import chunked, cpu, reference, triton
 from parascan.selective.canonical import n_chunks, state_dtype
 

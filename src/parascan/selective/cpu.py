@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from parascan._core import resolved, resolved_optional
 from parascan._native import arg_struct, check_operands, kernel
-from parascan._ops import resolved, resolved_optional
 from parascan.selective.canonical import CHECKPOINT_STEPS, EMPTY, n_chunks, state_dtype
 
 __all__ = ["DTYPES", "SUPPORTS_COMPLEX", "backward", "forward"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._checks import (
+from parascan._core import (
     check_cu_seqlens,
     check_flag,
     check_shape,

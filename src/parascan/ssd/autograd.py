@@ -1,5 +1,5 @@
 """The SSD scan's op: its row of the backend table, and its torch.library ops and
-autograd.Functions, made by the core's builder (parascan._ops.checkpointed_scan) from
+autograd.Functions, made by the core's builder (parascan._core.checkpointed_scan) from
 the canonical operands of canonical.py (``cu_seqlens`` among them, as a tensor: its
 values are read inside the op, where torch.compile does not trace)."""
 
@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._checks import Backend, OpBackends, register
-from parascan._ops import CheckpointedScan, checkpointed_scan
+from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
 from parascan.ssd import chunked, cpu, reference, triton
 from parascan.ssd.canonical import n_chunks, states
 

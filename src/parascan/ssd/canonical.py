@@ -4,7 +4,7 @@ The public function (api.py) validates its arguments and brings them to this one
 form with differentiable torch ops: the casts, ``D``'s broadcast over the head's
 channels, and the whole step-size pipeline (``dt_bias``, softplus, ``dt_limit``), so
 that a backend sees only the final step sizes and autograd carries their gradient
-back through that pipeline. The op (ssd_ops.py) hands the operands to a backend;
+back through that pipeline. The op (autograd.py) hands the operands to a backend;
 each backend implements the two functions below with these exact conventions, and
 the float64 loop in the tests is the judge of all of them.
 

@@ -303,7 +303,7 @@ def _forward(
         return initial[_rows(s, packed)]
 
     # no in-place writes (lists, then one cat) and no torch.no_grad: the forward mode
-    # of the scans runs this under torch.func.jvp and jacfwd (ssd_ops.py), where
+    # of the scans runs this under torch.func.jvp and jacfwd (ssd/autograd.py), where
     # tangents are batched, and under reverse mode (jacrev of jacfwd); inside the op
     # autograd does not record anyway
     outs, entering = [], []

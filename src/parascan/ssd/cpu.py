@@ -50,7 +50,7 @@ class _Operands:
         batch, length, heads, headdim = x.shape
         groups, n = B.shape[2], B.shape[3]
         # cu_seqlens as the kernel reads it, a contiguous int64 CPU vector. Its values were
-        # checked by the public function (parascan._checks.check_cu_seqlens); the kernel
+        # checked by the public function (parascan._core.check_cu_seqlens); the kernel
         # checks them again and fails the call rather than read out of bounds.
         self.cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64).contiguous()
         self.states = batch if self.cu is None else self.cu.numel() - 1

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from parascan._core import plain_eager, refuse_second_derivatives
 from parascan._native import arg_struct, check_operands, kernel, kernel_library_error, simd
-from parascan._ops import plain_eager, refuse_second_derivatives
 from parascan.ssd import cpu as ssd_cpu
 from parascan.ssd.cpu import _ptr
 
