@@ -65,12 +65,11 @@ checkpoint.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
+from parascan import _checkpointed
 
 __all__ = [
     "CHECKPOINT_STEPS",
@@ -90,41 +89,18 @@ def n_chunks(length: int, backend: str) -> int:
     return math.ceil(length / CHECKPOINT_STEPS[backend]) if length > 0 else 0
 
 
-def EMPTY(like: Tensor) -> Tensor:
-    """The placeholder gradient of an absent operand."""
-    return like.new_empty(0)
-
-
-def states(x: Tensor, cu_seqlens: Tensor | None) -> int:
-    """The number of final states: the batch, or the packed sequences."""
-    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+EMPTY = _checkpointed.EMPTY
+states = _checkpointed.states
 
 
 def drops_final(forward: Callable[..., Any]) -> Callable[..., Any]:
     """A backend's ``forward`` of the nine operands that also takes ``want_final``
     (tenth, True when not given): without it the final state it computed is dropped
     (no rows)."""
-
-    @functools.wraps(forward)
-    def wrapped(*args: Any, want_final: bool = True, **kwargs: Any) -> Any:
-        if len(args) == 10:
-            *args, want_final = args  # type: ignore[assignment]
-        out, final, checkpoints = forward(*args, **kwargs)
-        return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
-
-    return wrapped
+    return _checkpointed.drops_final(forward, 9)
 
 
 def zero_rows_as_zeros(backward: Callable[..., Any]) -> Callable[..., Any]:
     """A backend's ``backward`` that also takes a ``grad_final`` with no rows, for
     zeros (its last argument; ``cu_seqlens`` its ninth)."""
-
-    @functools.wraps(backward)
-    def wrapped(*args: Any) -> Any:
-        *head, grad_final = args
-        count = states(args[0], args[8])
-        if grad_final.shape[0] != count:
-            grad_final = grad_final.new_zeros(count, *grad_final.shape[1:])
-        return backward(*head, grad_final)
-
-    return wrapped
+    return _checkpointed.zero_rows_as_zeros(backward, 8)

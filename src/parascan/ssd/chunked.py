@@ -1,5 +1,5 @@
-"""The ``torch`` backend of the SSD scan (canonical.py's contract), and the
-checkpointed driver it shares with the ``loop`` backend (reference.py).
+"""The ``torch`` backend of the SSD scan (canonical.py's contract), and how it and the
+``loop`` backend (reference.py) run on the shared checkpointed driver.
 
 Both walk L one checkpoint interval (a "chunk" of K steps) at a time, holding the
 state entering each chunk and never a state per step over all of L; they differ in
@@ -32,30 +32,22 @@ how a piece of a chunk is computed (``bind``'s ``piece_for``):
   product is then a term of the loop's own states or bounded by one, finite wherever
   the loop is. A decaying state (dt * A <= 0, the normal regime) keeps BLOCK steps.
 
-Packed sequences: each chunk is cut into pieces at the sequence boundaries inside
-it; a piece that starts a sequence starts from that sequence's initial state, and
-the state at the end of a piece that ends a sequence is that sequence's final
-state. The chunks stay aligned to L (see the checkpoints in canonical.py).
-
-The backward is exact activation checkpointing: for each chunk from the last, the
-chunk's forward runs again from its checkpoint under ``torch.func.vjp`` (inside a
-custom op the autograd keys are excluded, and functorch brings its own), carrying
-the output's, the final states' and the carried state's gradients back to the
-chunk's inputs and to the state entering it.
+The driver (chunks, packed sequences' pieces, checkpoints, the backward's
+recomputation under ``torch.func.vjp``) is parascan._checkpointed's, shared with the
+delta-rule scan; ``D`` and ``z`` are applied to each piece's output.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from parascan import _checkpointed
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, drops_final, zero_rows_as_zeros
 
 __all__ = [
@@ -77,62 +69,7 @@ BLOCK = 64
 
 Optional = Tensor | None
 Piece = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-# --- the plan: chunks, and the pieces of sequences inside them ------------------------
-
-
-@dataclass(frozen=True)
-class _Piece:
-    lo: int  # steps lo .. hi - 1 of the chunk
-    hi: int
-    seq: int  # the sequence the piece belongs to
-    fresh: bool  # the sequence starts inside the chunk (lo > 0): from its initial state
-    ends: bool  # the sequence ends with this piece
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    start: int  # steps start .. stop - 1 of L
-    stop: int
-    entry: int | None  # the sequence that step ``start`` starts, if it starts one
-    pieces: tuple[_Piece, ...]
-
-    @property
-    def fresh(self) -> list[int]:
-        return [p.seq for p in self.pieces if p.fresh]
-
-    @property
-    def ending(self) -> list[int]:
-        return [p.seq for p in self.pieces if p.ends]
-
-
-def _plan(cu_seqlens: Optional, length: int, k: int) -> tuple[list[int], list[_Chunk]]:
-    """The sequences' offsets: cu_seqlens's values (checked again here: a compiled
-    graph skips the public function's check), or the one sequence [0, L); and the
-    chunks of K steps of L, each cut at the sequence boundaries inside it."""
-    cu = [0, length] if cu_seqlens is None else [int(v) for v in cu_seqlens.tolist()]
-    if not cu or cu[0] != 0 or cu[-1] != length or any(b < a for a, b in pairwise(cu)):
-        raise ValueError(
-            f"{_FN}: expected cu_seqlens to be non-decreasing offsets from 0 to L = {length}, "
-            f"but got {cu}"
-        )
-    seqs = [(s, lo, hi) for s, (lo, hi) in enumerate(pairwise(cu)) if hi > lo]
-    chunks, first = [], 0
-    for start in range(0, length, k):
-        stop = min(start + k, length)
-        while seqs[first][2] <= start:
-            first += 1
-        pieces, i = [], first
-        while i < len(seqs) and seqs[i][1] < stop:
-            s, lo, hi = seqs[i]
-            pieces.append(
-                _Piece(max(lo, start) - start, min(hi, stop) - start, s, lo > start, hi <= stop)
-            )
-            i += 1
-        entry = seqs[first][0] if seqs[first][1] == start else None
-        chunks.append(_Chunk(start, stop, entry, tuple(pieces)))
-    return cu, chunks
+Forward = tuple[Tensor, Tensor, Tensor]
 
 
 # --- one piece of a sequence: the loop, and the dual form -----------------------------
@@ -250,140 +187,27 @@ def _dual_piece(
     return y.reshape(batch, blocks * size, heads, headdim)[:, :q], h
 
 
-# --- a chunk, and the two drivers -----------------------------------------------------
+# --- the backends on the shared driver -------------------------------------------------
 
 
-def _chunk_forward(
-    piece: Piece, pieces: tuple[_Piece, ...], x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
-    C: Tensor, D: Optional, z: Optional, h0: Tensor, fresh: Optional,
-) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
-    """One chunk's (out, last state, final states of the sequences ending in it), in
-    differentiable torch ops: the first piece starts from ``h0``, each later one from
-    its row of ``fresh`` (the initial states of the sequences starting inside the
-    chunk, in order; zeros when None)."""
-    ys, ends, h, k = [], [], h0, 0
-    for p in pieces:
-        if p.fresh:
-            h = torch.zeros_like(h0) if fresh is None else fresh[k : k + 1]
-            k += 1
-        s = slice(p.lo, p.hi)
-        y, h = piece(x[:, s], dt[:, s], A, B[:, s], C[:, s], h)
-        ys.append(y)
-        if p.ends:
-            ends.append(h)
-    out = ys[0] if len(ys) == 1 else torch.cat(ys, 1)
-    if D is not None:
-        out = out + D * x
-    if z is not None:
-        out = out * F.silu(z)
-    return out, h, tuple(ends)
+def _with_d_z(inner: Piece) -> _checkpointed.Piece:
+    """The driver's piece: ``inner``'s steps, then ``D`` and ``z`` on their output."""
 
-
-def _rows(s: int, packed: bool) -> slice:
-    """The rows of a state tensor holding sequence ``s``'s: its own row when packed,
-    every batch row (one sequence each) when not."""
-    return slice(s, s + 1) if packed else slice(None)
-
-
-Forward = tuple[Tensor, Tensor, Tensor]
-
-
-def _forward(
-    piece: Piece, k: int, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional, z: Optional, initial: Optional, cu_seqlens: Optional,
-) -> Forward:  # fmt: skip
-    batch, length, heads, headdim = x.shape
-    n = B.shape[-1]
-    packed = cu_seqlens is not None
-    bounds, plan = _plan(cu_seqlens, length, k)
-
-    def start_state(s: int) -> Tensor:
-        if initial is None:
-            return x.new_zeros(batch, heads, headdim, n)
-        return initial[_rows(s, packed)]
-
-    # no in-place writes (lists, then one cat) and no torch.no_grad: the forward mode
-    # of the scans runs this under torch.func.jvp and jacfwd (ssd/autograd.py), where
-    # tangents are batched, and under reverse mode (jacrev of jacfwd); inside the op
-    # autograd does not record anyway
-    outs, entering = [], []
-    finals: list[Tensor | None] = [None] * (len(bounds) - 1)
-    h = x.new_zeros(batch, heads, headdim, n)
-    for chunk in plan:
-        h0 = h if chunk.entry is None else start_state(chunk.entry)
-        entering.append(h0)
-        fresh = None if initial is None or not chunk.fresh else initial[chunk.fresh]
-        s = slice(chunk.start, chunk.stop)
-        y, h, ends = _chunk_forward(
-            piece, chunk.pieces, x[:, s], dt[:, s], A, B[:, s], C[:, s], D,
-            None if z is None else z[:, s], h0, fresh,
-        )  # fmt: skip
-        outs.append(y)
-        for seq, state in zip(chunk.ending, ends, strict=True):
-            finals[seq] = state
-    out = torch.cat(outs, 1) if outs else x.new_zeros(x.shape)
-    checkpoints = torch.stack(entering, 1) if entering else x.new_zeros(batch, 0, heads, headdim, n)
-    states = [start_state(s) if f is None else f for s, f in enumerate(finals)]
-    final = torch.cat(states) if states else x.new_zeros(0, heads, headdim, n)
-    return out, final, checkpoints
-
-
-def _backward(
-    piece: Piece, k: int, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional, z: Optional, initial: Optional, cu_seqlens: Optional, checkpoints: Tensor,
-    grad_out: Tensor, grad_final: Tensor,
-) -> tuple[Tensor, ...]:  # fmt: skip
-    batch, length, heads, headdim = x.shape
-    packed = cu_seqlens is not None
-    bounds, plan = _plan(cu_seqlens, length, k)
-    grad_x, grad_dt = torch.zeros_like(x), torch.zeros_like(dt)
-    grad_b, grad_c = torch.zeros_like(B), torch.zeros_like(C)
-    grad_z = EMPTY(x) if z is None else torch.zeros_like(z)
-    grad_a = torch.zeros_like(A)
-    grad_d = EMPTY(x) if D is None else torch.zeros_like(D)
-    grad_initial = EMPTY(x) if initial is None else torch.zeros_like(initial)
-    zero_state = x.new_zeros(batch, heads, headdim, B.shape[-1])
-    carry = zero_state  # the gradient of the state leaving the chunk into the next
-    for c in reversed(range(len(plan))):
-        chunk = plan[c]
-        s = slice(chunk.start, chunk.stop)
-        primals = {"x": x[:, s], "dt": dt[:, s], "A": A, "B": B[:, s], "C": C[:, s],
-                   "h0": checkpoints[:, c]}  # fmt: skip
+    def piece(
+        timed: tuple[Optional, ...], fixed: tuple[Optional, ...], h: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        x, dt, B, C, z = timed
+        A, D = fixed
+        assert x is not None and dt is not None and A is not None
+        assert B is not None and C is not None
+        y, h = inner(x, dt, A, B, C, h)
         if D is not None:
-            primals["D"] = D
+            y = y + D * x
         if z is not None:
-            primals["z"] = z[:, s]
-        if initial is not None and chunk.fresh:
-            primals["fresh"] = initial[chunk.fresh]
+            y = y * F.silu(z)
+        return y, h
 
-        def run(p: dict[str, Tensor], pieces: tuple[_Piece, ...] = chunk.pieces) -> object:
-            return _chunk_forward(
-                piece, pieces, p["x"], p["dt"], p["A"], p["B"], p["C"], p.get("D"),
-                p.get("z"), p["h0"], p.get("fresh"),
-            )  # fmt: skip
-
-        ends = tuple(grad_final[_rows(seq, packed)] for seq in chunk.ending)
-        (found,) = torch.func.vjp(run, primals)[1]((grad_out[:, s], carry, ends))
-        grad_x[:, s], grad_dt[:, s] = found["x"], found["dt"]
-        grad_b[:, s], grad_c[:, s] = found["B"], found["C"]
-        grad_a += found["A"]
-        if D is not None:
-            grad_d += found["D"]
-        if z is not None:
-            grad_z[:, s] = found["z"]
-        if "fresh" in found:
-            grad_initial[chunk.fresh] = found["fresh"]
-        if chunk.entry is None:
-            carry = found["h0"]
-        else:  # step ``start`` starts a sequence: h0 was its initial state
-            if initial is not None:
-                grad_initial[_rows(chunk.entry, packed)] = found["h0"]
-            carry = zero_state
-    if initial is not None:  # an empty sequence's final state is its initial state
-        for seq, (lo, hi) in enumerate(pairwise(bounds)):
-            if lo == hi:
-                grad_initial[_rows(seq, packed)] = grad_final[_rows(seq, packed)]
-    return grad_x, grad_dt, grad_a, grad_b, grad_c, grad_d, grad_z, grad_initial
+    return piece
 
 
 def bind(
@@ -393,15 +217,30 @@ def bind(
     for the call's steps."""
     k = CHECKPOINT_STEPS[backend]
 
-    @drops_final
-    def forward(x: Tensor, dt: Tensor, A: Tensor, *args: Optional) -> Forward:
-        return _forward(piece_for(dt, A), k, x, dt, A, *args)  # type: ignore[arg-type]
+    def forward(
+        x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional, z: Optional,
+        initial: Optional, cu_seqlens: Optional,
+    ) -> Forward:  # fmt: skip
+        zero = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
+        piece = _with_d_z(piece_for(dt, A))
+        return _checkpointed.forward(
+            _FN, piece, k, (x, dt, B, C, z), (A, D), initial, cu_seqlens, zero
+        )
 
-    @zero_rows_as_zeros
-    def backward(x: Tensor, dt: Tensor, A: Tensor, *args: Optional) -> tuple[Tensor, ...]:
-        return _backward(piece_for(dt, A), k, x, dt, A, *args)  # type: ignore[arg-type]
+    def backward(
+        x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional, z: Optional,
+        initial: Optional, cu_seqlens: Optional, checkpoints: Tensor, grad_out: Tensor,
+        grad_final: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        zero = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
+        piece = _with_d_z(piece_for(dt, A))
+        (gx, gdt, gb, gc, gz), (ga, gd), gi = _checkpointed.backward(
+            _FN, piece, k, (x, dt, B, C, z), (A, D), initial, cu_seqlens, checkpoints,
+            grad_out, grad_final, zero,
+        )  # fmt: skip
+        return tuple(EMPTY(x) if g is None else g for g in (gx, gdt, ga, gb, gc, gd, gz, gi))
 
-    return forward, backward
+    return drops_final(forward), zero_rows_as_zeros(backward)
 
 
 def _dual_for(dt: Tensor, A: Tensor) -> Piece:
