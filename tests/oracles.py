@@ -14,12 +14,14 @@ from __future__ import annotations
 import cmath
 import math
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "delta_rule_loop",
     "fold",
     "fold_scan",
     "heinsen_loop",
@@ -333,3 +335,64 @@ def ssd_loop(
         out = out * z * torch.sigmoid(z)
     final = torch.cat(finals) if finals else x.new_zeros(0, heads, headdim, n)
     return out, final
+
+
+def delta_rule_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    qk_l2norm: bool = False,
+    initial: torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule, one step and one head at a time, in the dtype it is given: q, k
+    (batch, L, Hk, K); v (batch, L, Hv, V), value head h reading q/k head
+    h // (Hv // Hk); beta (batch, L, Hv); g None, (batch, L, Hv) or (batch, L, Hv, K),
+    log decays; initial (states, Hv, K, V)::
+
+        S = Diag(exp(g[t])) S;  u = beta[t] (v[t] - S^T k[t]);  S = S + k[t] u^T
+        o[t] = scale S^T q[t]     (q, k l2-normalized first when qk_l2norm)
+
+    ``cu_seqlens`` (a list of offsets, batch 1): the state restarts at each offset
+    from that sequence's row of ``initial`` (zeros by default). Returns (o, the final
+    states: one per batch row, or one per packed sequence)."""
+    batch, length, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    scale = dk**-0.5 if scale is None else scale
+    # (batch row, sequence, its steps, its initial state's row)
+    runs = (
+        [(b, b, range(length)) for b in range(batch)]
+        if cu_seqlens is None
+        else [(0, s, range(lo, hi)) for s, (lo, hi) in enumerate(pairwise(cu_seqlens))]
+    )
+    outs: dict[tuple[int, int, int], torch.Tensor] = {}
+    finals = []
+    for b, row, steps in runs:
+        heads = []
+        for h in range(hv):
+            i = h // (hv // hk)
+            state = initial[row, h] if initial is not None else v.new_zeros(dk, dv)
+            for t in steps:
+                if g is not None:
+                    decay = torch.exp(g[b, t, h])
+                    state = (decay[:, None] if decay.dim() == 1 else decay) * state
+                u = beta[b, t, h] * (v[b, t, h] - k[b, t, i] @ state)
+                state = state + torch.outer(k[b, t, i], u)
+                outs[b, t, h] = scale * (q[b, t, i] @ state)
+            heads.append(state)
+        finals.append(torch.stack(heads))
+    if length:
+        o = torch.stack([
+            torch.stack([torch.stack([outs[b, t, h] for h in range(hv)]) for t in range(length)])
+            for b in range(batch)
+        ])  # fmt: skip
+    else:
+        o = v.new_zeros(batch, 0, hv, dv)
+    final = torch.stack(finals) if finals else v.new_zeros(0, hv, dk, dv)
+    return o, final

@@ -15,6 +15,7 @@ with _warnings.catch_warnings():
     # program's own warning filters are restored as they were.
     _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     from parascan._core import backends
+    from parascan.delta_rule import delta_rule_scan
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
     from parascan.matrix import matrix_linear_scan
@@ -29,6 +30,7 @@ __all__ = [
     "associative_reduce",
     "associative_scan",
     "backends",
+    "delta_rule_scan",
     "linear_scan",
     "log_linear_scan",
     "matrix_linear_scan",

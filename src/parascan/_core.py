@@ -733,10 +733,12 @@ class CheckpointedScan:
     # (*tensors, *consts, backend) -> empty (out, final, checkpoints): the fake kernel
     forward_shapes: Callable[..., tuple[Tensor, Tensor, Tensor]]
     # (tensors, consts) -> the grad_final standing for one that is None (grad_out's is
-    # zeros like the first tensor's)
+    # zeros like tensor ``out_like``)
     zero_final: Callable[..., Tensor]
     # whether the backends' backward takes the consts (after the tensors)
     backward_consts: bool = True
+    # the tensor whose shape and dtype ``out`` has
+    out_like: int = 0
 
 
 @dataclass(frozen=True)
@@ -913,7 +915,7 @@ class _Scan(torch.autograd.Function):
         built = _SCANS[ctx.name]
         *tensors, checkpoints = ctx.saved_tensors
         if grad_out is None:
-            grad_out = torch.zeros_like(tensors[0])
+            grad_out = torch.zeros_like(tensors[built.spec.out_like])
         if grad_final is None:
             grad_final = built.spec.zero_final(tensors, ctx.consts)
         fn = built.functions[2] if torch.compiler.is_compiling() else built.functions[3]

@@ -11,6 +11,7 @@ import parascan.compat.accelerated_scan
 import parascan.compat.fla
 import parascan.compat.mamba_ssm
 import parascan.compat.torch_parallel_scan
+import parascan.delta_rule.api
 import parascan.first_order.api
 import parascan.generic.api
 import parascan.matrix.api
@@ -26,6 +27,7 @@ import parascan.matrix.api
         parascan.compat.fla,
         parascan.compat.mamba_ssm,
         parascan.compat.torch_parallel_scan,
+        parascan.delta_rule.api,
         parascan._core,
     ],
 )

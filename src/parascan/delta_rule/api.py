@@ -1,0 +1,145 @@
+"""The public delta-rule scan: ``delta_rule_scan`` (DeltaNet, Gated DeltaNet, Kimi
+Delta Attention)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from parascan._core import (
+    check_cu_seqlens,
+    check_flag,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    describe,
+    resolve,
+)
+from parascan.delta_rule import autograd as delta_ops
+
+__all__ = ["delta_rule_scan"]
+
+_FN = "parascan.delta_rule_scan"
+Opt = Tensor | None
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _scale(scale: object, dk: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(dk)
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale):
+        return float(scale)
+    raise TypeError(
+        f"{_FN}: expected scale to be a finite number or None, but got {describe(scale)}"
+    )
+
+
+def delta_rule_scan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    g: Opt = None,
+    scale: float | None = None,
+    qk_l2norm: bool = False,
+    initial: Opt = None,
+    return_final: bool = False,
+    cu_seqlens: Opt = None,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The delta rule with a (K, V) matrix state per value head, never stored over
+    time: DeltaNet (``g=None``), Gated DeltaNet (``g`` (batch, L, Hv): one log decay
+    per head and step) and Kimi Delta Attention (``g`` (batch, L, Hv, K): one per key
+    channel)::
+
+        q, k = (l2norm(q), l2norm(k)) if qk_l2norm    l2norm(x) = x * rsqrt(sum(x * x) + 1e-6)
+        S[t] = Diag(exp(g[t])) S[t-1]                 S[-1] = initial (zeros)
+        u[t] = beta[t] * (v[t] - S[t]^T k[t])
+        S[t] = S[t] + k[t] u[t]^T
+        o[t] = scale * S[t]^T q[t]                    scale defaults to K ** -0.5
+
+    ``q``, ``k``: (batch, L, Hk, K); ``v``: (batch, L, Hv, V) with Hv a multiple of Hk
+    (q/k head i serves the Hv / Hk consecutive value heads from i * Hv / Hk);
+    ``beta``: (batch, L, Hv), any real values. ``initial`` and the final state:
+    (batch, Hv, K, V). ``cu_seqlens`` packs sequences along L of a batch of one, as
+    for the other scans; ``initial`` and the final state are then (num_seqs, Hv, K, V).
+
+    The state and the sums are float32 (float64 when ``v`` is float64); the output
+    has ``v``'s dtype, the final state the state's. ``return_final=True`` returns
+    ``(o, final)``, differentiable. Differentiable in q, k, v, beta, g and initial;
+    works under vmap, torch.func and torch.compile(fullgraph=True).
+
+    >>> import torch, parascan as ps
+    >>> q, k, v = torch.randn(2, 50, 2, 8), torch.randn(2, 50, 2, 8), torch.randn(2, 50, 4, 16)
+    >>> beta, g = torch.rand(2, 50, 4), -torch.rand(2, 50, 4)
+    >>> o, final = ps.delta_rule_scan(q, k, v, beta, g=g, qk_l2norm=True, return_final=True)
+    >>> o.shape, final.shape
+    (torch.Size([2, 50, 4, 16]), torch.Size([2, 4, 8, 16]))
+    """
+    q = check_tensor(_FN, "q", q)
+    if q.dim() != 4:
+        raise ValueError(f"{_FN}: expected q of shape (batch, L, Hk, K), but got {describe(q)}")
+    batch, length, hk, dk = q.shape
+    k = check_tensor(_FN, "k", k)
+    check_shape(_FN, "k", k, (batch, length, hk, dk), "(batch, L, Hk, K) like q")
+    v = check_tensor(_FN, "v", v)
+    if v.dim() != 4 or v.shape[:2] != (batch, length):
+        raise ValueError(
+            f"{_FN}: expected v of shape (batch, L, Hv, V) with (batch, L) = {(batch, length)}, "
+            f"but got {describe(v)}"
+        )
+    hv, dv = v.shape[2], v.shape[3]
+    if hk < 1 or hv % hk:
+        raise ValueError(
+            f"{_FN}: expected v's head count Hv to be a multiple of q and k's Hk = {hk}, but "
+            f"got {describe(v)}"
+        )
+    beta = check_tensor(_FN, "beta", beta)
+    check_shape(_FN, "beta", beta, (batch, length, hv), "(batch, L, Hv)")
+    if g is not None:
+        g = check_tensor(_FN, "g", g)
+        if tuple(g.shape) not in ((batch, length, hv), (batch, length, hv, dk)):
+            raise ValueError(
+                f"{_FN}: expected g of shape (batch, L, Hv) = {(batch, length, hv)} or "
+                f"(batch, L, Hv, K) = {(batch, length, hv, dk)}, but got {describe(g)}"
+            )
+    states = batch
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(_FN, cu_seqlens, length, q.device)
+        if batch != 1:
+            raise ValueError(
+                f"{_FN}: with cu_seqlens the sequences are packed along L of a batch of one: "
+                f"expected batch 1, but got q {describe(q)}"
+            )
+        states = cu_seqlens.shape[0] - 1
+    if initial is not None:
+        initial = check_tensor(_FN, "initial", initial)
+        what = f"({'num_seqs' if cu_seqlens is not None else 'batch'}, Hv, K, V)"
+        check_shape(_FN, "initial", initial, (states, hv, dk, dv), what)
+    named = [("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial", initial)]
+    check_same_device(_FN, [(n, t) for n, t in named if t is not None])
+    qk_l2norm = check_flag(_FN, "qk_l2norm", qk_l2norm)
+    return_final = check_flag(_FN, "return_final", return_final)
+    factor = _scale(scale, dk)
+
+    cd = torch.float64 if v.dtype == torch.float64 else torch.float32
+    name = resolve(delta_ops.ROW, backend, v.device, cd, name=_FN)
+    # q's scale and the normalization, in differentiable torch ops: the backends see
+    # only the recurrence
+    q, k = q.to(cd), k.to(cd)
+    if qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    out, final = delta_ops.apply(
+        q * factor, k, v.to(cd), beta.to(cd), None if g is None else g.to(cd),
+        None if initial is None else initial.to(cd),
+        None if cu_seqlens is None else cu_seqlens.to(torch.int64), return_final, name,
+    )  # fmt: skip
+    out = out.to(v.dtype)
+    return (out, final) if return_final else out

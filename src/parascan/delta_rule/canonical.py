@@ -1,0 +1,64 @@
+"""The delta-rule scan as every backend sees it: canonical, validated operands. The
+public function (api.py) validates its arguments and brings them to this one form
+with differentiable torch ops (the casts to the compute dtype, ``qk_l2norm`` and
+``scale``, folded into q and k), so that a backend sees only the recurrence. The op
+(autograd.py) hands the operands to a backend; the float64 loop in the tests is the
+judge of every backend.
+
+Operands (``cd``, the compute dtype: float64 when ``v`` is float64, else float32;
+every operand is in ``cd``):
+    q, k        (batch, L, Hk, K)      q already scaled (and normalized with k)
+    v           (batch, L, Hv, V)      Hv a multiple of Hk: q/k head i serves the v
+                                       heads i * Hv / Hk ... (i + 1) * Hv / Hk - 1
+    beta        (batch, L, Hv)
+    g           None, (batch, L, Hv) or (batch, L, Hv, K): log decays
+    initial     (S, Hv, K, V) or None (zeros); S = batch, or num_seqs when packed
+    cu_seqlens  (num_seqs + 1,) int64 or None: packed sequences along L (batch 1)
+The math, per sequence (no state crosses a sequence boundary), head h reading q/k
+head h // (Hv / Hk)::
+
+    S[t] = Diag(exp(g[t])) S[t-1]                S[first - 1] = initial[s] (zeros)
+    u[t] = beta[t] (v[t] - S[t]^T k[t])
+    S[t] = S[t] + k[t] u[t]^T
+    o[t] = S[t]^T q[t]
+
+forward(q, k, v, beta, g, initial, cu_seqlens) -> (out, final, checkpoints)
+    out          (batch, L, Hv, V) cd
+    final        (S, Hv, K, V) cd: each sequence's last state (its initial state, or
+                 zeros, when it is empty)
+    checkpoints  (batch, n_chunks, Hv, K, V) cd, n_chunks = ceil(L / K_c) with
+                 K_c = CHECKPOINT_STEPS[backend]: the state entering each chunk
+backward(q, k, v, beta, g, initial, cu_seqlens, checkpoints, grad_out, grad_final)
+    -> the gradients of q, k, v, beta, g, initial (an empty tensor for an absent one)
+Every backend's forward also takes ``want_final`` (eighth; ``final`` then has no
+rows) and its backward a grad_final with no rows for zeros. Neither allocates a
+(batch, L, Hv, K, V) tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from parascan import _checkpointed
+
+__all__ = ["CHECKPOINT_STEPS", "drops_final", "n_chunks", "zero_rows_as_zeros"]
+
+# Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
+CHECKPOINT_STEPS = {"torch": 128, "loop": 64}
+
+
+def n_chunks(length: int, backend: str) -> int:
+    """The number of checkpoints of a sequence of ``length`` steps on ``backend``."""
+    return math.ceil(length / CHECKPOINT_STEPS[backend]) if length > 0 else 0
+
+
+def drops_final(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A backend's ``forward`` of the seven operands that also takes ``want_final``."""
+    return _checkpointed.drops_final(forward, 7)
+
+
+def zero_rows_as_zeros(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A backend's ``backward`` that also takes a ``grad_final`` with no rows."""
+    return _checkpointed.zero_rows_as_zeros(backward, 6)

@@ -1,0 +1,286 @@
+"""ps.delta_rule_scan (DeltaNet, Gated DeltaNet, KDA) against the float64 loop
+(oracles.delta_rule_loop), on every backend of its row: the three gate forms,
+grouped heads, K != V, options, lengths, dtypes, strong decays, packed sequences,
+gradients, vmap, torch.func, compile, the decoding step and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parascan as ps
+from parascan.delta_rule import autograd as delta_ops
+from parascan.delta_rule.canonical import CHECKPOINT_STEPS
+
+from conftest import assert_matches, targets
+from harness import forward_mode_checks
+from oracles import delta_rule_loop
+
+TARGETS = [t for t in targets() if t.backend in delta_ops.ROW.backends]
+IDS = [str(t) for t in TARGETS]
+# Lengths around the checkpoint intervals and the torch backend's blocks (32 and 64).
+CHUNKS = sorted({CHECKPOINT_STEPS[b] for b in delta_ops.ROW.backends})
+LENGTHS = sorted({0, 1, 2, 31, 33, 63, 64, 65, *(k + 1 for k in CHUNKS)})
+GATES = ["none", "head", "channel"]
+F64 = torch.float64
+
+
+def _problem(
+    gen: torch.Generator, batch: int = 2, length: int = 20, hk: int = 2, hv: int = 4,
+    dk: int = 5, dv: int = 3, gate: str = "head", initial: bool = True,
+    states: int | None = None, strength: float = 2.0,
+) -> dict:  # fmt: skip
+    """A float64 problem: beta in [0, 2], log decays in [-strength, 0], keys of unit
+    length (the regime where the recurrence is stable, as with qk_l2norm: a step
+    multiplies the state by I - beta k k^T, whose eigenvalues stay in [-1, 1])."""
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=F64)
+
+    def unit(*shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=F64)
+
+    gates = {
+        "none": None,
+        "head": -strength * unit(batch, length, hv),
+        "channel": -strength * unit(batch, length, hv, dk),
+    }
+    return {
+        "q": rand(batch, length, hk, dk),
+        "k": torch.nn.functional.normalize(rand(batch, length, hk, dk), dim=-1),
+        "v": rand(batch, length, hv, dv),
+        "beta": 2 * unit(batch, length, hv),
+        "g": gates[gate],
+        "initial": rand(batch if states is None else states, hv, dk, dv) if initial else None,
+    }
+
+
+def _cast(p: dict, dtype: torch.dtype) -> dict:
+    """The inputs in ``dtype``; the initial state in the state's precision."""
+    wide = F64 if dtype == F64 else torch.float32
+    return {k: None if v is None else v.to(wide if k == "initial" else dtype) for k, v in p.items()}
+
+
+def _run(p: dict, backend: str, cu: list[int] | None = None, **options: object):  # type: ignore[no-untyped-def]
+    q = dict(p)
+    args = [q.pop(k) for k in ("q", "k", "v", "beta")]
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    return ps.delta_rule_scan(
+        *args, **q, **options, return_final=True, cu_seqlens=cu_seqlens, backend=backend
+    )
+
+
+def _oracle(p: dict, cu: list[int] | None = None, **options: object):  # type: ignore[no-untyped-def]
+    wide = {k: None if v is None else v.to(F64) for k, v in p.items()}
+    return delta_rule_loop(**wide, **options, cu_seqlens=cu)  # type: ignore[arg-type]
+
+
+def _check(p: dict, backend: str, dtype: torch.dtype, cu=None, **options) -> None:  # type: ignore[no-untyped-def]
+    q = _cast(p, dtype)
+    want_out, want_final = _oracle(q, cu, **options)
+    out, final = _run(q, backend, cu, **options)
+    state = F64 if dtype == F64 else torch.float32
+    assert out.dtype == dtype and final.dtype == state
+    assert_matches(out, want_out, dtype)
+    assert_matches(final, want_final, state)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_lengths_against_loop(where, gen, gate, length):
+    _check(_problem(gen, length=length, gate=gate), where.backend, torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_dtypes_against_loop(where, gen, gate, dtype):
+    _check(_problem(gen, length=40, gate=gate), where.backend, dtype)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize(
+    ("dk", "dv", "hk", "hv"), [(3, 17, 1, 3), (17, 3, 3, 3), (100, 4, 1, 2), (128, 128, 1, 1)]
+)
+def test_sizes_and_groups(where, gen, dk, dv, hk, hv):
+    p = _problem(gen, batch=1, length=70, hk=hk, hv=hv, dk=dk, dv=dv, gate="channel")
+    _check(p, where.backend, torch.float32, qk_l2norm=True)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize(
+    "options", [{}, {"qk_l2norm": True}, {"scale": 0.3}, {"qk_l2norm": True, "scale": 2.0}]
+)
+def test_options_against_loop(where, gen, gate, options):
+    _check(_problem(gen, length=70, gate=gate, initial=False), where.backend, F64, **options)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_strong_decays(where, gen, gate):
+    """Log decays down to -50 a step (exp(-50) ~ 2e-22: the state forgets at once)
+    and beta in [0, 2]: finite and equal to the loop."""
+    p = _problem(gen, length=100, gate=gate, strength=50.0)
+    _check(p, where.backend, torch.float32, qk_l2norm=True)
+    _check(p, where.backend, F64)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+def test_packed_equals_each_sequence_alone(where, gen, gate):
+    cu = [0, 0, 30, 31, 100, 100, 170]
+    p = _problem(gen, batch=1, length=170, gate=gate, states=len(cu) - 1)
+    out, final = _run(p, where.backend, cu, qk_l2norm=True)
+    for s in range(len(cu) - 1):
+        lo, hi = cu[s], cu[s + 1]
+        alone = {k: v[:, lo:hi] for k, v in p.items() if k != "initial" and v is not None}
+        alone["g"] = None if p["g"] is None else alone["g"]
+        alone["initial"] = p["initial"][s : s + 1]
+        o, f = _run(alone, where.backend, qk_l2norm=True)
+        torch.testing.assert_close(out[:, lo:hi], o)
+        torch.testing.assert_close(final[s : s + 1], f)
+    _check(p, where.backend, F64, cu, qk_l2norm=True)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradcheck(where, gen, gate, packed):
+    cu = [0, 3, 3, 9] if packed else None
+    p = _problem(gen, batch=1 if packed else 2, length=9, hk=1, hv=2, dk=3, dv=2, gate=gate,
+                 states=3 if packed else None)  # fmt: skip
+    names = [k for k, v in p.items() if v is not None]
+
+    def f(*ts):  # type: ignore[no-untyped-def]
+        return _run({**p, **dict(zip(names, ts, strict=True))}, where.backend, cu, qk_l2norm=True)
+
+    leaves = tuple(p[k].clone().requires_grad_() for k in names)
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+def test_gradients_against_loop_float32(where, gen, gate):
+    """Every input's gradient in float32 against autograd through the float64 loop,
+    over lengths that cross the checkpoints and blocks."""
+    p = _cast(_problem(gen, length=150, gate=gate), torch.float32)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
+    exact = {k: v.detach().to(F64).requires_grad_() for k, v in leaves.items()}
+    out, final = _run({**p, **leaves}, where.backend, qk_l2norm=True)
+    want_out, want_final = delta_rule_loop(**{**p, **exact}, qk_l2norm=True)
+    w_out = torch.randn(out.shape, generator=gen, dtype=F64)
+    w_fin = torch.randn(final.shape, generator=gen, dtype=F64)
+    got = torch.autograd.grad((out.double() * w_out).sum() + (final.double() * w_fin).sum(),
+                              list(leaves.values()))  # fmt: skip
+    want = torch.autograd.grad((want_out * w_out).sum() + (want_final * w_fin).sum(),
+                               list(exact.values()))  # fmt: skip
+    for name, g, w in zip(leaves, got, want, strict=True):
+        assert g.shape == leaves[name].shape, name
+        assert_matches(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_forward_mode(where, gen):
+    p = _problem(gen, length=20, gate="channel")
+    forward_mode_checks(lambda q: _run(q, where.backend), lambda q: _oracle(q), p, "v",
+                        "parascan.delta_rule_scan", gen)  # fmt: skip
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_vmap_and_grad(where, gen):
+    p = _cast(_problem(gen, batch=1, length=70, initial=False), torch.float32)
+    vs = torch.randn(3, *p["v"].shape, generator=gen)
+    betas = torch.rand(3, *p["beta"].shape, generator=gen)
+
+    def f(v, beta):  # type: ignore[no-untyped-def]
+        return _run({**p, "v": v, "beta": beta}, where.backend)[0]
+
+    got = torch.vmap(f)(vs, betas)
+    torch.testing.assert_close(got, torch.stack([f(vs[i], betas[i]) for i in range(3)]))
+    grad = torch.func.grad(lambda b: f(vs[0], b).square().sum())(betas[0])
+    b0 = betas[0].clone().requires_grad_()
+    f(vs[0], b0).square().sum().backward()
+    torch.testing.assert_close(grad, b0.grad)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_compile_fullgraph(where, gen, packed):
+    cu = [0, 10, 10, 70] if packed else None
+    p = _cast(_problem(gen, batch=1, length=70, gate="channel", states=3 if packed else None),
+              torch.float32)  # fmt: skip
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
+    cu_t = None if cu is None else torch.tensor(cu)
+
+    def f(q, cu_seqlens):  # type: ignore[no-untyped-def]
+        q = dict(q)
+        args = [q.pop(k) for k in ("q", "k", "v", "beta")]
+        return ps.delta_rule_scan(*args, **q, qk_l2norm=True, return_final=True,
+                                  cu_seqlens=cu_seqlens, backend=where.backend)  # fmt: skip
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out, final = compiled({**p, **leaves}, cu_t)
+    want_out, want_final = f(p, cu_t)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(final, want_final)
+    (out.sum() + final.sum()).backward()
+    eager = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
+    sum(t.sum() for t in f({**p, **eager}, cu_t)).backward()
+    for k, v in leaves.items():
+        torch.testing.assert_close(v.grad, eager[k].grad)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", GATES)
+def test_decode_steps_equal_the_scan(where, gen, gate):
+    """Calls of one step each, carrying the state, equal the scan."""
+    p = _cast(_problem(gen, length=9, gate=gate), torch.float32)
+    out, final = _run(p, where.backend, qk_l2norm=True)
+    state = p["initial"]
+    for t in range(9):
+        step = {k: None if v is None else v[:, t : t + 1] for k, v in p.items() if k != "initial"}
+        o, state = _run({**step, "initial": state}, where.backend, qk_l2norm=True)
+        torch.testing.assert_close(o, out[:, t : t + 1])
+    torch.testing.assert_close(state, final)
+
+
+def test_inputs_untouched_and_auto_backend(gen):
+    p = _cast(_problem(gen, length=30, gate="channel"), torch.float32)
+    saved = {k: None if v is None else v.clone() for k, v in p.items()}
+    out, _ = _run(p, "auto", qk_l2norm=True)
+    for k, v in p.items():
+        if v is not None:
+            torch.testing.assert_close(v, saved[k], rtol=0, atol=0)
+    # "auto" takes the row's first backend that runs on the CPU
+    first = next(b for b in delta_ops.ROW.backends if b in ps.backends("cpu"))
+    want, _ = _run(p, first, qk_l2norm=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_errors(gen):
+    p = _problem(gen, batch=2, length=6, gate="head")
+    q, k, v, beta = p["q"], p["k"], p["v"], p["beta"]
+    fn = "parascan.delta_rule_scan"
+    cases = [
+        (ValueError, "q of shape", lambda: ps.delta_rule_scan(q[0], k, v, beta)),
+        (ValueError, "k of shape", lambda: ps.delta_rule_scan(q, k[:, :5], v, beta)),
+        (ValueError, "multiple of", lambda: ps.delta_rule_scan(q, k, v[:, :, :3], beta[:, :, :3])),
+        (ValueError, "beta of shape", lambda: ps.delta_rule_scan(q, k, v, beta[:, :, :1])),
+        (ValueError, "g of shape", lambda: ps.delta_rule_scan(q, k, v, beta, g=beta[..., :2])),
+        (TypeError, "dtype", lambda: ps.delta_rule_scan(q.long(), k, v, beta)),
+        (TypeError, "dtype", lambda: ps.delta_rule_scan(q, k, v, beta.to(torch.complex128))),
+        (ValueError, "batch 1", lambda: ps.delta_rule_scan(
+            q, k, v, beta, cu_seqlens=torch.tensor([0, 6]))),
+        (ValueError, "initial of shape", lambda: ps.delta_rule_scan(
+            q, k, v, beta, initial=p["initial"][:1])),
+        (TypeError, "scale", lambda: ps.delta_rule_scan(q, k, v, beta, scale="1")),
+        (TypeError, "qk_l2norm", lambda: ps.delta_rule_scan(q, k, v, beta, qk_l2norm=1)),
+        (TypeError, "return_final", lambda: ps.delta_rule_scan(q, k, v, beta, return_final=None)),
+        (RuntimeError, "cpu", lambda: ps.delta_rule_scan(q, k, v, beta, backend="cpu")),
+    ]  # fmt: skip
+    for error, words, call in cases:
+        with pytest.raises(error, match=words) as info:
+            call()
+        assert str(info.value).startswith(fn), str(info.value)
