@@ -284,3 +284,25 @@ def test_errors(gen):
         with pytest.raises(error, match=words) as info:
             call()
         assert str(info.value).startswith(fn), str(info.value)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("fallback", ["chunk", "recurrent"])
+def test_matches_transformers_gated_delta_rule(where, gen, fallback):
+    """transformers' own torch fallbacks of the gated delta rule (Qwen3.5's), an
+    outside reading of the same recurrence: equal outputs and final states."""
+    transformers = pytest.importorskip("transformers")
+    del transformers
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    theirs = getattr(qwen, f"torch_{fallback}_gated_delta_rule")
+    theirs = getattr(theirs, "__wrapped__", theirs)
+    p = _problem(gen, batch=2, length=70, hk=3, hv=3, dk=8, dv=6, gate="head")
+    o, final = _run(p, where.backend, qk_l2norm=True)
+    want_o, want_final = theirs(
+        p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=p["initial"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    # they compute in float32 whatever the inputs' dtype
+    assert_matches(o, want_o.to(F64), torch.float32)
+    assert_matches(final, want_final.to(F64), torch.float32)
