@@ -128,6 +128,63 @@ def test_strong_decays(where, gen, gate):
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_strong_then_weak_decays_float32(where, gen, gate):
+    """Strong decays (-200 a step) then weak ones (-0.001) within one block: the
+    weights between the weak steps must not inherit the rounding of the strong ones'
+    running sum (the torch backend once took them as differences of it: 1e-4 off)."""
+    p = _problem(gen, batch=1, length=64, hk=1, hv=1, dk=8, dv=8, gate=gate)
+    p["g"] = torch.full_like(p["g"], -0.001)
+    p["g"][:, :40] = -200.0
+    _check(p, where.backend, torch.float32)
+    leaves = _cast(p, torch.float32)
+    _gradients_match(where.backend, leaves, gen)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_a_minus_infinity_decay_resets_the_state(where, gen, gate):
+    """g = -inf (a hard reset: what an overflowing float16 gate becomes) forgets the
+    state, finite in the outputs and every gradient, as in the loop."""
+    p = _problem(gen, batch=1, length=70, gate=gate)
+    p["g"][:, 10] = -torch.inf
+    _check(p, where.backend, F64)
+    _gradients_match(where.backend, _cast(p, torch.float32), gen)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_non_contiguous_inputs(where, gen):
+    p = _problem(gen, batch=2, length=40, gate="channel")
+    views = {
+        "q": p["q"].transpose(0, 1).contiguous().transpose(0, 1),
+        "k": torch.cat([p["k"], p["k"]], -1)[..., ::2],
+        "v": p["v"].permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0),
+        "beta": p["beta"].transpose(1, 2).contiguous().transpose(1, 2),
+    }
+    views["k"].copy_(p["k"])
+    assert not any(t.is_contiguous() for t in views.values())
+    _check({**p, **views}, where.backend, torch.float32, qk_l2norm=True)
+
+
+def _gradients_match(backend: str, p: dict, gen: torch.Generator) -> None:
+    """Every input's gradient (finite) against autograd through the float64 loop."""
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
+    exact = {k: v.detach().to(F64).requires_grad_() for k, v in leaves.items()}
+    out, final = _run({**p, **leaves}, backend, qk_l2norm=True)
+    want_out, want_final = delta_rule_loop(**{**p, **exact}, qk_l2norm=True)
+    w_out = torch.randn(out.shape, generator=gen, dtype=F64)
+    w_fin = torch.randn(final.shape, generator=gen, dtype=F64)
+    got = torch.autograd.grad((out.double() * w_out).sum() + (final.double() * w_fin).sum(),
+                              list(leaves.values()))  # fmt: skip
+    want = torch.autograd.grad((want_out * w_out).sum() + (want_final * w_fin).sum(),
+                               list(exact.values()))  # fmt: skip
+    for name, g, w in zip(leaves, got, want, strict=True):
+        assert g.shape == leaves[name].shape, name
+        assert g.isfinite().all(), name
+        assert_matches(g, w, torch.float32 if g.dtype != F64 else F64)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("gate", GATES)
 def test_packed_equals_each_sequence_alone(where, gen, gate):
     cu = [0, 0, 30, 31, 100, 100, 170]
@@ -165,20 +222,7 @@ def test_gradcheck(where, gen, gate, packed):
 def test_gradients_against_loop_float32(where, gen, gate):
     """Every input's gradient in float32 against autograd through the float64 loop,
     over lengths that cross the checkpoints and blocks."""
-    p = _cast(_problem(gen, length=150, gate=gate), torch.float32)
-    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
-    exact = {k: v.detach().to(F64).requires_grad_() for k, v in leaves.items()}
-    out, final = _run({**p, **leaves}, where.backend, qk_l2norm=True)
-    want_out, want_final = delta_rule_loop(**{**p, **exact}, qk_l2norm=True)
-    w_out = torch.randn(out.shape, generator=gen, dtype=F64)
-    w_fin = torch.randn(final.shape, generator=gen, dtype=F64)
-    got = torch.autograd.grad((out.double() * w_out).sum() + (final.double() * w_fin).sum(),
-                              list(leaves.values()))  # fmt: skip
-    want = torch.autograd.grad((want_out * w_out).sum() + (want_final * w_fin).sum(),
-                               list(exact.values()))  # fmt: skip
-    for name, g, w in zip(leaves, got, want, strict=True):
-        assert g.shape == leaves[name].shape, name
-        assert_matches(g, w, torch.float32)
+    _gradients_match(where.backend, _cast(_problem(gen, length=150, gate=gate), torch.float32), gen)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -268,6 +312,10 @@ def test_errors(gen):
         (ValueError, "k of shape", lambda: ps.delta_rule_scan(q, k[:, :5], v, beta)),
         (ValueError, "multiple of", lambda: ps.delta_rule_scan(q, k, v[:, :, :3], beta[:, :, :3])),
         (ValueError, "beta of shape", lambda: ps.delta_rule_scan(q, k, v, beta[:, :, :1])),
+        (ValueError, "K >= 1", lambda: ps.delta_rule_scan(q[..., :0], k[..., :0], v, beta)),
+        (ValueError, "positive multiple", lambda: ps.delta_rule_scan(
+            q, k, v[:, :, :0], beta[:, :, :0])),
+        (ValueError, "V >= 1", lambda: ps.delta_rule_scan(q, k, v[..., :0], beta)),
         (ValueError, "g of shape", lambda: ps.delta_rule_scan(q, k, v, beta, g=beta[..., :2])),
         (TypeError, "dtype", lambda: ps.delta_rule_scan(q.long(), k, v, beta)),
         (TypeError, "dtype", lambda: ps.delta_rule_scan(q, k, v, beta.to(torch.complex128))),

@@ -87,6 +87,11 @@ def delta_rule_scan(
     if q.dim() != 4:
         raise ValueError(f"{_FN}: expected q of shape (batch, L, Hk, K), but got {describe(q)}")
     batch, length, hk, dk = q.shape
+    if hk < 1 or dk < 1:
+        raise ValueError(
+            f"{_FN}: expected q with at least one head and one key channel (Hk, K >= 1), but "
+            f"got {describe(q)}"
+        )
     k = check_tensor(_FN, "k", k)
     check_shape(_FN, "k", k, (batch, length, hk, dk), "(batch, L, Hk, K) like q")
     v = check_tensor(_FN, "v", v)
@@ -96,10 +101,14 @@ def delta_rule_scan(
             f"but got {describe(v)}"
         )
     hv, dv = v.shape[2], v.shape[3]
-    if hk < 1 or hv % hk:
+    if hv < 1 or hv % hk:
         raise ValueError(
-            f"{_FN}: expected v's head count Hv to be a multiple of q and k's Hk = {hk}, but "
-            f"got {describe(v)}"
+            f"{_FN}: expected v's head count Hv to be a positive multiple of q and k's Hk = "
+            f"{hk}, but got {describe(v)}"
+        )
+    if dv < 1:
+        raise ValueError(
+            f"{_FN}: expected v with at least one value channel (V >= 1), but got {describe(v)}"
         )
     beta = check_tensor(_FN, "beta", beta)
     check_shape(_FN, "beta", beta, (batch, length, hv), "(batch, L, Hv)")

@@ -50,6 +50,19 @@ Piece = Callable[[Tensor, Tensor, Tensor, Tensor, Optional, Tensor], tuple[Tenso
 Forward = tuple[Tensor, Tensor, Tensor]
 
 
+def _segments(g: Tensor, i: Tensor) -> Tensor:
+    """seg[..., t, j, :] = g[..., j+1, :] + ... + g[..., t, :] for t >= j (0 on the
+    diagonal), from the log decays g (..., c, K): each segment summed directly (a
+    masked cumulative sum, not a difference of running sums, whose rounding grows
+    with the running sum: after strong decays it would swamp the weak ones after
+    them), so a -inf decay (a hard reset) gives -inf, never -inf - -inf. Above the
+    diagonal: 0 (the caller masks it)."""
+    # g[k] enters seg[t, j] for j < k <= t: row k of the terms keeps columns j < k
+    keep = (i[:, None] > i)[..., None]
+    terms = g[..., :, None, :].expand(*g.shape[:-2], g.shape[-2], g.shape[-2], g.shape[-1])
+    return terms.masked_fill(~keep, 0.0).cumsum(-3)
+
+
 def _block(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional, h: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -65,23 +78,22 @@ def _block(
         kk, qk = k @ kt, q @ kt
         k_in, q_in, k_out, through = k, q, k, None
     elif g.dim() == 3:  # a log decay per head
-        gamma = g.cumsum(-1)
-        w = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, -torch.inf))
+        seg = _segments(g[..., :, None], i)[..., 0]  # (batch, H, c, c)
+        w = torch.exp(seg.masked_fill(~lower, -torch.inf))
         kk, qk = (k @ kt) * w, (q @ kt) * w
-        into = torch.exp(gamma)[..., None]
+        into = torch.exp(g.cumsum(-1))[..., None]
         k_in, q_in = k * into, q * into
-        k_out = k * torch.exp(gamma[..., -1:] - gamma)[..., None]
-        through = torch.exp(gamma[..., -1])[..., None, None]
+        k_out = k * w[..., -1, :, None]
+        through = into[..., -1:, :]
     else:  # a log decay per key channel
-        gamma = g.cumsum(-2)
-        seg = gamma[..., :, None, :] - gamma[..., None, :, :]  # (batch, H, c, c, K)
+        seg = _segments(g, i)  # (batch, H, c, c, K)
         w = torch.exp(seg.masked_fill(~lower[..., None], -torch.inf))
         kk = torch.einsum("bhtc,bhjc,bhtjc->bhtj", k, k, w)
         qk = torch.einsum("bhtc,bhjc,bhtjc->bhtj", q, k, w)
-        into = torch.exp(gamma)
+        into = torch.exp(g.cumsum(-2))
         k_in, q_in = k * into, q * into
-        k_out = k * torch.exp(gamma[..., -1:, :] - gamma)
-        through = torch.exp(gamma[..., -1, :])[..., None]
+        k_out = k * w[..., -1, :, :]
+        through = into[..., -1, :, None]
     a = beta[..., None] * kk * strict
     rhs = beta[..., None] * (v - k_in @ h)
     eye = torch.eye(c, dtype=v.dtype, device=v.device)
