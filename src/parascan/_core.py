@@ -73,6 +73,7 @@ __all__ = [
     "check_in_place",
     "check_layout",
     "check_offsets",
+    "check_packed_state",
     "check_same_device",
     "check_shape",
     "check_tensor",
@@ -343,6 +344,32 @@ def check_cu_seqlens(
     if not torch.compiler.is_compiling():
         check_offsets(name, cu_seqlens.tolist(), steps)
     return cu_seqlens
+
+
+def check_packed_state(
+    fn: str, first: tuple[str, torch.Tensor], cu_seqlens: object, initial: object,
+    state: tuple[tuple[int, ...], str],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """``cu_seqlens`` and ``initial`` of a scan with a state per sequence, validated:
+    ``first`` (name, tensor) is an operand (batch, L, ...) whose batch must be 1 with
+    ``cu_seqlens``; ``initial`` is (batch, *shape), or (num_seqs, *shape) when packed,
+    with ``state = (shape, its dimensions' names)``."""
+    name, t = first
+    batch, length = t.shape[0], t.shape[1]
+    states = batch
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(fn, cu_seqlens, length, t.device)
+        if batch != 1:
+            raise ValueError(
+                f"{fn}: with cu_seqlens the sequences are packed along L of a batch of one: "
+                f"expected batch 1, but got {name} {describe(t)}"
+            )
+        states = cu_seqlens.shape[0] - 1
+    if initial is not None:
+        initial = check_tensor(fn, "initial", initial)
+        what = f"({'num_seqs' if cu_seqlens is not None else 'batch'}, {state[1]})"
+        check_shape(fn, "initial", initial, (states, *state[0]), what)
+    return cu_seqlens, initial
 
 
 def check_offsets(name: str, cu: list[int], steps: int) -> None:

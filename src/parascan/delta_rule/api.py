@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from parascan._core import (
-    check_cu_seqlens,
     check_flag,
+    check_packed_state,
     check_same_device,
     check_shape,
     check_tensor,
@@ -119,19 +119,9 @@ def delta_rule_scan(
                 f"{_FN}: expected g of shape (batch, L, Hv) = {(batch, length, hv)} or "
                 f"(batch, L, Hv, K) = {(batch, length, hv, dk)}, but got {describe(g)}"
             )
-    states = batch
-    if cu_seqlens is not None:
-        cu_seqlens = check_cu_seqlens(_FN, cu_seqlens, length, q.device)
-        if batch != 1:
-            raise ValueError(
-                f"{_FN}: with cu_seqlens the sequences are packed along L of a batch of one: "
-                f"expected batch 1, but got q {describe(q)}"
-            )
-        states = cu_seqlens.shape[0] - 1
-    if initial is not None:
-        initial = check_tensor(_FN, "initial", initial)
-        what = f"({'num_seqs' if cu_seqlens is not None else 'batch'}, Hv, K, V)"
-        check_shape(_FN, "initial", initial, (states, hv, dk, dv), what)
+    cu_seqlens, initial = check_packed_state(
+        _FN, ("q", q), cu_seqlens, initial, ((hv, dk, dv), "Hv, K, V")
+    )
     named = [("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial", initial)]
     check_same_device(_FN, [(n, t) for n, t in named if t is not None])
     qk_l2norm = check_flag(_FN, "qk_l2norm", qk_l2norm)

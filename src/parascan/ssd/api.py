@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._core import (
-    check_cu_seqlens,
     check_flag,
+    check_packed_state,
     check_shape,
     check_tensor,
     describe,
@@ -141,19 +141,9 @@ def ssd_scan(
     if dt_bias is not None:
         dt_bias = check_tensor(_FN, "dt_bias", dt_bias)
         check_shape(_FN, "dt_bias", dt_bias, (heads,), "(heads,)")
-    states = batch
-    if cu_seqlens is not None:
-        cu_seqlens = check_cu_seqlens(_FN, cu_seqlens, length, x.device)
-        if batch != 1:
-            raise ValueError(
-                f"{_FN}: with cu_seqlens the sequences are packed along L of a batch of one: "
-                f"expected batch 1, but got x {describe(x)}"
-            )
-        states = cu_seqlens.shape[0] - 1
-    if initial is not None:
-        initial = check_tensor(_FN, "initial", initial)
-        what = f"({'num_seqs' if cu_seqlens is not None else 'batch'}, heads, headdim, N)"
-        check_shape(_FN, "initial", initial, (states, heads, headdim, n), what)
+    cu_seqlens, initial = check_packed_state(
+        _FN, ("x", x), cu_seqlens, initial, ((heads, headdim, n), "heads, headdim, N")
+    )
     named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
              ("dt_bias", dt_bias), ("initial", initial)]  # fmt: skip
     for name, t in named:
