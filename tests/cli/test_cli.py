@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import parascan as ps
-from parascan.cli import bench
+from parascan.cli import bench, bench_delta, bench_selective
 from parascan.cli.bench_generic import implementation_names
 from parascan.cli.check import run_check
 from parascan.cli.main import main
@@ -379,7 +379,39 @@ def test_bench_workload_is_correct_for_every_backend(workload) -> None:
 
 
 # the selective scan's quick rows (the SSD scan's are tested in test_bench_ssd.py)
-SELECTIVE = [c for c in bench.QUICK_SSM_CASES if not isinstance(c, bench.SsdCase)]
+SELECTIVE = [c for c in bench.QUICK_SSM_CASES if isinstance(c, bench_selective.SsmCase)]
+DELTA = [c for c in bench.QUICK_SSM_CASES if isinstance(c, bench_delta.DeltaCase)]
+
+
+def test_bench_delta_rows_are_checked_and_compared_with_their_limits() -> None:
+    out = io.StringIO()
+    status = bench.run_bench(cases=[], ssm_cases=DELTA, repeat=1, as_json=True, out=out)
+    assert status == 0
+    rows = json.loads(out.getvalue())["ssm_rows"]
+    impls = [(r["impl"], r["direction"]) for r in rows]
+    assert impls[:4] == [
+        ("parascan", "forward"), ("parascan", "forward+backward"),
+        ("parascan packed", "forward"), ("parascan packed", "forward+backward"),
+    ]  # fmt: skip
+    assert impls[-1] == ("parascan", "decode step")
+    for r in rows:
+        assert r["correct"] and r["limit_ms"] > 0 and r["vs_limit"] > 0
+        assert r["max_error"] is None or r["max_error"] < 1e-4
+
+
+def test_bench_never_reports_a_speed_for_a_wrong_delta_result(monkeypatch) -> None:
+    real = bench_delta.ps.delta_rule_scan
+
+    def off(*a, **kw):  # type: ignore[no-untyped-def]
+        out = real(*a, **kw)
+        return out * 1.01 if isinstance(out, torch.Tensor) else out
+
+    monkeypatch.setattr(bench_delta.ps, "delta_rule_scan", off)
+    out = io.StringIO()
+    status = bench.run_bench(cases=[], ssm_cases=DELTA, repeat=1, out=out)
+    assert status == 1
+    wrong = [line for line in out.getvalue().splitlines() if "WRONG" in line]
+    assert len(wrong) == 4 and all("parascan" in line for line in wrong)
 
 
 def test_bench_ssm_rows_compare_with_the_loop_and_the_exp_limit() -> None:

@@ -44,6 +44,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from parascan.cli.bench_delta import (
+    DEFAULT_DELTA_CASES,
+    QUICK_DELTA_CASES,
+    DeltaCase,
+    DeltaRow,
+    delta_step_names,
+    format_delta,
+    run_delta,
+)
 from parascan.cli.bench_ssd import (
     DEFAULT_SSD_CASES,
     FULL_SSD_CASES,
@@ -100,7 +109,7 @@ class SsmRow:
     note: str = ""
 
 
-AnySsmCase = SsmCase | SsdCase
+AnySsmCase = SsmCase | SsdCase | DeltaCase
 
 DEFAULT_SSM_CASES: list[AnySsmCase] = [
     # the loops on 128 steps, scaled by 8: right for the forward, a lower bound for the
@@ -108,13 +117,19 @@ DEFAULT_SSM_CASES: list[AnySsmCase] = [
     # --full runs), so parascan's forward + backward ratio here understates it
     SsmCase("mamba-1 scan", 1, 1536, 1024, 16, loop_steps=128),
     *DEFAULT_SSD_CASES,
+    *DEFAULT_DELTA_CASES,
 ]
 FULL_SSM_CASES: list[AnySsmCase] = [
     SsmCase("mamba-1 scan", 1, 1536, 1024, 16),
     SsmCase("mamba-1 scan long", 2, 2048, 4096, 16, loop_steps=512),
     *FULL_SSD_CASES,
+    *DEFAULT_DELTA_CASES,
 ]
-QUICK_SSM_CASES: list[AnySsmCase] = [SsmCase("mamba-1 scan", 1, 64, 128, 16), *QUICK_SSD_CASES]
+QUICK_SSM_CASES: list[AnySsmCase] = [
+    SsmCase("mamba-1 scan", 1, 64, 128, 16),
+    *QUICK_SSD_CASES,
+    *QUICK_DELTA_CASES,
+]
 
 _CHECKED = 8  # channels checked against the float64 loop
 _DIRECTIONS = ("forward", "forward+backward")
@@ -124,6 +139,8 @@ _IMPLS = ("parascan", "reference loop", "published loop")
 def ssm_step_names(case: AnySsmCase) -> list[str]:
     if isinstance(case, SsdCase):
         return ssd_step_names(case)
+    if isinstance(case, DeltaCase):
+        return delta_step_names(case)
     return [f"{case.name} {i} {d}" for i in _IMPLS for d in _DIRECTIONS]
 
 
@@ -267,10 +284,12 @@ def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[S
 
 def _run_any(
     case: AnySsmCase, repeat: int, step: Callable[[str], None]
-) -> Iterable[SsmRow | SsdRow]:
+) -> Iterable[SsmRow | SsdRow | DeltaRow]:
     """A case's rows (see the module docstring; an SsdCase's from bench_ssd.py)."""
     if isinstance(case, SsdCase):
         return run_ssd([case], repeat, step)
+    if isinstance(case, DeltaCase):
+        return run_delta([case], repeat, step)
     return _run_case(case, repeat, step)
 
 
@@ -281,9 +300,11 @@ run_ssm = partial(run_cases, _run_any)
 _SELECTIVE_LINE = "{:<20} {:<16} {:<16} {:<17} {:>10} {:>7} {:>7} {:>8} {:>9}  {}"
 
 
-def format_ssm(rows: list[SsmRow | SsdRow]) -> str:
-    """The selective scan's table, then the SSD scan's (each when it has rows)."""
+def format_ssm(rows: list[SsmRow | SsdRow | DeltaRow]) -> str:
+    """The selective scan's table, then the SSD scan's, then the delta rule's (each when
+    it has rows)."""
     ssd = [r for r in rows if isinstance(r, SsdRow)]
+    delta = [r for r in rows if isinstance(r, DeltaRow)]
     selective = [r for r in rows if isinstance(r, SsmRow)]
     head = (
         "Selective scan (Mamba-1: variable B/C, D, z, delta_bias, softplus; float32; x exp: "
@@ -297,7 +318,9 @@ def format_ssm(rows: list[SsmRow | SsdRow]) -> str:
          cell(r.max_error, ".1e", ""), cell(r.peak_extra_mib, ".0f", ""), r.note)
         for r in selective
     )  # fmt: skip
-    tables = ([table([head], _SELECTIVE_LINE, names, cells)] if selective else []) + (
-        [format_ssd(ssd)] if ssd else []
+    tables = (
+        ([table([head], _SELECTIVE_LINE, names, cells)] if selective else [])
+        + ([format_ssd(ssd)] if ssd else [])
+        + ([format_delta(delta)] if delta else [])
     )
     return "\n\n".join(tables)
