@@ -48,7 +48,21 @@ Mamba-2 (``mamba2`` and the hybrids whose modules carry the same functions: ``ba
   attention mask, and when that mask pads a step the fused training path declines (see
   :func:`split_conv_scan`).
 
-Both families, where their modules define them:
+The gated delta rule (the modules that define ``torch_chunk_gated_delta_rule``:
+``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``, ``qwen4_exp``, ``lara_mini`` and
+``olmo_hybrid`` in transformers 5.24):
+
+- ``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` (the torch
+  fallbacks used without flash-linear-attention): :func:`chunk_gated_delta_rule` and
+  :func:`recurrent_gated_delta_rule`, by :func:`parascan.delta_rule_scan`; they keep
+  packed sequences (``cu_seq_lens_q``, passed down as ``cu_seqlens``) apart, which the
+  fallbacks refuse.
+- ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`, which also reads the packed
+  sequences from ``cu_seq_lens_q``; ``causal_conv1d_update`` as below.
+
+Kimi Delta Attention (``kimi_linear``, ``glm5_next``, ``bailing_hybrid``) is not patched yet.
+
+All families, where their modules define them:
 
 - ``causal_conv1d_fn``, the depthwise causal convolution before the scan: a few shifted
   multiply-adds (forward and backward) on the mixer's strided input, instead of a grouped
@@ -99,6 +113,7 @@ from torch import Tensor
 from parascan._core import check_in_place, describe
 from parascan.compat import mamba_ssm
 from parascan.compat._checks import is_integer_tensor
+from parascan.delta_rule.api import delta_rule_scan as ps_delta_rule_scan
 from parascan.mixer import conv
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
@@ -459,6 +474,102 @@ def no_fused_inner(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+# --- the gated delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid, ...) ---------------------------
+
+
+def _gated_delta(
+    fn: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, Tensor | None]:
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if cu_seqlens is not None and (not isinstance(cu_seqlens, Tensor) or query.shape[0] != 1):
+        raise ValueError(
+            f"{fn}: parascan's replacement reads cu_seqlens as (num_seqs + 1,) offsets along L "
+            f"of a batch of one, but got cu_seqlens {describe(cu_seqlens)} with a query of "
+            f"shape {tuple(query.shape)}"
+        )
+    out, final = ps_delta_rule_scan(
+        query, key, value, beta, g=g, qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        initial=None if initial_state is None else initial_state.float(),
+        return_final=True, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    return out.to(query.dtype), final.float() if output_final_state else None
+
+
+def chunk_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Replaces transformers' ``torch_chunk_gated_delta_rule`` (same parameters and
+    results: the output (batch, L, Hv, V) in ``query``'s dtype, the final state
+    (batch, Hv, K, V) in float32 or None): the gated delta rule by
+    :func:`parascan.delta_rule_scan`, scale K ** -0.5. ``chunk_size`` changes nothing.
+    ``cu_seqlens`` among the keywords (the layers pass ``cu_seq_lens_q`` under that
+    name) packs sequences along L of a batch of one, each restarting from a zero state
+    (the final state is then (num_seqs, Hv, K, V)), which the torch fallback refuses;
+    the other keywords (the model's attention keywords) are dropped."""
+    return _gated_delta(
+        "torch_chunk_gated_delta_rule", query, key, value, g, beta, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, kwargs,
+    )  # fmt: skip
+
+
+def recurrent_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Replaces transformers' ``torch_recurrent_gated_delta_rule`` (same parameters and
+    results), the decoding step from a cached state: as :func:`chunk_gated_delta_rule`."""
+    return _gated_delta(
+        "torch_recurrent_gated_delta_rule", query, key, value, g, beta, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, kwargs,
+    )  # fmt: skip
+
+
+def causal_conv1d_packed_q(
+    hidden_states: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Replaces transformers' ``causal_conv1d_fn`` in the gated-delta-rule modules: as
+    :func:`causal_conv1d`, reading packed sequences from ``cu_seq_lens_q`` (the name
+    under which these layers pass them to the convolution) when no ``cu_seqlens`` or
+    ``seq_idx`` is given, so that no step reads an input of an earlier sequence, as
+    the delta rule after it restarts at each boundary."""
+    if kwargs.get("seq_idx") is None and kwargs.get("cu_seqlens") is None:
+        cu = kwargs.get("cu_seq_lens_q")
+        return causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)
+    return causal_conv1d(
+        hidden_states, weight, bias, activation,
+        seq_idx=kwargs.get("seq_idx"), cu_seqlens=kwargs.get("cu_seqlens"),
+    )  # fmt: skip
+
+
 # --- what is patched where ----------------------------------------------------------------
 
 
@@ -522,7 +633,16 @@ _MAMBA2 = _Family(
         _CONV_UPDATE,
     ),
 )
-_FAMILIES = (_MAMBA1, _MAMBA2)
+_GATED_DELTA = _Family(
+    marker="torch_chunk_gated_delta_rule",
+    functions=(
+        _Function("torch_chunk_gated_delta_rule", chunk_gated_delta_rule),
+        _Function("torch_recurrent_gated_delta_rule", recurrent_gated_delta_rule),
+        _Function("causal_conv1d_fn", causal_conv1d_packed_q, required=False),
+        _CONV_UPDATE,
+    ),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}

@@ -1,0 +1,160 @@
+"""parascan.integrations.transformers on the gated-delta-rule models: a small randomly
+initialized Qwen3.5 text model computes the same logits, gradients and greedy generations
+patched as unpatched (float32, to rounding); patch() names the new functions and
+unpatch() restores the very same ones; a packed batch (cu_seq_lens_q), which the torch
+fallback refuses, equals its sequences run alone."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import parascan.integrations.transformers as integration  # noqa: E402
+
+VOCAB = 100
+GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "lara_mini", "olmo_hybrid")
+
+
+def qwen3_5(
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention"),
+) -> torch.nn.Module:
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=list(layer_types),
+    )  # fmt: skip
+    return transformers.Qwen3_5ForCausalLM(config)
+
+
+@pytest.fixture(autouse=True)
+def restored() -> Iterator[None]:
+    """Every test starts and ends unpatched."""
+    integration.unpatch()
+    yield
+    integration.unpatch()
+
+
+def build(*layer_types: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return (qwen3_5(layer_types) if layer_types else qwen3_5()).float()
+
+
+def inputs(batch: int = 2, length: int = 19) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(1, VOCAB, (batch, length), generator=gen)
+
+
+def both(run: Callable[[], object]) -> tuple[object, object]:
+    """``run()`` unpatched, then patched."""
+    want = run()
+    integration.patch()
+    try:
+        got = run()
+    finally:
+        integration.unpatch()
+    return got, want
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(
+        got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def test_logits_equal() -> None:
+    model = build().eval()
+    ids = inputs()
+
+    def run():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return model(ids).logits
+
+    got, want = both(run)
+    close(got, want, "logits")  # type: ignore[arg-type]
+
+
+def test_gradients_of_every_parameter() -> None:
+    model = build().train()
+    ids = inputs()
+
+    def run():  # type: ignore[no-untyped-def]
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                               if p.grad is not None}  # fmt: skip
+
+    (got_loss, got), (want_loss, want) = both(run)
+    close(got_loss, want_loss, "loss")
+    assert got.keys() == want.keys() and got
+    for name in want:
+        close(got[name], want[name], name)
+
+
+def test_greedy_generation() -> None:
+    model = build().eval()
+    ids = inputs(length=11)
+
+    def run():  # type: ignore[no-untyped-def]
+        out = model.generate(
+            ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        return out.sequences, torch.stack(out.scores)
+
+    (got, got_scores), (want, want_scores) = both(run)
+    assert torch.equal(got, want)
+    close(got_scores, want_scores, "scores")
+
+
+def test_patch_names_the_delta_rule_functions_and_unpatch_restores_them() -> None:
+    modules = {}
+    for name in GDN_MODULES:
+        modules[name] = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    fns = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    before = {(m, f): getattr(modules[m], f) for m in modules for f in fns}
+    names = integration.patch()
+    for m, f in before:
+        assert f"transformers.models.{m}.modeling_{m}.{f}" in names
+        assert getattr(modules[m], f) is not before[(m, f)]
+    qwen = "transformers.models.qwen3_5.modeling_qwen3_5"
+    assert f"{qwen}.causal_conv1d_fn" in names and f"{qwen}.causal_conv1d_update" in names
+    assert integration.patch() == names  # idempotent
+    assert integration.unpatch() == names
+    for (m, f), original in before.items():
+        assert getattr(modules[m], f) is original
+
+
+def test_a_packed_batch_equals_its_sequences_alone() -> None:
+    """Linear-attention layers only: the sdpa attention of this CPU build does not read
+    cu_seq_lens_q (only flash attention keeps packed sequences apart)."""
+    model = build("linear_attention", "linear_attention").eval()
+    lengths = [7, 12]
+    seqs = [inputs(1, n)[0] for n in lengths]
+    packed = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    integration.patch()
+    with torch.no_grad():
+        alone = [model(s[None], use_cache=False).logits[0] for s in seqs]
+        got = model(
+            packed, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False,
+            max_length_q=max(lengths), max_length_k=max(lengths),
+        ).logits[0]  # fmt: skip
+    close(got, torch.cat(alone), "packed logits")
+
+
+def test_packed_sequences_are_refused_unpatched() -> None:
+    model = build().eval()
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(7), torch.arange(12)])[None]
+    with pytest.raises(ValueError), torch.no_grad():
+        model(inputs(1, 19), position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+              max_length_q=12, max_length_k=12)  # fmt: skip
