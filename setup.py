@@ -16,6 +16,7 @@ KERNEL_SOURCES = [
     "src/parascan/generic/cpu.c",
     "src/parascan/selective/cpu.c",
     "src/parascan/ssd/cpu.c",
+    "src/parascan/delta_rule/cpu.c",
 ]
 
 setup(

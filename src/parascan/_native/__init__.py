@@ -46,7 +46,7 @@ def simd() -> bool:
     return os.environ.get("PARASCAN_SIMD", "1") != "0"
 
 
-ABI_VERSION = 12  # abi.h: PS_ABI_VERSION
+ABI_VERSION = 13  # abi.h: PS_ABI_VERSION
 
 
 @functools.cache
@@ -170,6 +170,12 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "nseq", "x", "dt", "A", "B", "C", "D", "z", "initial", "out", "final", "checkpoints",
         "grad_out", "grad_final", "grad_x", "grad_dt", "grad_A", "grad_B", "grad_C", "grad_D",
         "grad_z", "grad_initial", "nthreads", "simd", "failed",
+    ),
+    "delta": (
+        "batch", "length", "kheads", "heads", "dk", "dv", "gate", "chunk", "cu_seqlens", "nseq",
+        "q", "k", "v", "beta", "g", "initial", "out", "final", "checkpoints", "grad_out",
+        "grad_final", "grad_q", "grad_k", "grad_v", "grad_beta", "grad_g", "grad_initial",
+        "nthreads", "simd", "failed",
     ),
     "ssd_conv": (
         "batch", "length", "channels", "width", *_tensor("x", 2), "weight", "bias", "silu",

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from parascan._checkpointed import states
 from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
-from parascan.delta_rule import chunked, reference
+from parascan.delta_rule import chunked, cpu, reference
 from parascan.delta_rule.canonical import n_chunks
 
 __all__ = ["ROW", "apply"]
@@ -21,11 +21,13 @@ ROW = register(
     OpBackends(
         op="parascan.delta_rule_scan",
         backends={
+            # the first usable one is "auto"'s choice: the C kernel on CPU tensors, the
+            # chunked torch form elsewhere (on GPUs flash-linear-attention is the anchor)
+            "cpu": Backend(cpu.forward, cpu.backward, _STATE_DTYPES),
             "torch": Backend(chunked.forward_torch, chunked.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
         missing={
-            "cpu": "delta_rule_scan has no C kernel yet; use 'torch' (or 'auto', which picks it)",
             "triton": "delta_rule_scan has no Triton kernel (on GPUs flash-linear-attention's "
             "kernels are the reference); use 'torch' (or 'auto', which picks it)",
         },

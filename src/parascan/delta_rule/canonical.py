@@ -46,7 +46,7 @@ from parascan import _checkpointed
 __all__ = ["CHECKPOINT_STEPS", "drops_final", "n_chunks", "zero_rows_as_zeros"]
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
-CHECKPOINT_STEPS = {"torch": 128, "loop": 64}
+CHECKPOINT_STEPS = {"cpu": 64, "torch": 128, "loop": 64}
 
 
 def n_chunks(length: int, backend: str) -> int:

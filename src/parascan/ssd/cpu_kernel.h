@@ -11,78 +11,8 @@
  * state of a head lives transposed, hT[n][p] for p in headdim (padded with zero
  * lanes to Pv vectors of W), so that every product of a step is a vector over p
  * times a broadcast B[n] or C[n]: no lane sums in the forward at all. */
-
-#define LANE_LO(s, i) \
-    ((i) % (2 * (s)) < (s) ? (i) / (2 * (s)) * 2 * (s) + (i) % (2 * (s)) \
-                          : W + (i) / (2 * (s)) * 2 * (s) + (i) % (2 * (s)) - (s))
-#define LANE_HI(s, i) \
-    ((i) % (2 * (s)) < (s) ? (i) / (2 * (s)) * 2 * (s) + (s) + (i) % (2 * (s)) \
-                          : W + (i) / (2 * (s)) * 2 * (s) + (i) % (2 * (s)))
-#if W == 16
-#define LANES(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3), M(s, 4), M(s, 5), M(s, 6), M(s, 7), \
-    M(s, 8), M(s, 9), M(s, 10), M(s, 11), M(s, 12), M(s, 13), M(s, 14), M(s, 15)
-#elif W == 8
-#define LANES(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3), M(s, 4), M(s, 5), M(s, 6), M(s, 7)
-#elif W == 4
-#define LANES(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3)
-#elif W == 2
-#define LANES(M, s) M(s, 0), M(s, 1)
-#endif
-/* One level of the lane-sum tree: pairs of lanes s apart summed, a's sums in the
- * low half of each block of 2s lanes and b's in the high half. */
-#define LEVEL(a, b, s) \
-    (__builtin_shuffle((a), (b), (VI){LANES(LANE_LO, s)}) + \
-     __builtin_shuffle((a), (b), (VI){LANES(LANE_HI, s)}))
-
-/* dst[i] = the sum of the lanes of v[i], i < count <= W: W vectors summed at once by
- * a tree of shuffles (log2 W levels of W / 2 ... 1 pairs), vector i's bits becoming
- * the lane's bits, so lane i of the root holds v[i]'s sum. */
-ATTR static inline __attribute__((always_inline)) void F(ps_ssd_lane_sums)(const V *v,
-                                                                            int64_t count,
-                                                                            T *dst) {
-    V r[W];
-    for (int i = 0; i < W; ++i) r[i] = i < count ? v[i] : (V){0};
-#if W >= 16
-    for (int j = 0; j < 8; ++j) r[j] = LEVEL(r[j], r[j + 8], 8);
-#endif
-#if W >= 8
-    for (int j = 0; j < 4; ++j) r[j] = LEVEL(r[j], r[j + 4], 4);
-#endif
-#if W >= 4
-    for (int j = 0; j < 2; ++j) r[j] = LEVEL(r[j], r[j + 2], 2);
-#endif
-    r[0] = LEVEL(r[0], r[1], 1);
-    memcpy(dst, &r[0], sizeof(T) * (size_t)count); /* one vector store when count is W */
-}
-
-ATTR static void F(ps_ssd_sums)(const V *v, int64_t n, T *dst) {
-    for (int64_t i = 0; i < n; i += W) F(ps_ssd_lane_sums)(v + i, n - i < W ? n - i : W, dst + i);
-}
-
-/* Lane i of v[r] as lane r of v[i], r, i < W, in place: log2 W levels, each swapping
- * the off-diagonal s x s blocks of every 2s x 2s block of the tile (a lane's bit s
- * exchanged with its row's), two two-vector shuffles per pair of rows. */
-#define TR_LO(s, i) ((i) & (s) ? W + (i) - (s) : (i))
-#define TR_HI(s, i) ((i) & (s) ? W + (i) : (i) + (s))
-#define TR_LEVEL(v, s)                                                          \
-    for (int r = 0; r < W; ++r)                                                 \
-        if (!(r & (s))) {                                                       \
-            const V lo_ = __builtin_shuffle(v[r], v[r + (s)], (VI){LANES(TR_LO, s)}); \
-            v[r + (s)] = __builtin_shuffle(v[r], v[r + (s)], (VI){LANES(TR_HI, s)}); \
-            v[r] = lo_;                                                         \
-        }
-ATTR static inline __attribute__((always_inline)) void F(ps_ssd_transpose)(V *v) {
-    TR_LEVEL(v, 1)
-#if W >= 4
-    TR_LEVEL(v, 2)
-#endif
-#if W >= 8
-    TR_LEVEL(v, 4)
-#endif
-#if W >= 16
-    TR_LEVEL(v, 8)
-#endif
-}
+/* Lane sums and W x W transposes: F(ps_lane_sums), F(ps_lane_sums_n), F(ps_transpose). */
+#include "vector_lanes.h"
 
 /* A (headdim, N) state at src (NULL: zeros) into hT lanes [j0 W, j1 W) (nj = j1 - j0
  * vectors a row), and back: W x W tiles transposed in registers (a checkpoint per K
@@ -99,7 +29,7 @@ ATTR static void F(ps_ssd_load_state)(V *st, const T *src, int64_t P, int64_t N,
             for (; n0 + W <= N; n0 += W) {
                 V v[W];
                 for (int l = 0; l < W; ++l) memcpy(&v[l], src + (p0 + l) * N + n0, sizeof(V));
-                F(ps_ssd_transpose)(v);
+                F(ps_transpose)(v);
                 for (int i = 0; i < W; ++i) st[(n0 + i) * nj + j] = v[i];
             }
         for (int64_t l = 0; l < lanes; ++l)
@@ -116,7 +46,7 @@ ATTR static void F(ps_ssd_store_state)(T *dst, const V *st, int64_t P, int64_t N
             for (; n0 + W <= N; n0 += W) {
                 V v[W];
                 for (int i = 0; i < W; ++i) v[i] = st[(n0 + i) * nj + j];
-                F(ps_ssd_transpose)(v);
+                F(ps_transpose)(v);
                 for (int l = 0; l < W; ++l) memcpy(dst + (p0 + l) * N + n0, &v[l], sizeof(V));
             }
         for (int64_t l = 0; l < lanes; ++l)
@@ -628,7 +558,7 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
                                     j == 0, z != NULL, 1); break;
         default: break;
         }
-        F(ps_ssd_sums)(sc, N, pC + i * N);
+        F(ps_lane_sums_n)(sc, N, pC + i * N);
         cdot[i] = F(ps_ssd_dot)(Ct, pC + i * N, N);
         if (t == cu[s + 1] - 1)
             qend[i] = gfin ? F(ps_ssd_state_dot)(st, gfin + (sidx * H + h) * P * N, P, N, pv) : 0;
@@ -675,7 +605,7 @@ ATTR static void F(ps_ssd_bwd_chunk)(const F(ps_ssd_bwd_ctx) *ctx, int64_t b, in
                                     j == 0, 1); break;
         default: break;
         }
-        F(ps_ssd_sums)(sc, N, pB + i * N);
+        F(ps_lane_sums_n)(sc, N, pB + i * N);
         /* q[t] = <G[t], h[t]> - bdot[t], or exact (qx) */
         q = keep[i] == 2 ? 0
             : keep[i]    ? qx
@@ -836,13 +766,6 @@ done:
     return rc;
 }
 
-#undef LANE_LO
-#undef LANE_HI
-#undef LANES
-#undef LEVEL
-#undef TR_LO
-#undef TR_HI
-#undef TR_LEVEL
 #undef PS_SSD_AHEAD
 #undef PS_SSD_BLOCKS
 #undef PS_SSD_EXACT_BELOW

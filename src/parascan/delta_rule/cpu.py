@@ -1,0 +1,148 @@
+"""The ``cpu`` backend of the delta-rule scan: ctypes bindings to cpu.c.
+
+Both functions take the canonical operands of canonical.py and return new
+contiguous tensors. The kernel reads contiguous operands only: any other strides are
+copied here first (one pass over an input, small next to the scan's 3 K V
+multiply-adds per step and head). It runs on torch's thread count
+(``torch.get_num_threads()``) and gives the same bits with any count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from parascan._checkpointed import EMPTY
+from parascan._native import arg_struct, check_operands, kernel, simd
+from parascan.delta_rule.canonical import CHECKPOINT_STEPS
+
+__all__ = ["backward", "forward"]
+
+_C = CHECKPOINT_STEPS["cpu"]
+
+Opt = Tensor | None
+
+
+def _dense(t: Tensor) -> Tensor:
+    """A required operand contiguous, with any lazy conjugate or negative bit applied."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def _ptr(t: Opt) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+class _Operands:
+    """The canonical operands made contiguous and checked by the guard, with the
+    struct's members they fill (the tensors are held here while the kernel runs)."""
+
+    def __init__(
+        self, entry: str, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt,
+        cu_seqlens: Opt,
+    ) -> None:  # fmt: skip
+        q, k, v, beta = (_dense(t) for t in (q, k, v, beta))
+        g, initial = (None if t is None else _dense(t) for t in (g, initial))
+        if q.dim() != 4 or v.dim() != 4:
+            raise RuntimeError(
+                f"parascan: internal error: the {entry} CPU kernel takes q (batch, L, Hk, K) "
+                f"and v (batch, L, Hv, V), but was handed q {tuple(q.shape)} and v "
+                f"{tuple(v.shape)}"
+            )
+        batch, length, hk, dk = q.shape
+        hv, dv = v.shape[2], v.shape[3]
+        # cu_seqlens as the kernel reads it, a contiguous int64 CPU vector. Its values were
+        # checked by the public function (parascan._core.check_cu_seqlens); the kernel
+        # checks them again and fails the call rather than read out of bounds.
+        self.cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64).contiguous()
+        states = batch if self.cu is None else self.cu.numel() - 1
+        self.gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+        gate_shape = (batch, length, hv) if self.gate == 1 else (batch, length, hv, dk)
+        check_operands(
+            entry, v.dtype, (q, (batch, length, hk, dk)), (k, (batch, length, hk, dk)),
+            (v, (batch, length, hv, dv)), (beta, (batch, length, hv)), (g, gate_shape),
+            (initial, (states, hv, dk, dv)),
+        )  # fmt: skip
+        packed = self.cu is not None and (batch != 1 or self.cu.dim() != 1)
+        if hv % hk != 0 or packed:
+            raise RuntimeError(
+                f"parascan: internal error: the {entry} CPU kernel got {hv} value heads for "
+                f"{hk} q/k heads, batch {batch}, packed {self.cu is not None}"
+            )
+        self.q, self.k, self.v, self.beta, self.g, self.initial = q, k, v, beta, g, initial
+        self.dtype = v.dtype
+        self.shape = (batch, length, hk, hv, dk, dv)
+        self.state_shape = (states, hv, dk, dv)
+        self.checkpoint_shape = (batch, -(-length // _C), hv, dk, dv)  # n_chunks
+
+    def args(self, **tensors: Opt) -> object:
+        batch, length, hk, hv, dk, dv = self.shape
+        plain = {
+            "batch": batch, "length": length, "kheads": hk, "heads": hv, "dk": dk, "dv": dv,
+            "gate": self.gate, "chunk": _C,
+            "nseq": 0 if self.cu is None else self.cu.numel() - 1,
+            "nthreads": torch.get_num_threads(), "simd": int(simd()),
+        }  # fmt: skip
+        operands = {
+            "cu_seqlens": self.cu, "q": self.q, "k": self.k, "v": self.v, "beta": self.beta,
+            "g": self.g, "initial": self.initial, **tensors,
+        }  # fmt: skip
+        pointers = {name: _ptr(t) for name, t in operands.items()}
+        if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
+            pointers["cu_seqlens"] = self.cu.data_ptr()
+        return arg_struct("delta", **plain, **pointers)
+
+    def run(self, entry: str, args: object) -> None:
+        if kernel(entry, self.dtype)(args) != 0:
+            raise RuntimeError(
+                f"parascan: the {entry} CPU kernel failed (operands it rejects, such as bad "
+                f"cu_seqlens offsets, or out of memory) on q {tuple(self.q.shape)}, v "
+                f"{tuple(self.v.shape)}"
+            )
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt, cu_seqlens: Opt,
+    want_final: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The delta rule of canonical operands (canonical.py): ``(out, final,
+    checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps. Without
+    ``want_final`` the kernel stores no final state and ``final`` has no rows."""
+    ops = _Operands("delta_fwd", q, k, v, beta, g, initial, cu_seqlens)
+    out = torch.empty(ops.v.shape, dtype=ops.dtype)
+    rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
+    final = torch.empty(rows, dtype=ops.dtype)
+    checkpoints = torch.empty(ops.checkpoint_shape, dtype=ops.dtype)
+    ops.run("delta_fwd", ops.args(out=out, final=final, checkpoints=checkpoints))
+    return out, final, checkpoints
+
+
+def backward(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt, cu_seqlens: Opt,
+    checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of ``q, k, v, beta, g, initial`` (canonical.py; EMPTY for an
+    absent operand) from the forward's ``checkpoints``, ``grad_out`` and
+    ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
+    ops = _Operands("delta_bwd", q, k, v, beta, g, initial, cu_seqlens)
+    checkpoints, grad_out, grad_final = (_dense(t) for t in (checkpoints, grad_out, grad_final))
+    finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
+    check_operands(
+        "delta_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),
+        (grad_out, tuple(ops.v.shape)), (grad_final, finals),
+    )  # fmt: skip
+    grads = {
+        "grad_q": torch.empty_like(ops.q),
+        "grad_k": torch.empty_like(ops.k),
+        "grad_v": torch.empty_like(ops.v),
+        "grad_beta": torch.empty_like(ops.beta),
+        "grad_g": None if ops.g is None else torch.empty_like(ops.g),
+        "grad_initial": None if ops.initial is None else torch.empty(ops.state_shape,
+                                                                     dtype=ops.dtype),
+    }  # fmt: skip
+    ops.run(
+        "delta_bwd",
+        ops.args(checkpoints=checkpoints, grad_out=grad_out, grad_final=grad_final, **grads),
+    )
+    del checkpoints, grad_out, grad_final  # held until the kernel returned
+    g_ = [EMPTY(ops.v) if t is None else t for t in grads.values()]
+    return g_[0], g_[1], g_[2], g_[3], g_[4], g_[5]
