@@ -81,6 +81,7 @@ __all__ = [
     "conj",
     "custom_op",
     "describe",
+    "eager_no_grad",
     "loop_vmap",
     "nested_forward_mode",
     "normalize_dim",
@@ -607,6 +608,16 @@ def plain_eager() -> bool:
         and torch._C._len_torch_dispatch_stack() == 0
         and forward_ad._current_level < 0
     )
+
+
+def eager_no_grad(tensors: Sequence[Tensor]) -> bool:
+    """True when a call may run a C kernel directly, past its registered op: plain eager
+    tensors (no subclass, transform, mode or compile; plain_eager) that autograd does
+    not track (a generation loop runs under no_grad; a differentiable call takes the
+    op)."""
+    if not all(type(t) is Tensor for t in tensors) or not plain_eager():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:

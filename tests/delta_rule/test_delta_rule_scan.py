@@ -326,7 +326,8 @@ def test_errors(gen):
         (TypeError, "scale", lambda: ps.delta_rule_scan(q, k, v, beta, scale="1")),
         (TypeError, "qk_l2norm", lambda: ps.delta_rule_scan(q, k, v, beta, qk_l2norm=1)),
         (TypeError, "return_final", lambda: ps.delta_rule_scan(q, k, v, beta, return_final=None)),
-        (RuntimeError, "cpu", lambda: ps.delta_rule_scan(q, k, v, beta, backend="cpu")),
+        (RuntimeError, "Triton kernel", lambda: ps.delta_rule_scan(
+            q, k, v, beta, backend="triton")),
     ]  # fmt: skip
     for error, words, call in cases:
         with pytest.raises(error, match=words) as info:

@@ -39,7 +39,15 @@ import parascan as ps
 from parascan._native import kernel_constants, kernel_library_path
 
 from conftest import DTYPES, TOLERANCE, assert_matches
-from oracles import linear_loop, log_loop, matmul_fold, matrix_loop, selective_loop, ssd_loop
+from oracles import (
+    delta_rule_loop,
+    linear_loop,
+    log_loop,
+    matmul_fold,
+    matrix_loop,
+    selective_loop,
+    ssd_loop,
+)
 
 FIRST_ORDER_DTYPES = DTYPES  # every dtype of the first-order scans
 MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
@@ -675,9 +683,106 @@ def _ssd_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     return what, lambda: _with_threads(threads, check)
 
 
+def _delta_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    """The delta rule's C kernel (forward, fused backward) through
+    ps.delta_rule_scan(backend="cpu"): no gate, a gate per head or per key channel,
+    grouped value heads, K and V not multiples of any vector width or of the 32-float
+    column block, lengths around the checkpoint interval, packed sequences (empty ones
+    included), initial states, qk_l2norm, strided views, float32/float64, 1 to 4
+    threads; the output, final states and every gradient against the float64 loop."""
+    dtype = rng.choice([torch.float32, torch.float64])
+    hk = rng.choice([1, 1, 2])
+    hv = hk * rng.choice([1, 2, 3])
+    dk = rng.choice([1, 3, 16, 17, 33, 64, 128])
+    dv = rng.choice([1, 5, 16, 31, 32, 33, 70])
+    gate = rng.choice(["none", "head", "channel"])
+    c = 64  # the cpu backend's checkpoint interval (CHECKPOINT_STEPS)
+    length = rng.choice([0, 1, 2, 3, 17, c - 1, c, c + 1, 2 * c + 1])
+    packed = rng.random() < 0.3
+    batch = 1 if packed else rng.choice([1, 2, 3])
+    cu = None
+    if packed:
+        cuts = sorted(rng.choice([0, 1, c - 1, c, c + 1, rng.randint(0, length)])
+                      for _ in range(rng.randint(0, 4)))  # fmt: skip
+        cu = [0, *[x for x in cuts if x <= length], length]
+    initial = rng.random() < 0.5
+    # not with K = 1: x / sqrt(x^2 + 1e-6) is then +-1, and its gradient in float32 (torch's,
+    # before the kernel) a difference of two terms near 1 that cancel to 1e-6
+    l2norm = dk > 1 and rng.random() < 0.5
+    kinds = [rng.choice(["contiguous", "transposed", "sliced"]) for _ in range(2)]
+    bad_flag = _bad_flag(rng)
+    threads = rng.choice([1, 2, 3, 4])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    states = batch if cu is None else len(cu) - 1
+    what = (
+        f"delta rule {dtype} batch {batch} heads {hk}/{hv} K {dk} V {dv} gate {gate} L {length} "
+        f"cu_seqlens {cu} initial {initial} qk_l2norm {l2norm} views {kinds} "
+        f"bad flag {bad_flag!r} threads {threads}"
+    )
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def u(*shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=torch.float64)
+
+    k = r(batch, length, hk, dk)
+    wide = {
+        "q": r(batch, length, hk, dk),
+        # keys of unit length unless normalized in the call: the stable regime
+        "k": k if l2norm else torch.nn.functional.normalize(k, dim=-1),
+        "v": r(batch, length, hv, dv),
+        "beta": 2 * u(batch, length, hv),
+        "g": {"none": None, "head": -3 * u(batch, length, hv),
+              "channel": -3 * u(batch, length, hv, dk)}[gate],
+        "initial": r(states, hv, dk, dv) if initial else None,
+    }  # fmt: skip
+
+    def check() -> None:
+        args = {k2: None if v is None else v.to(dtype) for k2, v in wide.items()}
+        if bad_flag is not _NO_BAD_FLAG:
+            positional = [args[k2] for k2 in ("q", "k", "v", "beta")]
+            for flags in ({"qk_l2norm": bad_flag}, {"return_final": bad_flag}):
+                _expect_flag_error("parascan.delta_rule_scan", lambda f=flags: ps.delta_rule_scan(
+                    *positional, backend="cpu", **f))  # fmt: skip
+        leaves = {k2: v.detach().clone().requires_grad_() for k2, v in args.items()
+                  if v is not None}  # fmt: skip
+        viewed = {"q": _view(rng, leaves["q"], kinds[0]), "v": _view(rng, leaves["v"], kinds[1])}
+        call = {**leaves, **viewed}
+        got, final = ps.delta_rule_scan(
+            call["q"], call["k"], call["v"], call["beta"], g=call.get("g"),
+            initial=call.get("initial"), qk_l2norm=l2norm, return_final=True,
+            cu_seqlens=None if cu is None else torch.tensor(cu), backend="cpu",
+        )  # fmt: skip
+        exact = {k2: v.detach().double().clone().requires_grad_() for k2, v in leaves.items()}
+        want, want_final = delta_rule_loop(**exact, qk_l2norm=l2norm, cu_seqlens=cu)
+        assert_matches(got, want, dtype)
+        assert_matches(final, want_final, dtype)
+        if length == 0:
+            return
+        # in the outputs' dtypes: the kernel and the loop start from the same gradients
+        w_out = r(*want.shape).to(got.dtype).double()
+        w_fin = r(*want_final.shape).to(final.dtype).double()
+        got_grads = torch.autograd.grad(
+            (got.double() * w_out).sum() + (final.double() * w_fin).sum(), list(leaves.values())
+        )
+        want_grads = torch.autograd.grad(
+            (want * w_out).sum() + (want_final * w_fin).sum(), list(exact.values())
+        )
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert_matches(g, w, dtype)
+
+    return what, lambda: _with_threads(threads, check)
+
+
 def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
     """Case ``case`` of ``seed``: its description, and the check that runs it."""
     rng = random.Random(f"{seed}-{case}")
+    # one case in eight is the delta rule's, decided by a stream of its own so that
+    # every other case draws what it drew before the delta rule had a kernel (a seed
+    # and case number replay the same inputs: test_fuzz_regressions.py)
+    if random.Random(f"{seed}-{case}-delta").random() < 0.125:
+        return _delta_case(rng)
     kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product", "selective", "ssd"])
     if kind in ("linear", "log"):
         return _first_order_case(rng, log=kind == "log")

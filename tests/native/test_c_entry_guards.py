@@ -12,6 +12,7 @@ import torch
 
 
 def _guarded_calls() -> dict[str, Callable[[], Any]]:
+    from parascan.delta_rule import cpu as delta_cpu
     from parascan.first_order import cpu
     from parascan.first_order.semiring import LINEAR, LOG
     from parascan.matrix import cpu as matrix_cpu
@@ -25,7 +26,26 @@ def _guarded_calls() -> dict[str, Callable[[], Any]]:
         (torch.rand(2, 7, 4), torch.rand(2, 7, 1), torch.rand(2, 7, 1)),
         torch.rand(2, 7, 2),
     )
+    dq, dv, dbeta = torch.rand(1, 5, 2, 3), torch.rand(1, 5, 4, 6), torch.rand(1, 5, 4)
     return {
+        "delta fwd: k shorter": lambda: delta_cpu.forward(
+            dq, dq[:, :4], dv, dbeta, None, None, None
+        ),
+        "delta fwd: heads not dividing": lambda: delta_cpu.forward(
+            dq, dq, dv[:, :, :3], dbeta[..., :3], None, None, None
+        ),
+        "delta fwd: g of another shape": lambda: delta_cpu.forward(
+            dq, dq, dv, dbeta, torch.rand(1, 5, 4, 2), None, None
+        ),
+        "delta fwd: packed batch of two": lambda: delta_cpu.forward(
+            *(t.expand(2, *t.shape[1:]) for t in (dq, dq, dv, dbeta)),
+            None,
+            None,
+            torch.tensor([0, 5]),
+        ),
+        "delta bwd: checkpoints of another length": lambda: delta_cpu.backward(
+            dq, dq, dv, dbeta, None, None, None, torch.rand(1, 2, 4, 3, 6), dv, dv[:0]
+        ),
         "ssd conv fwd: weight of another dtype": lambda: ssd_layer.conv_forward(
             x, taps.double(), None, True, (4, 1, 1)
         ),

@@ -290,8 +290,8 @@ typedef struct {
  * initial, final, grad_final, grad_initial (S, heads, dk, dv) with S = nseq when
  * packed, else batch; checkpoints (batch, ceil(length / chunk), heads, dk, dv), the
  * state entering each chunk's first step. cu_seqlens (nseq + 1 offsets, batch 1) or
- * NULL: packed sequences. initial (zeros), final (not stored), grad_final (zeros) and
- * grad_initial (not computed) may be NULL. The forward writes out, final and
+ * NULL: packed sequences. initial (zeros), final and the forward's checkpoints (not
+ * stored), grad_final (zeros) and grad_initial (not computed) may be NULL. The forward writes out, final and
  * checkpoints; the backward reads checkpoints, grad_out and grad_final and writes
  * every other gradient. simd = 0 runs the portable build; failed is set by the
  * kernel (out of memory). */

@@ -16,9 +16,11 @@ from parascan._core import (
     check_shape,
     check_tensor,
     describe,
+    eager_no_grad,
     resolve,
 )
 from parascan.delta_rule import autograd as delta_ops
+from parascan.delta_rule import cpu as delta_cpu
 
 __all__ = ["delta_rule_scan"]
 
@@ -135,10 +137,16 @@ def delta_rule_scan(
     q, k = q.to(cd), k.to(cd)
     if qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
-    out, final = delta_ops.apply(
+    args = (
         q * factor, k, v.to(cd), beta.to(cd), None if g is None else g.to(cd),
         None if initial is None else initial.to(cd),
-        None if cu_seqlens is None else cu_seqlens.to(torch.int64), return_final, name,
+        None if cu_seqlens is None else cu_seqlens.to(torch.int64),
     )  # fmt: skip
+    if name == "cpu" and eager_no_grad([t for t in args if t is not None]):
+        # nothing differentiates the call (inference, a decoding step): the kernel
+        # directly, without the op's checkpoints (kept for a backward) or its dispatch
+        out, final, _ = delta_cpu.forward(*args, want_final=return_final, keep=False)
+    else:
+        out, final = delta_ops.apply(*args, return_final, name)
     out = out.to(v.dtype)
     return (out, final) if return_final else out

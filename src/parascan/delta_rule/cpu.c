@@ -75,10 +75,9 @@ static int ps_delta_check(const ps_delta_args *a, int backward) {
             if (a->cu_seqlens[s + 1] < a->cu_seqlens[s]) return -1;
     }
     const int64_t steps = a->batch * a->length * a->heads;
-    if (steps && (!a->q || !a->k || !a->v || !a->beta || (a->gate && !a->g) || !a->checkpoints))
-        return -1;
-    if (!backward) return steps && !a->out ? -1 : 0;
-    return steps && (!a->grad_out || !a->grad_q || !a->grad_k || !a->grad_v || !a->grad_beta ||
+    if (steps && (!a->q || !a->k || !a->v || !a->beta || (a->gate && !a->g))) return -1;
+    if (!backward) return steps && !a->out ? -1 : 0; /* checkpoints NULL: none stored */
+    return steps && (!a->checkpoints || !a->grad_out || !a->grad_q || !a->grad_k || !a->grad_v || !a->grad_beta ||
                      (a->gate && !a->grad_g))
                ? -1
                : 0;

@@ -102,16 +102,18 @@ class _Operands:
 
 def forward(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt, cu_seqlens: Opt,
-    want_final: bool = True,
+    want_final: bool = True, keep: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The delta rule of canonical operands (canonical.py): ``(out, final,
     checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps. Without
-    ``want_final`` the kernel stores no final state and ``final`` has no rows."""
+    ``want_final`` the kernel stores no final state and ``final`` has no rows; without
+    ``keep`` (a call no backward follows) it stores no checkpoints, and ``checkpoints``
+    is empty."""
     ops = _Operands("delta_fwd", q, k, v, beta, g, initial, cu_seqlens)
     out = torch.empty(ops.v.shape, dtype=ops.dtype)
     rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
     final = torch.empty(rows, dtype=ops.dtype)
-    checkpoints = torch.empty(ops.checkpoint_shape, dtype=ops.dtype)
+    checkpoints = torch.empty(ops.checkpoint_shape if keep else (0,), dtype=ops.dtype)
     ops.run("delta_fwd", ops.args(out=out, final=final, checkpoints=checkpoints))
     return out, final, checkpoints
 

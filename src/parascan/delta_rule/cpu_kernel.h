@@ -288,7 +288,7 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
         if (t == sq->cu[s])
             F(ps_delta_load_cols)(tile, init ? init + (F(ps_delta_state_row)(sq, s) * H + h) * KV
                                              : NULL, K, Vd, c0);
-        if (j == 0)
+        if (j == 0 && a->checkpoints)
             F(ps_delta_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd,
                                    c0);
         if (fresh) F(ps_delta_read)(tile, p->kd + j * K, p->qd + j * K, K, ak, aq, 1);

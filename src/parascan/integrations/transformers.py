@@ -60,7 +60,15 @@ The gated delta rule (the modules that define ``torch_chunk_gated_delta_rule``:
 - ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`, which also reads the packed
   sequences from ``cu_seq_lens_q``; ``causal_conv1d_update`` as below.
 
-Kimi Delta Attention (``kimi_linear``, ``glm5_next``, ``bailing_hybrid``) is not patched yet.
+Kimi Delta Attention (the modules that define ``chunk_kimi_delta_attention``:
+``kimi_linear``, ``glm5_next`` and ``bailing_hybrid`` in transformers 5.24):
+
+- ``chunk_kimi_delta_attention`` and ``recurrent_kimi_delta_attention`` (the torch
+  fallbacks used without flash-linear-attention): :func:`chunk_kimi_delta_attention` and
+  :func:`recurrent_kimi_delta_attention`, by :func:`parascan.delta_rule_scan` with the
+  per-key-channel decay; they keep packed sequences (``cu_seq_lens_q``, which these
+  layers pass down under that name) apart, which the fallbacks silently do not.
+- ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`; ``causal_conv1d_update`` as below.
 
 All families, where their modules define them:
 
@@ -570,6 +578,63 @@ def causal_conv1d_packed_q(
     )  # fmt: skip
 
 
+# --- Kimi Delta Attention (Kimi Linear, GLM-5-Next, Bailing hybrid) -----------------------
+
+
+def _kda_cu_seqlens(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords :func:`_gated_delta` reads: ``cu_seqlens``, or else the layers'
+    ``cu_seq_lens_q`` (the KDA layers pass their attention keywords down unchanged)."""
+    cu_seqlens = kwargs.get("cu_seqlens")
+    return {"cu_seqlens": kwargs.get("cu_seq_lens_q") if cu_seqlens is None else cu_seqlens}
+
+
+def chunk_kimi_delta_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Replaces transformers' ``chunk_kimi_delta_attention`` (same parameters and
+    results: the output (batch, L, H, V) in ``query``'s dtype, the final state
+    (batch, H, K, V) in float32 or None): Kimi Delta Attention, the delta rule with
+    ``g`` (batch, L, H, K) a log decay per key channel, by
+    :func:`parascan.delta_rule_scan`, scale K ** -0.5. ``chunk_size`` changes nothing.
+    ``cu_seq_lens_q`` (or ``cu_seqlens``) among the keywords packs sequences along L
+    of a batch of one, each restarting from a zero state (the final state is then
+    (num_seqs, H, K, V)): the layers pass it down unchanged, and the torch fallback
+    runs the packed sequences as one; the other keywords are dropped."""
+    return _gated_delta(
+        "chunk_kimi_delta_attention", query, key, value, g, beta, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, _kda_cu_seqlens(kwargs),
+    )  # fmt: skip
+
+
+def recurrent_kimi_delta_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Replaces transformers' ``recurrent_kimi_delta_attention`` (same parameters and
+    results), the decoding step from a cached state: as
+    :func:`chunk_kimi_delta_attention`."""
+    return _gated_delta(
+        "recurrent_kimi_delta_attention", query, key, value, g, beta, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, _kda_cu_seqlens(kwargs),
+    )  # fmt: skip
+
+
 # --- what is patched where ----------------------------------------------------------------
 
 
@@ -642,7 +707,16 @@ _GATED_DELTA = _Family(
         _CONV_UPDATE,
     ),
 )
-_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA)
+_KDA = _Family(
+    marker="chunk_kimi_delta_attention",
+    functions=(
+        _Function("chunk_kimi_delta_attention", chunk_kimi_delta_attention),
+        _Function("recurrent_kimi_delta_attention", recurrent_kimi_delta_attention),
+        _Function("causal_conv1d_fn", causal_conv1d_packed_q, required=False),
+        _CONV_UPDATE,
+    ),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}

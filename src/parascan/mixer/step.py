@@ -13,7 +13,7 @@ from parascan._core import (
     check_shape,
     check_tensor,
     describe,
-    plain_eager,
+    eager_no_grad,
 )
 from parascan._native import arg_struct, kernel
 from parascan.selective.api import _complex_of
@@ -115,7 +115,7 @@ def selective_state_update(
     if (
         state.device.type == "cpu"
         and state.dtype == cd
-        and _eager_no_grad(tensors)
+        and eager_no_grad(tensors)
         and not state.is_neg()  # written in place: never through a copy
         and state.numel() > 0  # an empty state: the torch ops (the kernel takes N >= 1)
     ):
@@ -151,16 +151,6 @@ def selective_state_update(
         y = y * F.silu(extras["z"].to(cd))
     state.copy_(new)
     return y.to(x.dtype)
-
-
-def _eager_no_grad(tensors: tuple[Tensor, ...]) -> bool:
-    """True when a decoding step may run the C kernel directly: plain eager tensors
-    (no subclass, transform, mode or compile; _core.plain_eager) that autograd
-    does not track (a generation loop runs under no_grad; a differentiable step takes
-    the torch ops below)."""
-    if not all(type(t) is Tensor for t in tensors) or not plain_eager():
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def _step_kernel(

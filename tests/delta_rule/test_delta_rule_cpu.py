@@ -1,0 +1,153 @@
+"""The delta rule's C kernel (backend "cpu", delta_rule/cpu.c) against the float64 loop
+(oracles.delta_rule_loop), beyond the backend-generic tests of test_delta_rule_scan.py:
+the shapes that exercise its column blocks (V around the 32-float block and the vector
+widths, K not a multiple of any), both instruction-set builds, every gradient in
+float32 and float64, packed boundaries on and next to the 64-step checkpoints, the
+same bits with any thread count (grouped heads, heads split between threads), and the
+forward without a final state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parascan as ps
+from parascan.delta_rule import cpu as delta_cpu
+
+from conftest import assert_matches, simd_path, threads
+from oracles import delta_rule_loop
+
+F64 = torch.float64
+NAMES = ("q", "k", "v", "beta", "g", "initial")
+
+
+def _problem(
+    seed: int, batch: int, length: int, hk: int, hv: int, dk: int, dv: int, gate: str,
+    states: int | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=F64)
+
+    def unit(*shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=F64)
+
+    p = {
+        "q": rand(batch, length, hk, dk),
+        "k": torch.nn.functional.normalize(rand(batch, length, hk, dk), dim=-1),
+        "v": rand(batch, length, hv, dv),
+        "beta": 2 * unit(batch, length, hv),
+        "initial": rand(batch if states is None else states, hv, dk, dv),
+    }
+    if gate == "head":
+        p["g"] = -2 * unit(batch, length, hv)
+    elif gate == "channel":
+        p["g"] = -2 * unit(batch, length, hv, dk)
+    return p
+
+
+def _grads(
+    p: dict[str, torch.Tensor], dtype: torch.dtype, backend: str | None, cu: list[int] | None
+) -> list[torch.Tensor]:
+    """out, final and the gradients of every input under fixed output weights, by
+    ``backend`` in ``dtype`` (None: the float64 loop)."""
+    leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in p.items()}
+    if backend is None:
+        out, final = delta_rule_loop(**leaves, cu_seqlens=cu)
+    else:
+        cu_t = None if cu is None else torch.tensor(cu)
+        out, final = ps.delta_rule_scan(
+            leaves["q"], leaves["k"], leaves["v"], leaves["beta"], g=leaves.get("g"),
+            initial=leaves["initial"], return_final=True, cu_seqlens=cu_t, backend=backend,
+        )  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    w_out = torch.randn(out.shape, generator=gen, dtype=F64).to(out.dtype)
+    w_fin = torch.randn(final.shape, generator=gen, dtype=F64).to(final.dtype)
+    ((out * w_out).sum() + (final * w_fin).sum()).backward()
+    grads = [leaves[k].grad for k in NAMES if k in leaves]
+    assert all(t is not None for t in grads)
+    return [out.detach(), final.detach(), *(t for t in grads if t is not None)]
+
+
+def _check(p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None) -> None:
+    want = _grads(p, F64, None, cu)
+    got = _grads(p, dtype, "cpu", cu)
+    names = ("out", "final", *(k for k in NAMES if k in p))
+    for name, w, o in zip(names, want, got, strict=True):
+        scale = max(w.abs().max().item(), 1.0) if w.numel() else 1.0
+        tol = 1e-11 if dtype == F64 else 2e-5
+        err = (o.double() - w).abs().max().item() if w.numel() else 0.0
+        assert err <= tol * scale, f"{name}: error {err:.3g} (scale {scale:.3g})"
+
+
+# (batch, L, Hk, Hv, K, V): Qwen3.5's head (128 x 128), V around the 32-float block and
+# below one vector, K not a multiple of any vector width, grouped value heads.
+SHAPES = [
+    (1, 70, 1, 2, 128, 128),
+    (2, 65, 2, 4, 17, 33),
+    (1, 66, 3, 3, 3, 31),
+    (2, 20, 1, 3, 100, 5),
+    (1, 9, 2, 2, 33, 64),
+]
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("gate", ["none", "head", "channel"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_shapes_against_loop(
+    shape: tuple[int, ...], gate: str, dtype: torch.dtype, simd: bool
+) -> None:
+    with simd_path(simd):
+        _check(_problem(1, *shape, gate=gate), dtype)
+
+
+# Packed sequences: empty ones, boundaries on, before and after the checkpoint at 64 and
+# 128, a sequence of one step.
+PACKED = [
+    [0, 0, 64, 65, 130, 130, 131, 200],
+    [0, 63, 64, 128, 129, 129],
+    [0, 1, 140],
+]
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("gate", ["head", "channel"])
+@pytest.mark.parametrize("cu", PACKED, ids=str)
+def test_packed_against_loop(cu: list[int], gate: str, simd: bool) -> None:
+    p = _problem(2, 1, cu[-1], 1, 2, 9, 35, gate=gate, states=len(cu) - 1)
+    with simd_path(simd):
+        _check(p, torch.float32, cu)
+        _check(p, F64, cu)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 150, 2, 6, 16, 70), (1, 130, 1, 1, 24, 100)], ids=["grouped", "one-head"]
+)
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_the_same_bits_with_any_thread_count(shape: tuple[int, ...], gate: str) -> None:
+    """Grouped heads (their q and k gradients summed after the units) and a single head
+    (its column blocks split between threads in the forward)."""
+    p = _problem(3, *shape, gate=gate)
+    runs = []
+    for n in (1, 2, 4):
+        with threads(n):
+            runs.append(_grads(p, torch.float32, "cpu", None))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_forward_without_a_final_state() -> None:
+    p = {k: v.float() for k, v in _problem(4, 1, 140, 1, 2, 8, 40, gate="channel").items()}
+    cu = torch.tensor([0, 70, 70, 140])
+    p["initial"] = torch.randn(3, 2, 8, 40)
+    args = [p[k] for k in ("q", "k", "v", "beta", "g", "initial")]
+    out, final, _ = delta_cpu.forward(*args, cu, want_final=False)
+    assert final.shape[0] == 0
+    want, want_final, _ = delta_cpu.forward(*args, cu)
+    assert torch.equal(out, want)
+    assert torch.equal(want_final[1], p["initial"][1])  # the empty sequence's: its initial
+    loop_final = delta_rule_loop(*args[:5], initial=args[5], cu_seqlens=[0, 70, 70, 140])[1]
+    assert_matches(want_final, loop_final, torch.float32)
