@@ -282,6 +282,7 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
     T *fin = a->final;
     int64_t s = F(ps_delta_seq_at)(sq, t0);
     V ak[NB], aq[NB], u[NB], x[NB];
+    for (int m = 0; m < NB; ++m) ak[m] = aq[m] = (V){0}; /* read at the first step */
     int fresh = 1; /* ak and aq are to be read from the tile */
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j;
@@ -366,6 +367,9 @@ ATTR static int F(ps_delta_fwd)(ps_delta_args *a) {
     }
     F(ps_delta_fwd_ctx) ctx = {a, nvb, split, (a->length + a->chunk - 1) / a->chunk};
     const int64_t work = a->batch * a->length * a->heads * a->dk * a->dv;
+    const int64_t bytes = (int64_t)sizeof(T);
+    ps_prefer_huge_pages(a->out, a->batch * a->length * a->heads * a->dv * bytes);
+    if (a->checkpoints) ps_prefer_huge_pages(a->checkpoints, ctx.nc * a->batch * a->heads * a->dk * a->dv * bytes);
     if (a->length > 0)
         ps_parallel_for(units * split, ps_threads_for(work / 4, a->nthreads),
                         F(ps_delta_fwd_task), &ctx);
@@ -377,14 +381,14 @@ ATTR static int F(ps_delta_fwd)(ps_delta_args *a) {
 typedef struct {
     ps_delta_args *a;
     int64_t nvb, nc;
-    T *pq, *pk; /* (batch, L, heads, K): per value head, when heads share q and k */
 } F(ps_delta_bwd_ctx);
 
 /* A thread's memory for the backward of a unit's chunk. */
 typedef struct {
     F(ps_delta_prep) p;
     T *states; /* (chunk, K, VB): the state before each step of the chunk, one block */
-    T *dS;     /* (nvb, K, VB): the gradient of the state, carried from chunk to chunk */
+    T *dS;     /* (heads of a unit, nvb, K, VB): the gradient of the state, carried from
+                * chunk to chunk */
     T *uu, *ww; /* (chunk, VB): u and v - (d k)^T S of each step, one block */
     T *dq, *dk, *dg; /* (chunk, K): the chunk's sums over the blocks */
     T *db, *dgh;     /* (chunk,) */
@@ -409,8 +413,10 @@ ATTR static void F(ps_delta_grad_final)(const ps_delta_args *a, const F(ps_delta
  *     dS += q go^T,  du = dS^T k,  grad_q += Diag(d) S_prev go + k (u . go)
  * `gate` is a constant after inlining. */
 PS_DELTA_INLINE void F(ps_delta_adjoint)(const F(ps_delta_bwd_buf) *m, V *dS, int64_t K,
-                                         int64_t Vd, int64_t c0, int64_t jb, int64_t ja, V *du,
-                                         const int gate) {
+                                         int64_t Vd, int64_t c0, int64_t jb_, int64_t ja_, V *du,
+                                         const int has_b, const int has_a, const int gate) {
+    /* has_b, has_a and gate are constants after inlining: jb < 0 (ja < 0) is no part B (A) */
+    const int64_t jb = has_b ? jb_ : -1, ja = has_a ? ja_ : -1;
     const int gated = gate != 0;
     const F(ps_delta_prep) *p = &m->p;
     const int64_t tsz = K * VB;
@@ -549,20 +555,24 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
 
     /* the adjoint, backward: per step j, part A (dS += q go^T, du = dS^T k) and part
      * B (the rest), B of step j and A of step j - 1 in one sweep over the rows */
-    V *dS = (V *)(m->dS + vb * tsz);
+    V *dS = (V *)(m->dS + ((h % (H / a->kheads)) * ((Vd + VB - 1) / VB) + vb) * tsz);
     V du[NB];
+    for (int q = 0; q < NB; ++q) du[q] = (V){0}; /* set by every part A */
     const int64_t last = t0 + n - 1;
     s = F(ps_delta_seq_at)(sq, last);
     if (last == sq->cu[s + 1] - 1) F(ps_delta_grad_final)(a, sq, s, h, (T *)dS, c0);
-    F(ps_delta_adjoint)(m, dS, K, Vd, c0, -1, n - 1, du, gate);
+    F(ps_delta_adjoint)(m, dS, K, Vd, c0, -1, n - 1, du, 0, 1, gate);
     F(ps_delta_finish)(m, Vd, c0, n - 1, du);
     for (int64_t j = n - 1; j >= 0; --j) {
         const int64_t t = t0 + j;
         while (sq->cu[s] > t) --s;
         const int start = t == sq->cu[s];
-        const int fuse = !start && j > 0;
-        F(ps_delta_adjoint)(m, dS, K, Vd, c0, j, fuse ? j - 1 : -1, du, gate);
-        if (fuse) F(ps_delta_finish)(m, Vd, c0, j - 1, du);
+        if (!start && j > 0) { /* two call sites: each inlined with its own constants */
+            F(ps_delta_adjoint)(m, dS, K, Vd, c0, j, j - 1, du, 1, 1, gate);
+            F(ps_delta_finish)(m, Vd, c0, j - 1, du);
+        } else {
+            F(ps_delta_adjoint)(m, dS, K, Vd, c0, j, -1, du, 1, 0, gate);
+        }
         if (!start) continue;
         if (a->grad_initial)
             F(ps_delta_store_cols)((T *)a->grad_initial + (F(ps_delta_state_row)(sq, s) * H + h) * KV,
@@ -571,7 +581,7 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
         int64_t before = s; /* step j - 1 ends the sequence before: its grad_final */
         while (sq->cu[before] > t - 1) --before;
         F(ps_delta_grad_final)(a, sq, before, h, (T *)dS, c0);
-        F(ps_delta_adjoint)(m, dS, K, Vd, c0, -1, j - 1, du, gate);
+        F(ps_delta_adjoint)(m, dS, K, Vd, c0, -1, j - 1, du, 0, 1, gate);
         F(ps_delta_finish)(m, Vd, c0, j - 1, du);
     }
 }
@@ -580,12 +590,12 @@ ATTR static void F(ps_delta_bwd_task)(const void *vp, int64_t begin, int64_t end
     const F(ps_delta_bwd_ctx) *ctx = vp;
     ps_delta_args *a = ctx->a;
     const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads, C = a->chunk;
-    const int64_t nvb = ctx->nvb, tsz = K * VB;
+    const int64_t nvb = ctx->nvb, tsz = K * VB, per = H / Hk;
     F(ps_delta_bwd_buf) m;
     const int64_t prep = F(ps_delta_prep_size)(C, K, a->dv);
     T *pm = malloc(sizeof(T) * (size_t)(prep + 3 * C * K + 2 * C));
     m.states = ps_delta_alloc(sizeof(T) * (size_t)(C * tsz));
-    m.dS = ps_delta_alloc(sizeof(T) * (size_t)(nvb * tsz));
+    m.dS = ps_delta_alloc(sizeof(T) * (size_t)(per * nvb * tsz));
     m.uu = ps_delta_alloc(sizeof(T) * (size_t)(2 * C * VB));
     if (!pm || !m.states || !m.dS || !m.uu) {
         free(pm); free(m.states); free(m.dS); free(m.uu);
@@ -599,75 +609,56 @@ ATTR static void F(ps_delta_bwd_task)(const void *vp, int64_t begin, int64_t end
     m.dg = m.dk + C * K;
     m.db = m.dg + C * K;
     m.dgh = m.db + C;
+    /* A unit is a q/k head with the value heads it serves: their shares of grad_q and
+     * grad_k are summed in head order here, the same bits for any thread count. */
     for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t b = unit / H, h = unit % H;
+        const int64_t b = unit / Hk, hk = unit % Hk;
         F(ps_delta_seqs) sq;
         F(ps_delta_seqs_of)(&sq, a, b);
         for (int64_t c = ctx->nc - 1; c >= 0; --c) {
             const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
-            F(ps_delta_prepare)(a, &m.p, b, h, t0, n);
-            memset(m.dq, 0, sizeof(T) * (size_t)(3 * C * K + 2 * C));
-            for (int64_t vb = 0; vb < nvb; ++vb) {
-                if (a->gate == 2)
-                    F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 2);
-                else if (a->gate == 1)
-                    F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 1);
-                else
-                    F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 0);
+            memset(m.dq, 0, sizeof(T) * (size_t)(2 * C * K));
+            for (int64_t h = hk * per; h < (hk + 1) * per; ++h) {
+                F(ps_delta_prepare)(a, &m.p, b, h, t0, n);
+                memset(m.dg, 0, sizeof(T) * (size_t)(C * K + 2 * C));
+                for (int64_t vb = 0; vb < nvb; ++vb) {
+                    if (a->gate == 2)
+                        F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 2);
+                    else if (a->gate == 1)
+                        F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 1);
+                    else
+                        F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 0);
+                }
+                F(ps_delta_scatter)(a->grad_v, m.p.oo, b, h, t0, n, L, H, a->dv, 0, a->dv);
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t step = (b * L + t0 + j) * H + h;
+                    ((T *)a->grad_beta)[step] = m.db[j];
+                    if (a->gate == 1) ((T *)a->grad_g)[step] = m.dgh[j];
+                    if (a->gate == 2)
+                        memcpy((T *)a->grad_g + step * K, m.dg + j * K, sizeof(T) * (size_t)K);
+                }
             }
-            F(ps_delta_scatter)(a->grad_v, m.p.oo, b, h, t0, n, L, H, a->dv, 0, a->dv);
             for (int64_t j = 0; j < n; ++j) {
-                const int64_t step = (b * L + t0 + j) * H + h;
-                ((T *)a->grad_beta)[step] = m.db[j];
-                if (a->gate == 1) ((T *)a->grad_g)[step] = m.dgh[j];
-                if (a->gate == 2)
-                    memcpy((T *)a->grad_g + step * K, m.dg + j * K, sizeof(T) * (size_t)K);
-                T *gq = ctx->pq ? ctx->pq + step * K : (T *)a->grad_q + ((b * L + t0 + j) * Hk + h) * K;
-                T *gk = ctx->pk ? ctx->pk + step * K : (T *)a->grad_k + ((b * L + t0 + j) * Hk + h) * K;
-                memcpy(gq, m.dq + j * K, sizeof(T) * (size_t)K);
-                memcpy(gk, m.dk + j * K, sizeof(T) * (size_t)K);
+                const int64_t row = ((b * L + t0 + j) * Hk + hk) * K;
+                memcpy((T *)a->grad_q + row, m.dq + j * K, sizeof(T) * (size_t)K);
+                memcpy((T *)a->grad_k + row, m.dk + j * K, sizeof(T) * (size_t)K);
             }
         }
     }
     free(pm); free(m.states); free(m.dS); free(m.uu);
 }
 
-/* grad_q and grad_k of steps [begin, end) of batch x L: the value heads of each q/k
- * head summed in head order. */
-ATTR static void F(ps_delta_group_task)(const void *vp, int64_t begin, int64_t end) {
-    const F(ps_delta_bwd_ctx) *ctx = vp;
-    const ps_delta_args *a = ctx->a;
-    const int64_t K = a->dk, H = a->heads, Hk = a->kheads, per = H / Hk;
-    for (int64_t bt = begin; bt < end; ++bt)
-        for (int64_t hk = 0; hk < Hk; ++hk) {
-            T *gq = (T *)a->grad_q + (bt * Hk + hk) * K, *gk = (T *)a->grad_k + (bt * Hk + hk) * K;
-            const T *pq = ctx->pq + (bt * H + hk * per) * K, *pk = ctx->pk + (bt * H + hk * per) * K;
-            memcpy(gq, pq, sizeof(T) * (size_t)K);
-            memcpy(gk, pk, sizeof(T) * (size_t)K);
-            for (int64_t r = 1; r < per; ++r)
-                for (int64_t i = 0; i < K; ++i) {
-                    gq[i] += pq[r * K + i];
-                    gk[i] += pk[r * K + i];
-                }
-        }
-}
-
 ATTR static int F(ps_delta_bwd)(ps_delta_args *a) {
-    const int64_t L = a->length, H = a->heads, units = a->batch * H;
-    F(ps_delta_bwd_ctx) ctx = {a, (a->dv + VB - 1) / VB, (L + a->chunk - 1) / a->chunk, NULL,
-                               NULL};
+    const int64_t L = a->length, H = a->heads, K = a->dk, units = a->batch * a->kheads;
+    F(ps_delta_bwd_ctx) ctx = {a, (a->dv + VB - 1) / VB, (L + a->chunk - 1) / a->chunk};
     if (L == 0) return 0;
-    if (H != a->kheads) {
-        const size_t part = (size_t)(a->batch * L * H * a->dk);
-        ctx.pq = malloc(sizeof(T) * (2 * part + 1));
-        if (!ctx.pq) return -1;
-        ctx.pk = ctx.pq + part;
-    }
-    const int64_t threads =
-        ps_threads_for(a->batch * L * H * a->dk * a->dv / 4, a->nthreads);
-    ps_parallel_for(units, threads, F(ps_delta_bwd_task), &ctx);
-    if (ctx.pq && !a->failed) ps_parallel_for(a->batch * L, threads, F(ps_delta_group_task), &ctx);
-    free(ctx.pq);
+    const int64_t steps = a->batch * L * H, bytes = (int64_t)sizeof(T);
+    ps_prefer_huge_pages(a->grad_v, steps * a->dv * bytes);
+    ps_prefer_huge_pages(a->grad_q, a->batch * L * a->kheads * K * bytes);
+    ps_prefer_huge_pages(a->grad_k, a->batch * L * a->kheads * K * bytes);
+    if (a->gate == 2) ps_prefer_huge_pages(a->grad_g, steps * K * bytes);
+    ps_parallel_for(units, ps_threads_for(steps * K * a->dv / 4, a->nthreads),
+                    F(ps_delta_bwd_task), &ctx);
     return a->failed ? -1 : 0;
 }
 
