@@ -29,11 +29,16 @@
 /* ---- tiles and rows --------------------------------------------------------------- */
 
 /* Columns [c0, c0 + VB) of the (K, Vd) matrix src (NULL: zeros) into a tile, zero
- * past Vd; and back, the lanes past Vd left out. */
+ * past Vd; and back, the lanes past Vd left out. A whole block's row is a copy of
+ * constant size (vector moves, no call: a decoding step copies a few thousand rows). */
 ATTR static void F(ps_delta_load_cols)(T *tile, const T *src, int64_t K, int64_t Vd, int64_t c0) {
     const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
     for (int64_t i = 0; i < K; ++i) {
         T *row = tile + i * VB;
+        if (src && w == VB) {
+            memcpy(row, src + i * Vd + c0, sizeof(T) * VB);
+            continue;
+        }
         if (src) memcpy(row, src + i * Vd + c0, sizeof(T) * (size_t)w);
         for (int64_t l = src ? w : 0; l < VB; ++l) row[l] = 0;
     }
@@ -42,20 +47,30 @@ ATTR static void F(ps_delta_load_cols)(T *tile, const T *src, int64_t K, int64_t
 ATTR static void F(ps_delta_store_cols)(T *dst, const T *tile, int64_t K, int64_t Vd,
                                         int64_t c0) {
     const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    for (int64_t i = 0; i < K; ++i) memcpy(dst + i * Vd + c0, tile + i * VB, sizeof(T) * (size_t)w);
+    if (w == VB)
+        for (int64_t i = 0; i < K; ++i) memcpy(dst + i * Vd + c0, tile + i * VB, sizeof(T) * VB);
+    else
+        for (int64_t i = 0; i < K; ++i)
+            memcpy(dst + i * Vd + c0, tile + i * VB, sizeof(T) * (size_t)w);
 }
 
 /* One row's block of columns [c0, c0 + VB) as NB vectors, zero past Vd; and back. */
 PS_DELTA_INLINE void F(ps_delta_load_row)(V *x, const T *src, int64_t Vd, int64_t c0) {
     const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    if (w < VB)
-        for (int n = 0; n < NB; ++n) x[n] = (V){0};
+    if (w == VB) {
+        memcpy(x, src + c0, sizeof(T) * VB);
+        return;
+    }
+    for (int n = 0; n < NB; ++n) x[n] = (V){0};
     memcpy(x, src + c0, sizeof(T) * (size_t)w);
 }
 
 PS_DELTA_INLINE void F(ps_delta_store_row)(T *dst, const V *x, int64_t Vd, int64_t c0) {
     const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    memcpy(dst + c0, x, sizeof(T) * (size_t)w);
+    if (w == VB)
+        memcpy(dst + c0, x, sizeof(T) * VB);
+    else
+        memcpy(dst + c0, x, sizeof(T) * (size_t)w);
 }
 
 /* The sum of the lanes of x[0] + ... + x[NB - 1]. */
@@ -323,15 +338,16 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
     const int64_t L = a->length, K = a->dk, H = a->heads, C = a->chunk;
     const int64_t nvb = ctx->nvb, split = ctx->split;
     const int64_t most = (nvb + split - 1) / split; /* column blocks of a unit, at most */
+    const int64_t Cn = L < C ? L : C; /* steps of a chunk, at most */
     T *tiles = ps_delta_alloc(sizeof(T) * (size_t)(most * K * VB));
-    T *pm = malloc(sizeof(T) * (size_t)F(ps_delta_prep_size)(C, K, a->dv));
+    T *pm = malloc(sizeof(T) * (size_t)F(ps_delta_prep_size)(Cn, K, a->dv));
     if (!tiles || !pm) {
         free(tiles);
         free(pm);
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    const F(ps_delta_prep) p = F(ps_delta_prep_at)(pm, C, K, a->dv);
+    const F(ps_delta_prep) p = F(ps_delta_prep_at)(pm, Cn, K, a->dv);
     for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t part = unit % split, bh = unit / split, b = bh / H, h = bh % H;
         const int64_t vb0 = part * nvb / split, vb1 = (part + 1) * nvb / split;
