@@ -37,7 +37,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import parascan as ps
-from parascan.cli.common import cell, median, ms, ratio, rounds, run_cases, table, train
+from parascan.cli.common import (
+    cell,
+    median,
+    ms,
+    peak_extra_mib,
+    ratio,
+    rounds,
+    run_cases,
+    table,
+    train,
+)
 from parascan.cli.tolerance import relative_error
 
 __all__ = [
@@ -69,6 +79,7 @@ class DeltaCase:
     prefix: int = 0  # > 0: the fallback timed on this many steps, scaled to L
     packed: int = 0  # > 0: also the same tokens as this many packed sequences
     backward: bool = True
+    decode: bool = True  # also the decoding step (L = 1) at this case's heads
     seed: int = 0
 
 
@@ -86,15 +97,17 @@ class DeltaRow:
     max_error: float | None
     correct: bool
     note: str = ""
+    peak_extra_mib: float | None = None  # parascan's rows: growth of the peak resident set
 
 
 DEFAULT_DELTA_CASES = [
     DeltaCase("qwen3.5 gated delta", 1, 1024, 16, 32, 128, 128, "head", packed=8),
-    DeltaCase("kimi linear KDA", 1, 1024, 32, 32, 128, 128, "channel", prefix=128, backward=False),
+    DeltaCase("qwen3.5 gated delta", 1, 4096, 16, 32, 128, 128, "head", prefix=1024, decode=False),
+    DeltaCase("kimi linear KDA", 1, 1024, 32, 32, 128, 128, "channel", prefix=128),
 ]
 QUICK_DELTA_CASES = [DeltaCase("gated delta", 1, 64, 2, 4, 16, 16, "head", packed=3)]
 
-_LINE = "{:<20} {:<22} {:<16} {:<17} {:>9} {:>9} {:>8} {:>10} {:>8}  {}"
+_LINE = "{:<20} {:<22} {:<16} {:<17} {:>9} {:>9} {:>8} {:>10} {:>8} {:>9}  {}"
 
 
 def format_delta(rows: list[DeltaRow]) -> str:
@@ -104,11 +117,12 @@ def format_delta(rows: list[DeltaRow]) -> str:
         "decode step: time / torch.add over the state; x parascan: this row's time / parascan's)"
     )
     names = ("case", "b,L,Hk,Hv,K,V", "implementation", "direction", "ms", "limit ms",
-             "x limit", "x parascan", "error", "note")  # fmt: skip
+             "x limit", "x parascan", "error", "peak MiB", "note")  # fmt: skip
     cells = (
         (r.case, ",".join(map(str, r.shape)), r.impl, r.direction,
          "WRONG" if not r.correct else cell(r.time_ms, ".1f"), f"{r.limit_ms:.2f}",
          cell(r.vs_limit, ".2f"), cell(r.parascan_speedup, ".2f"), cell(r.max_error, ".1e", ""),
+         cell(r.peak_extra_mib, ".0f", ""),
          r.note)
         for r in rows
     )  # fmt: skip
@@ -261,6 +275,13 @@ def _run_case(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list
         if case.backward:
             fns[(name, "forward+backward")] = partial(train, impl, inputs, w)
     times = rounds(fns, repeat, lambda key, _: key[0] == "limit" or correct[key[0]])
+    # parascan's extra memory: never a state per step (one is b L Hv K V floats)
+    peaks = {}
+    if correct["parascan"]:
+        peaks["forward"] = peak_extra_mib(partial(ours, **x))
+        if case.backward:
+            peaks["forward+backward"] = peak_extra_mib(partial(train, ours, x, weight))
+    states_mib = b * L * hv * dk * dv * 4 / 2**20
     med = {key: median(t) for key, t in times.items()}
     med.update({
         (name, d): None if med[(name, d)] is None else med[(name, d)] * L / prefix  # type: ignore[operator]
@@ -272,6 +293,8 @@ def _run_case(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list
         notes["transformers"] += f", timed on {prefix} of {L} steps, x{L / prefix:g}"
     if cu is not None:
         notes["parascan packed"] = f"{case.packed} sequences, cu_seqlens {cu.tolist()}"
+    if peaks:
+        notes["parascan"] = f"one (b,L,Hv,K,V) f32 tensor: {states_mib:.0f} MiB"
     rows = []
     for name in impls:
         for direction in _directions(case):
@@ -281,8 +304,10 @@ def _run_case(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list
                 case.name, (b, L, hk, hv, dk, dv), torch.get_num_threads(), name, direction,
                 ms(t), limit * 1e3, ratio(t, limit), ratio(t, med[("parascan", direction)]),
                 errors[name], correct[name], notes.get(name, ""),
+                peaks.get(direction) if name == "parascan" else None,
             ))  # fmt: skip
-    rows.append(_decode_row(case, repeat, step))
+    if case.decode:
+        rows.append(_decode_row(case, repeat, step))
     return rows
 
 

@@ -28,8 +28,10 @@ _FN = "parascan.delta_rule_scan"
 Opt = Tensor | None
 
 
-def _l2norm(x: Tensor) -> Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+def _l2norm(x: Tensor, factor: float = 1.0) -> Tensor:
+    """x * rsqrt(sum(x * x) + 1e-6) times ``factor``, the factor on the (.., 1) norms:
+    one tensor the size of x made, not two."""
+    return x * (torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) * factor)
 
 
 def _scale(scale: object, dk: int) -> float:
@@ -135,10 +137,9 @@ def delta_rule_scan(
     # q's scale and the normalization, in differentiable torch ops: the backends see
     # only the recurrence
     q, k = q.to(cd), k.to(cd)
-    if qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+    q, k = (_l2norm(q, factor), _l2norm(k)) if qk_l2norm else (q * factor, k)
     args = (
-        q * factor, k, v.to(cd), beta.to(cd), None if g is None else g.to(cd),
+        q, k, v.to(cd), beta.to(cd), None if g is None else g.to(cd),
         None if initial is None else initial.to(cd),
         None if cu_seqlens is None else cu_seqlens.to(torch.int64),
     )  # fmt: skip
