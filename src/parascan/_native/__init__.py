@@ -28,11 +28,14 @@ __all__ = [
     "ARG_STRUCTS",
     "arg_struct",
     "check_operands",
+    "dense",
     "kernel",
     "kernel_constants",
     "kernel_library",
     "kernel_library_error",
     "kernel_library_path",
+    "pointer",
+    "run_kernel",
     "simd",
 ]
 
@@ -293,6 +296,27 @@ def kernel_constants() -> dict[str, int]:
             raise RuntimeError(f"parascan: ps_{family}_constants disagrees with {names}")
         constants.update(zip(names, values, strict=True))
     return constants
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """An operand as the kernels read it: contiguous, with any lazy conjugate or negative
+    bit applied."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def pointer(t: torch.Tensor | None) -> int:
+    """A kernel's pointer member for ``t``: NULL (0) for no tensor or an empty one."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def run_kernel(entry: str, dtype: torch.dtype, args: object, operands: str) -> None:
+    """Call ``ps_<entry>_<dtype>`` on ``args``; its failure (operands it rejects, such as
+    bad cu_seqlens offsets, or out of memory) raises, naming ``operands``."""
+    if kernel(entry, dtype)(args) != 0:
+        raise RuntimeError(
+            f"parascan: the {entry} CPU kernel failed (operands it rejects, such as bad "
+            f"cu_seqlens offsets, or out of memory) on {operands}"
+        )
 
 
 Operand = tuple["torch.Tensor | None", tuple[int, ...]]

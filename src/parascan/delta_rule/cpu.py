@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from parascan._checkpointed import EMPTY
-from parascan._native import arg_struct, check_operands, kernel, simd
+from parascan._native import arg_struct, check_operands, dense, pointer, run_kernel, simd
 from parascan.delta_rule.canonical import CHECKPOINT_STEPS
 
 __all__ = ["backward", "forward"]
@@ -21,15 +21,6 @@ __all__ = ["backward", "forward"]
 _C = CHECKPOINT_STEPS["cpu"]
 
 Opt = Tensor | None
-
-
-def _dense(t: Tensor) -> Tensor:
-    """A required operand contiguous, with any lazy conjugate or negative bit applied."""
-    return t.resolve_conj().resolve_neg().contiguous()
-
-
-def _ptr(t: Opt) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 class _Operands:
@@ -40,8 +31,8 @@ class _Operands:
         self, entry: str, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt,
         cu_seqlens: Opt,
     ) -> None:  # fmt: skip
-        q, k, v, beta = (_dense(t) for t in (q, k, v, beta))
-        g, initial = (None if t is None else _dense(t) for t in (g, initial))
+        q, k, v, beta = (dense(t) for t in (q, k, v, beta))
+        g, initial = (None if t is None else dense(t) for t in (g, initial))
         if q.dim() != 4 or v.dim() != 4:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel takes q (batch, L, Hk, K) "
@@ -86,18 +77,13 @@ class _Operands:
             "cu_seqlens": self.cu, "q": self.q, "k": self.k, "v": self.v, "beta": self.beta,
             "g": self.g, "initial": self.initial, **tensors,
         }  # fmt: skip
-        pointers = {name: _ptr(t) for name, t in operands.items()}
+        pointers = {name: pointer(t) for name, t in operands.items()}
         if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
             pointers["cu_seqlens"] = self.cu.data_ptr()
         return arg_struct("delta", **plain, **pointers)
 
     def run(self, entry: str, args: object) -> None:
-        if kernel(entry, self.dtype)(args) != 0:
-            raise RuntimeError(
-                f"parascan: the {entry} CPU kernel failed (operands it rejects, such as bad "
-                f"cu_seqlens offsets, or out of memory) on q {tuple(self.q.shape)}, v "
-                f"{tuple(self.v.shape)}"
-            )
+        run_kernel(entry, self.dtype, args, f"q {tuple(self.q.shape)}, v {tuple(self.v.shape)}")
 
 
 def forward(
@@ -126,7 +112,7 @@ def backward(
     absent operand) from the forward's ``checkpoints``, ``grad_out`` and
     ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
     ops = _Operands("delta_bwd", q, k, v, beta, g, initial, cu_seqlens)
-    checkpoints, grad_out, grad_final = (_dense(t) for t in (checkpoints, grad_out, grad_final))
+    checkpoints, grad_out, grad_final = (dense(t) for t in (checkpoints, grad_out, grad_final))
     finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
     check_operands(
         "delta_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),

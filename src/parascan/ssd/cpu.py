@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._native import arg_struct, check_operands, kernel, simd
+from parascan._native import arg_struct, check_operands, dense, pointer, run_kernel, simd
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
 
 __all__ = ["backward", "forward"]
@@ -20,15 +20,6 @@ __all__ = ["backward", "forward"]
 _K = CHECKPOINT_STEPS["cpu"]
 
 Opt = Tensor | None
-
-
-def _dense(t: Tensor) -> Tensor:
-    """A required operand contiguous, with any lazy conjugate or negative bit applied."""
-    return t.resolve_conj().resolve_neg().contiguous()
-
-
-def _ptr(t: Opt) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 class _Operands:
@@ -39,8 +30,8 @@ class _Operands:
         self, entry: str, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt,
         z: Opt, initial: Opt, cu_seqlens: Opt,
     ) -> None:  # fmt: skip
-        x, dt, A, B, C = (_dense(t) for t in (x, dt, A, B, C))
-        D, z, initial = (None if t is None else _dense(t) for t in (D, z, initial))
+        x, dt, A, B, C = (dense(t) for t in (x, dt, A, B, C))
+        D, z, initial = (None if t is None else dense(t) for t in (D, z, initial))
         if x.dim() != 4 or B.dim() != 4:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel takes x (batch, L, heads, "
@@ -85,18 +76,13 @@ class _Operands:
             "cu_seqlens": self.cu, "x": self.x, "dt": self.dt, "A": self.A, "B": self.B,
             "C": self.C, "D": self.D, "z": self.z, "initial": self.initial, **tensors,
         }  # fmt: skip
-        pointers = {name: _ptr(t) for name, t in operands.items()}
+        pointers = {name: pointer(t) for name, t in operands.items()}
         if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
             pointers["cu_seqlens"] = self.cu.data_ptr()
         return arg_struct("ssd", **plain, **pointers)
 
     def run(self, entry: str, args: object) -> None:
-        if kernel(entry, self.dtype)(args) != 0:
-            raise RuntimeError(
-                f"parascan: the {entry} CPU kernel failed (operands it rejects, such as bad "
-                f"cu_seqlens offsets, or out of memory) on x "
-                f"{tuple(self.x.shape)}, B {tuple(self.B.shape)}"
-            )
+        run_kernel(entry, self.dtype, args, f"x {tuple(self.x.shape)}, B {tuple(self.B.shape)}")
 
 
 def forward(
@@ -123,7 +109,7 @@ def backward(
     an absent operand) from the forward's ``checkpoints``, ``grad_out`` and
     ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
     ops = _Operands("ssd_bwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
-    checkpoints, grad_out, grad_final = (_dense(t) for t in (checkpoints, grad_out, grad_final))
+    checkpoints, grad_out, grad_final = (dense(t) for t in (checkpoints, grad_out, grad_final))
     finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
     check_operands(
         "ssd_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),

@@ -41,9 +41,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parascan._core import plain_eager, refuse_second_derivatives
-from parascan._native import arg_struct, check_operands, kernel, kernel_library_error, simd
+from parascan._native import (
+    arg_struct,
+    check_operands,
+    kernel,
+    kernel_library_error,
+    pointer,
+    simd,
+)
 from parascan.ssd import cpu as ssd_cpu
-from parascan.ssd.cpu import _ptr
 
 __all__ = [
     "CONV_MAX_WIDTH",
@@ -77,7 +83,7 @@ def _rows(entry: str, t: Tensor) -> tuple[int, int, int]:
             f"tensors with channels of stride 1, but got shape {tuple(t.shape)}, strides "
             f"{t.stride()}"
         )
-    return _ptr(t), t.stride(0), t.stride(1)
+    return pointer(t), t.stride(0), t.stride(1)
 
 
 def conv_forward(
@@ -88,7 +94,7 @@ def conv_forward(
     CONV_MAX_WIDTH``: its channels in three new contiguous pieces of widths ``split``."""
     weight, bias, plain = _conv("ssd_conv_fwd", x, weight, bias, silu, list(split))
     outs = [x.new_empty(x.shape[0], x.shape[1], s) for s in split]
-    args = arg_struct("ssd_conv", **plain, out=tuple(_ptr(o) for o in outs))
+    args = arg_struct("ssd_conv", **plain, out=tuple(pointer(o) for o in outs))
     _run("ssd_conv_fwd", x.dtype, args, f"x {tuple(x.shape)}")
     return outs[0], outs[1], outs[2]
 
@@ -117,7 +123,7 @@ def _conv(
         )
     plain = {
         "batch": batch, "length": length, "channels": channels, "width": width,
-        "x": _rows(entry, x), "weight": _ptr(weight), "bias": _ptr(bias), "silu": int(silu),
+        "x": _rows(entry, x), "weight": pointer(weight), "bias": pointer(bias), "silu": int(silu),
         "split": tuple(split), "nthreads": torch.get_num_threads(), "simd": int(simd()),
     }  # fmt: skip
     return weight, bias, plain
@@ -141,9 +147,9 @@ def conv_backward(
     grad_weight = torch.empty_like(weight)
     grad_bias = None if bias is None else torch.empty_like(bias)
     args = arg_struct(
-        "ssd_conv", **plain, grad_out=tuple(_ptr(g) for g in pieces),
-        grad_x=_rows("ssd_conv_bwd", grad_x), grad_weight=_ptr(grad_weight),
-        grad_bias=_ptr(grad_bias),
+        "ssd_conv", **plain, grad_out=tuple(pointer(g) for g in pieces),
+        grad_x=_rows("ssd_conv_bwd", grad_x), grad_weight=pointer(grad_weight),
+        grad_bias=pointer(grad_bias),
     )  # fmt: skip
     _run("ssd_conv_bwd", x.dtype, args, f"x {tuple(x.shape)}")
     return grad_weight, grad_bias
@@ -168,9 +174,9 @@ def norm_forward(
     rstd = y.new_empty(batch, length, groups)
     (eps_bits,) = struct.unpack("<q", struct.pack("<d", float(eps)))  # eps's float64 bits
     args = arg_struct(
-        "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=_ptr(y),
-        z=_rows("ssd_norm_fwd", z), weight=_ptr(weight), eps_bits=eps_bits,
-        before_gate=int(before_gate), out=_ptr(out), rstd=_ptr(rstd),
+        "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=pointer(y),
+        z=_rows("ssd_norm_fwd", z), weight=pointer(weight), eps_bits=eps_bits,
+        before_gate=int(before_gate), out=pointer(out), rstd=pointer(rstd),
         nthreads=torch.get_num_threads(), simd=int(simd()),
     )  # fmt: skip
     _run("ssd_norm_fwd", y.dtype, args, f"y {tuple(y.shape)}")
@@ -201,10 +207,10 @@ def norm_backward(
     grad_y = torch.empty_like(y)
     grad_weight = torch.empty_like(weight)
     args = arg_struct(
-        "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=_ptr(y),
-        z=_rows("ssd_norm_bwd", z), weight=_ptr(weight), before_gate=int(before_gate),
-        rstd=_ptr(rstd), grad_out=_ptr(grad_out), grad_y=_ptr(grad_y),
-        grad_z=_rows("ssd_norm_bwd", grad_z), grad_weight=_ptr(grad_weight),
+        "ssd_norm", batch=batch, length=length, dim=dim, groups=groups, y=pointer(y),
+        z=_rows("ssd_norm_bwd", z), weight=pointer(weight), before_gate=int(before_gate),
+        rstd=pointer(rstd), grad_out=pointer(grad_out), grad_y=pointer(grad_y),
+        grad_z=_rows("ssd_norm_bwd", grad_z), grad_weight=pointer(grad_weight),
         nthreads=torch.get_num_threads(), simd=int(simd()),
     )  # fmt: skip
     _run("ssd_norm_bwd", y.dtype, args, f"y {tuple(y.shape)}")
