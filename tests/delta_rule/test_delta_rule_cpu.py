@@ -151,3 +151,19 @@ def test_forward_without_a_final_state() -> None:
     assert torch.equal(want_final[1], p["initial"][1])  # the empty sequence's: its initial
     loop_final = delta_rule_loop(*args[:5], initial=args[5], cu_seqlens=[0, 70, 70, 140])[1]
     assert_matches(want_final, loop_final, torch.float32)
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize("gate", ["none", "channel"])
+def test_a_call_nothing_differentiates_normalizes_in_the_kernel(gate: str, l2norm: bool) -> None:
+    """Without autograd the public function hands the kernel raw q and k (normalized and
+    scaled there, no checkpoints stored): the same results, to rounding, as the op's
+    path, whose torch ops normalize first."""
+    p = {k: v.float() for k, v in _problem(5, 2, 70, 2, 4, 24, 40, gate=gate).items()}
+    args = [p.pop(k) for k in ("q", "k", "v", "beta")]
+    options = {"qk_l2norm": l2norm, "scale": 0.3, "return_final": True, "backend": "cpu"}
+    fast = ps.delta_rule_scan(*args, **p, **options)
+    tracked = [t.clone().requires_grad_() for t in args]
+    slow = ps.delta_rule_scan(*tracked, **p, **options)
+    for a, b in zip(fast, slow, strict=True):
+        assert_matches(a, b.detach().double(), torch.float32)

@@ -175,7 +175,8 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "grad_z", "grad_initial", "nthreads", "simd", "failed",
     ),
     "delta": (
-        "batch", "length", "kheads", "heads", "dk", "dv", "gate", "chunk", "cu_seqlens", "nseq",
+        "batch", "length", "kheads", "heads", "dk", "dv", "gate", "chunk", "qk_form",
+        "scale_bits", "cu_seqlens", "nseq",
         "q", "k", "v", "beta", "g", "initial", "out", "final", "checkpoints", "grad_out",
         "grad_final", "grad_q", "grad_k", "grad_v", "grad_beta", "grad_g", "grad_initial",
         "nthreads", "simd", "failed",

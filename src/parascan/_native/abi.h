@@ -291,12 +291,15 @@ typedef struct {
  * packed, else batch; checkpoints (batch, ceil(length / chunk), heads, dk, dv), the
  * state entering each chunk's first step. cu_seqlens (nseq + 1 offsets, batch 1) or
  * NULL: packed sequences. initial (zeros), final and the forward's checkpoints (not
- * stored), grad_final (zeros) and grad_initial (not computed) may be NULL. The forward writes out, final and
+ * stored), grad_final (zeros) and grad_initial (not computed) may be NULL. qk_form: 0,
+ * q and k canonical (q scaled, both normalized when asked); the forward alone may take
+ * them raw: 1, q times the scale whose IEEE double bits are scale_bits; 2, both rows
+ * normalized first (x / sqrt(sum x^2 + 1e-6)), then q times the scale. The forward writes out, final and
  * checkpoints; the backward reads checkpoints, grad_out and grad_final and writes
  * every other gradient. simd = 0 runs the portable build; failed is set by the
  * kernel (out of memory). */
 typedef struct {
-    int64_t batch, length, kheads, heads, dk, dv, gate, chunk;
+    int64_t batch, length, kheads, heads, dk, dv, gate, chunk, qk_form, scale_bits;
     const int64_t *cu_seqlens; int64_t nseq;
     const void *q, *k, *v, *beta, *g, *initial;
     void *out, *final, *checkpoints;

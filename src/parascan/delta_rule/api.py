@@ -134,10 +134,7 @@ def delta_rule_scan(
 
     cd = torch.float64 if v.dtype == torch.float64 else torch.float32
     name = resolve(delta_ops.ROW, backend, v.device, cd, name=_FN)
-    # q's scale and the normalization, in differentiable torch ops: the backends see
-    # only the recurrence
     q, k = q.to(cd), k.to(cd)
-    q, k = (_l2norm(q, factor), _l2norm(k)) if qk_l2norm else (q * factor, k)
     args = (
         q, k, v.to(cd), beta.to(cd), None if g is None else g.to(cd),
         None if initial is None else initial.to(cd),
@@ -145,9 +142,15 @@ def delta_rule_scan(
     )  # fmt: skip
     if name == "cpu" and eager_no_grad([t for t in args if t is not None]):
         # nothing differentiates the call (inference, a decoding step): the kernel
-        # directly, without the op's checkpoints (kept for a backward) or its dispatch
-        out, final, _ = delta_cpu.forward(*args, want_final=return_final, keep=False)
+        # directly, q and k normalized and scaled in it, without the op's checkpoints
+        # (kept for a backward) or its dispatch
+        out, final, _ = delta_cpu.forward(
+            *args, want_final=return_final, keep=False, raw=(qk_l2norm, factor)
+        )
     else:
-        out, final = delta_ops.apply(*args, return_final, name)
+        # the normalization and the scale in differentiable torch ops: the backends see
+        # only the recurrence
+        q, k = (_l2norm(q, factor), _l2norm(k)) if qk_l2norm else (q * factor, k)
+        out, final = delta_ops.apply(q, k, *args[2:], return_final, name)
     out = out.to(v.dtype)
     return (out, final) if return_final else out

@@ -65,7 +65,8 @@ static void *ps_delta_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63
 
 static int ps_delta_check(const ps_delta_args *a, int backward) {
     if (a->batch < 0 || a->length < 0 || a->kheads < 1 || a->heads < 1 || a->dk < 1 ||
-        a->dv < 1 || a->chunk < 1 || a->heads % a->kheads != 0 || a->gate < 0 || a->gate > 2)
+        a->dv < 1 || a->chunk < 1 || a->heads % a->kheads != 0 || a->gate < 0 || a->gate > 2 ||
+        a->qk_form < 0 || a->qk_form > 2)
         return -1;
     if (a->cu_seqlens) {
         if (a->batch != 1 || a->nseq < 1 || a->cu_seqlens[0] != 0 ||
@@ -77,6 +78,7 @@ static int ps_delta_check(const ps_delta_args *a, int backward) {
     const int64_t steps = a->batch * a->length * a->heads;
     if (steps && (!a->q || !a->k || !a->v || !a->beta || (a->gate && !a->g))) return -1;
     if (!backward) return steps && !a->out ? -1 : 0; /* checkpoints NULL: none stored */
+    if (a->qk_form) return -1; /* the backward takes canonical q and k */
     return steps && (!a->checkpoints || !a->grad_out || !a->grad_q || !a->grad_k || !a->grad_v || !a->grad_beta ||
                      (a->gate && !a->grad_g))
                ? -1
@@ -107,6 +109,7 @@ static void ps_delta_empty(const ps_delta_args *a, int backward, size_t elem) {
 #define TI int32_t
 #define TU uint32_t
 #define EXP expf
+#define SQRT sqrtf
 #define SFX f32
 #include "isa_levels.h"
 #undef T
@@ -114,6 +117,7 @@ static void ps_delta_empty(const ps_delta_args *a, int backward, size_t elem) {
 #undef TI
 #undef TU
 #undef EXP
+#undef SQRT
 #undef SFX
 
 /* ---- float64 ---------------------------------------------------------------------- */
@@ -122,6 +126,7 @@ static void ps_delta_empty(const ps_delta_args *a, int backward, size_t elem) {
 #define TI int64_t
 #define TU uint64_t
 #define EXP exp
+#define SQRT sqrt
 #define SFX f64
 #include "isa_levels.h"
 #undef T
@@ -129,6 +134,7 @@ static void ps_delta_empty(const ps_delta_args *a, int backward, size_t elem) {
 #undef TI
 #undef TU
 #undef EXP
+#undef SQRT
 #undef SFX
 #undef PS_ISA_INSTANCE
 

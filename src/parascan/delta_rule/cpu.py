@@ -9,6 +9,8 @@ multiply-adds per step and head). It runs on torch's thread count
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor
 
@@ -65,11 +67,14 @@ class _Operands:
         self.state_shape = (states, hv, dk, dv)
         self.checkpoint_shape = (batch, -(-length // _C), hv, dk, dv)  # n_chunks
 
-    def args(self, **tensors: Opt) -> object:
+    def args(self, tensors: dict[str, Opt], form: tuple[int, float] = (0, 1.0)) -> object:
+        """The struct; ``form``: (qk_form, scale) (abi.h: raw q and k, forward only)."""
+        qk_form, scale = form
         batch, length, hk, hv, dk, dv = self.shape
         plain = {
             "batch": batch, "length": length, "kheads": hk, "heads": hv, "dk": dk, "dv": dv,
-            "gate": self.gate, "chunk": _C,
+            "gate": self.gate, "chunk": _C, "qk_form": qk_form,
+            "scale_bits": struct.unpack("<q", struct.pack("<d", scale))[0],
             "nseq": 0 if self.cu is None else self.cu.numel() - 1,
             "nthreads": torch.get_num_threads(), "simd": int(simd()),
         }  # fmt: skip
@@ -88,19 +93,21 @@ class _Operands:
 
 def forward(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt, cu_seqlens: Opt,
-    want_final: bool = True, keep: bool = True,
+    want_final: bool = True, keep: bool = True, raw: tuple[bool, float] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The delta rule of canonical operands (canonical.py): ``(out, final,
     checkpoints)``, checkpoints every CHECKPOINT_STEPS["cpu"] steps. Without
     ``want_final`` the kernel stores no final state and ``final`` has no rows; without
     ``keep`` (a call no backward follows) it stores no checkpoints, and ``checkpoints``
-    is empty."""
+    is empty. ``raw=(qk_l2norm, scale)``: q and k as the public function takes them,
+    brought to the canonical form in the kernel (a call no backward follows)."""
     ops = _Operands("delta_fwd", q, k, v, beta, g, initial, cu_seqlens)
     out = torch.empty(ops.v.shape, dtype=ops.dtype)
     rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
     final = torch.empty(rows, dtype=ops.dtype)
     checkpoints = torch.empty(ops.checkpoint_shape if keep else (0,), dtype=ops.dtype)
-    ops.run("delta_fwd", ops.args(out=out, final=final, checkpoints=checkpoints))
+    form = (0, 1.0) if raw is None else (2 if raw[0] else 1, raw[1])
+    ops.run("delta_fwd", ops.args({"out": out, "final": final, "checkpoints": checkpoints}, form))
     return out, final, checkpoints
 
 
@@ -129,7 +136,9 @@ def backward(
     }  # fmt: skip
     ops.run(
         "delta_bwd",
-        ops.args(checkpoints=checkpoints, grad_out=grad_out, grad_final=grad_final, **grads),
+        ops.args(
+            {"checkpoints": checkpoints, "grad_out": grad_out, "grad_final": grad_final, **grads}
+        ),
     )
     del checkpoints, grad_out, grad_final  # held until the kernel returned
     g_ = [EMPTY(ops.v) if t is None else t for t in grads.values()]

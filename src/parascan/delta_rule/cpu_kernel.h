@@ -124,6 +124,28 @@ ATTR static void F(ps_delta_scatter)(T *dst, const T *src, int64_t b, int64_t h,
                sizeof(T) * (size_t)(c1 - c0));
 }
 
+/* The forward's raw q and k rows brought to the canonical form as the public function
+ * does in torch (ps_delta_args.qk_form, scale_bits): normalized, x * (1 / sqrt(sum x^2
+ * + 1e-6)), when qk_form is 2; q times the scale. */
+ATTR static void F(ps_delta_normalize)(const ps_delta_args *a, T *kk, T *qq, int64_t K) {
+    double scale;
+    memcpy(&scale, &a->scale_bits, sizeof scale);
+    T rk = 1, rq = (T)scale;
+    if (a->qk_form == 2) {
+        T sk = 0, sq = 0;
+        for (int64_t i = 0; i < K; ++i) {
+            sk += kk[i] * kk[i];
+            sq += qq[i] * qq[i];
+        }
+        rk = (T)1 / SQRT(sk + (T)1e-6);
+        rq = (T)1 / SQRT(sq + (T)1e-6) * (T)scale;
+    }
+    for (int64_t i = 0; i < K; ++i) {
+        kk[i] *= rk;
+        qq[i] *= rq;
+    }
+}
+
 ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_prep) *p,
                                      int64_t b, int64_t h, int64_t t0, int64_t n) {
     const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
@@ -136,6 +158,7 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
         T *kd = p->kd + j * K, *qd = p->qd + j * K;
         memcpy(kk, ks, sizeof(T) * (size_t)K);
         memcpy(qq, qs, sizeof(T) * (size_t)K);
+        if (a->qk_form) F(ps_delta_normalize)(a, kk, qq, K);
         p->bt[j] = beta[step];
         if (a->gate == 1) {
             const T d = EXP(g[step]);
