@@ -36,8 +36,34 @@ def test_quick_mamba2_run() -> None:
     assert len(rows) == 3 and all(r.correct for r in rows), rows
     assert bench_transformers.format_rows(rows, "mamba2").startswith("Mamba2ForCausalLM on")
     assert integration.patched() == []
-    with pytest.raises(ValueError, match="expected model 'mamba' or 'mamba2'"):
+    with pytest.raises(ValueError, match="expected model 'mamba', 'mamba2', 'qwen3_5', 'kimi"):
         bench_transformers.run(quick=True, model_name="mamba3")
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"), [("qwen3_5", "Qwen3_5ForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM")]
+)
+def test_quick_hybrid_runs(name: str, cls: str) -> None:
+    rows = bench_transformers.run(quick=True, tokens=20, new_tokens=3, repeat=1,
+                                  model_name=name)  # fmt: skip
+    assert len(rows) == 3 and all(r.correct for r in rows), rows
+    assert bench_transformers.format_rows(rows, name).startswith(f"{cls} on")
+    assert integration.patched() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "kinds"),
+    [("qwen3_5", ["Qwen3_5GatedDeltaNet"] * 3 + ["Qwen3_5Attention"]),
+     ("kimi_linear", ["KimiLinearDeltaAttention"] * 3 + ["KimiLinearAttention"])],
+)  # fmt: skip
+def test_full_size_hybrids_mix_linear_and_full_attention(name: str, kinds: list[str]) -> None:
+    model = bench_transformers._model(name, 1024, 4, None, 1024, quick=False)
+    mixers = [type(getattr(layer, "linear_attn", None) or layer.self_attn).__name__
+              for layer in model.model.layers]  # fmt: skip
+    assert mixers == kinds
+    assert not any("MoE" in type(m).__name__ for m in model.modules())
+    assert sum(p.numel() for p in model.parameters()) < 70e6
+    assert bench_transformers._HIDDEN[name] == 1024
 
 
 def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:

@@ -1,14 +1,29 @@
-"""End to end: Hugging Face transformers' ``MambaForCausalLM`` (or ``Mamba2ForCausalLM``)
-unpatched against patched by :func:`parascan.integrations.transformers.patch`, on CPU::
+"""End to end: a Hugging Face transformers model (``MambaForCausalLM``,
+``Mamba2ForCausalLM``, ``Qwen3_5ForCausalLM`` or ``KimiLinearForCausalLM``) unpatched
+against patched by :func:`parascan.integrations.transformers.patch`, on CPU::
 
     python -m parascan.cli.bench_transformers            # the issue's sizes (minutes)
     python -m parascan.cli.bench_transformers --model mamba2
+    python -m parascan.cli.bench_transformers --model qwen3_5
+    python -m parascan.cli.bench_transformers --model kimi_linear
     python -m parascan.cli.bench_transformers --quick    # a small model, seconds
 
-A randomly initialized model (hidden 768, 4 layers, vocabulary 1024 by default: the
-vocabulary only sizes the embedding and the head, which patching does not touch; Mamba
-with state 16; Mamba-2 with 24 heads of 64, state 64, one group, chunk 128), one
-sequence, three workloads:
+A randomly initialized model, vocabulary 1024 (the vocabulary only sizes the embedding
+and the head, which patching does not touch), 4 layers:
+
+mamba        hidden 768, state 16
+mamba2       hidden 768, 24 heads of 64, state 64, one group, chunk 128
+qwen3_5      the text-only Qwen3.5 model, hidden 1024, MLP 3072: layers 1-3 gated delta
+             rule (4 key heads and 8 value heads of 128 channels, convolution of width
+             4: what the patch replaces), layer 4 full attention (8 query and 2
+             key/value heads of 256, gated, partial rotary as Qwen3.5's defaults)
+kimi_linear  Kimi Linear, hidden 1024, dense MLP 3072 on every layer (no mixture of
+             experts): layers 1-3 Kimi Delta Attention (8 heads of 128, per-channel
+             decay, convolution of width 4: what the patch replaces), layer 4
+             multi-head latent attention (8 heads, key/value rank 512, no query rank)
+
+(with ``--quick``: hidden 64, 2 layers, the first linear and the second full attention,
+heads of 16 channels). One sequence, three workloads:
 
 forward     the logits of ``tokens`` tokens (eval mode, no cache)
 train step  forward, loss and backward on ``tokens`` tokens (training mode)
@@ -46,6 +61,7 @@ __all__ = ["Row", "format_rows", "main", "run"]
 
 _PROMPT = 16
 _RTOL = 1e-4  # float32, after a few layers of matmuls around the scan
+_HIDDEN = {"qwen3_5": 1024, "kimi_linear": 1024}  # the full size's hidden, where not 768
 
 
 @dataclass
@@ -94,10 +110,14 @@ def run(
             8 new tokens) unless given explicitly: seconds, for tests.
         tokens: the sequence length of the forward and the training step (512).
         new_tokens: tokens generated (64).
-        hidden, layers, state, vocab: the model (768, 4, 16 for Mamba and 64 for
-            Mamba-2, 1024).
-        model_name: ``"mamba"`` (MambaForCausalLM) or ``"mamba2"`` (Mamba2ForCausalLM,
-            heads of 64 channels, chunk 128; quick: heads of 16, chunk 16).
+        hidden, layers, state, vocab: the model (768, 1024 for the Qwen3.5 and Kimi Linear
+            models; 4; 16 for Mamba and 64 for Mamba-2, unused by the others; 1024).
+        model_name: ``"mamba"`` (MambaForCausalLM), ``"mamba2"`` (Mamba2ForCausalLM,
+            heads of 64 channels, chunk 128; quick: heads of 16, chunk 16),
+            ``"qwen3_5"`` (Qwen3_5ForCausalLM) or ``"kimi_linear"``
+            (KimiLinearForCausalLM): linear-attention layers with heads of 128 key and
+            value channels (quick: 16), every fourth layer and the last full attention;
+            see the module's docstring.
         repeat: timed runs of each variant of the forward and of generate; the fastest
             counts.
         train_repeat: the same for the training step.
@@ -106,7 +126,7 @@ def run(
     """
     tokens = tokens or (64 if quick else 512)
     new_tokens = new_tokens or (8 if quick else 64)
-    hidden = hidden or (64 if quick else 768)
+    hidden = hidden or (64 if quick else _HIDDEN.get(model_name, 768))
     layers = layers or (2 if quick else 4)
     say = progress or (lambda line: None)
 
@@ -191,10 +211,46 @@ def _model(name: str, hidden: int, layers: int, state: int | None, vocab: int,
             num_heads=2 * hidden // headdim, n_groups=1, chunk_size=16 if quick else 128,
         )  # fmt: skip
         return transformers.Mamba2ForCausalLM(config2)
-    raise ValueError(f"bench_transformers: expected model 'mamba' or 'mamba2', but got {name!r}")
+    # The hybrids: every fourth layer (and the last) full attention, the others linear.
+    kinds = ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention"
+             for i in range(layers)]  # fmt: skip
+    head = 16 if quick else 128
+    if name == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        config3 = Qwen3_5TextConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+            num_hidden_layers=layers, layer_types=kinds,
+            num_attention_heads=4 if quick else 8, num_key_value_heads=2,
+            head_dim=2 * head, linear_key_head_dim=head, linear_value_head_dim=head,
+            linear_num_key_heads=2 if quick else 4, linear_num_value_heads=4 if quick else 8,
+        )  # fmt: skip
+        return Qwen3_5ForCausalLM(config3)
+    if name == "kimi_linear":
+        from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
+
+        heads = 4 if quick else 8
+        config4 = KimiLinearConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+            num_hidden_layers=layers, layer_types=kinds, mlp_layer_types=["dense"] * layers,
+            linear_num_heads=heads, linear_head_dim=head,
+            num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=4 * head,
+            q_lora_rank=None, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
+            v_head_dim=head, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        return KimiLinearForCausalLM(config4)
+    raise ValueError(
+        f"bench_transformers: expected model {', '.join(map(repr, MODEL_CLASSES))}, "
+        f"but got {name!r}"
+    )
 
 
-MODEL_CLASSES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+MODEL_CLASSES = {
+    "mamba": "MambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+}
 
 
 def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
@@ -219,7 +275,7 @@ def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m parascan.cli.bench_transformers",
-        description="transformers' MambaForCausalLM (or Mamba2ForCausalLM) unpatched against "
+        description="a transformers model (Mamba, Mamba-2, Qwen3.5, Kimi Linear) unpatched against "
         "patched by parascan",
     )
     parser.add_argument("--model", choices=sorted(MODEL_CLASSES), default="mamba")

@@ -59,8 +59,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_models(quick: bool) -> int:
-    """The end-to-end tables: transformers' Mamba and Mamba2 models unpatched against
-    patched (parascan.cli.bench_transformers); 1 when any result differs."""
+    """The end-to-end tables: transformers' Mamba, Mamba2, Qwen3.5 and Kimi Linear models
+    unpatched against patched (parascan.cli.bench_transformers); 1 when any result
+    differs."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -70,7 +71,7 @@ def _bench_models(quick: bool) -> int:
     from parascan.cli import bench_transformers
 
     status = 0
-    for model in ("mamba", "mamba2"):
+    for model in ("mamba", "mamba2", "qwen3_5", "kimi_linear"):
         print(f"\nEnd to end: {model}, unpatched against parascan.integrations.transformers",
               flush=True)  # fmt: skip
         rows = bench_transformers.run(
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--models",
         action="store_true",
-        help="also transformers' Mamba and Mamba2 models end to end, unpatched against "
+        help="also transformers' Mamba, Mamba2, Qwen3.5 and Kimi Linear models end to end, "
+        "unpatched against "
         "patched (needs transformers; minutes; on with --full)",
     )
     p.add_argument(
