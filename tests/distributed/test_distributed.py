@@ -465,6 +465,7 @@ def _packed_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 7 to 9 s of process groups; `pytest -m slow`
 def test_packed_sequences_across_ranks() -> None:
     _spawn(_packed_worker, 3)
 
@@ -539,5 +540,6 @@ def _precision_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 7 to 9 s of process groups; `pytest -m slow`
 def test_half_types_and_overflowing_products_across_ranks() -> None:
     _spawn(_precision_worker, 3)

@@ -39,6 +39,7 @@ def test_triton_is_never_chosen_for_cpu_tensors_and_complex_logs_fall_back() -> 
         ps.log_linear_scan(logs, logs, -1, backend="triton")
 
 
+@pytest.mark.slow  # 20 s interpreted; the default suite's interpreter tests run one of each
 @pytest.mark.parametrize("op", ["linear", "log"])
 def test_both_tiles_and_both_chunk_plans_run_and_match_the_loop(op, monkeypatch) -> None:
     """The harness's interpreted cases reach every launch plan: the time-major and the
