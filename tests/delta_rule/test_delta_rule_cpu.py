@@ -167,3 +167,16 @@ def test_a_call_nothing_differentiates_normalizes_in_the_kernel(gate: str, l2nor
     slow = ps.delta_rule_scan(*tracked, **p, **options)
     for a, b in zip(fast, slow, strict=True):
         assert_matches(a, b.detach().double(), torch.float32)
+
+
+def test_no_sequence_at_all() -> None:
+    """cu_seqlens [0] with L = 0 (zero sequences), which the public checks accept: empty
+    results, as on the other backends (the kernel once refused it)."""
+    q, v, beta = torch.randn(1, 0, 1, 4), torch.randn(1, 0, 2, 3), torch.rand(1, 0, 2)
+    cu = torch.tensor([0])
+    out, final = ps.delta_rule_scan(q, q, v, beta, cu_seqlens=cu, return_final=True, backend="cpu")
+    assert out.shape == (1, 0, 2, 3) and final.shape == (0, 2, 4, 3)
+    leaves = [t.clone().requires_grad_() for t in (q, q, v, beta)]
+    out, final = ps.delta_rule_scan(*leaves, cu_seqlens=cu, return_final=True, backend="cpu")
+    (out.sum() + final.sum()).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)

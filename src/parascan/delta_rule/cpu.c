@@ -69,7 +69,8 @@ static int ps_delta_check(const ps_delta_args *a, int backward) {
         a->qk_form < 0 || a->qk_form > 2)
         return -1;
     if (a->cu_seqlens) {
-        if (a->batch != 1 || a->nseq < 1 || a->cu_seqlens[0] != 0 ||
+        /* no sequence at all (offsets [0]) only when there is no step */
+        if (a->batch != 1 || a->nseq < (a->length > 0) || a->cu_seqlens[0] != 0 ||
             a->cu_seqlens[a->nseq] != a->length)
             return -1;
         for (int64_t s = 0; s < a->nseq; ++s)
