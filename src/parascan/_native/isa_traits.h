@@ -6,8 +6,8 @@
  *   PS_ISA_TARGET   the target attribute (nothing for the baseline)
  *   PS_ISA_VECTOR   defined for the levels above the baseline (they have fused
  *                   multiply-adds)
- * The instance header undefines them (and PS_ISA) at its end. Deliberately without an
- * include guard.
+ * isa_instance.h undefines them (and PS_ISA) after the instance. Deliberately without
+ * an include guard.
  */
 #if defined(PS_ISA_SFX) || defined(PS_ISA_VBYTES) || defined(PS_ISA_TARGET) || \
     defined(PS_ISA_VECTOR)

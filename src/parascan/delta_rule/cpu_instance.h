@@ -4,9 +4,9 @@
  * the type's section, T, TBYTES, TI, TU, SFX (the type, its bytes, the signed and
  * unsigned integers of its width, its suffix f32 or f64) and EXP (its scalar exp); it gets F(name) = name_<SFX>_<level>
  * (ps_delta_fwd_f32_v4, ...), which cpu.c's entries dispatch to. Its end undefines
- * what it and PS_ISA define. Deliberately without an include guard.
+ * what it defines (_native/isa_instance.h, the level's traits and PS_ISA).
+ * Deliberately without an include guard.
  */
-#include "isa_traits.h"
 
 /* The vectors of the level: W lanes of T (and of TI, TU for masks and bits). */
 #define F(name) PS_CAT(PS_CAT(name, SFX), PS_ISA_SFX)
@@ -38,8 +38,3 @@ typedef TU F(ps_delta_vtu) __attribute__((vector_size(PS_ISA_VBYTES)));
 #undef NB
 #undef VB
 #undef ATTR
-#undef PS_ISA_SFX
-#undef PS_ISA_VBYTES
-#undef PS_ISA_TARGET
-#undef PS_ISA_VECTOR
-#undef PS_ISA
