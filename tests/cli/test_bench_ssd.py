@@ -12,6 +12,7 @@ import torch
 
 import parascan
 from parascan.cli import bench, bench_ssd
+from parascan.cli.common import cu_seqlens
 
 from conftest import assert_matches
 from oracles import ssd_loop
@@ -66,7 +67,7 @@ def test_the_packed_row_is_checked_against_each_sequence_alone(monkeypatch) -> N
     (batch 1; some may be empty), checked against the float64 loop over each sequence
     alone: a scan that let the state cross a boundary would be WRONG."""
     case = bench_ssd.SsdCase("tiny packed", 1, 37, 4, 8, 5, packed=5)
-    cu = bench_ssd._cu_seqlens(case)
+    cu = cu_seqlens(case.length, case.packed, case.seed + 2)
     assert cu[0] == 0 and cu[-1] == 37 and len(cu) == 6 and bool((cu[1:] >= cu[:-1]).all())
     rows = bench_ssd.run_ssd([case], repeat=1)
     packed = [r for r in rows if r.impl == "parascan packed"]

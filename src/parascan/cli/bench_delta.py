@@ -38,7 +38,9 @@ from torch import Tensor
 
 import parascan as ps
 from parascan.cli.common import (
+    bmm_limits,
     cell,
+    cu_seqlens,
     median,
     ms,
     peak_extra_mib,
@@ -210,17 +212,11 @@ def _packed_reference(x: dict[str, Tensor], cu: Tensor) -> Tensor:
     return torch.cat(parts, 1)[:, :, :_CHECKED]
 
 
-def _cu_seqlens(case: DeltaCase) -> Tensor:
-    gen = torch.Generator().manual_seed(case.seed + 2)
-    cuts = torch.randint(0, case.length + 1, (case.packed - 1,), generator=gen).sort().values
-    return torch.cat([torch.tensor([0]), cuts, torch.tensor([case.length])]).to(torch.int32)
-
-
 def _run_case(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list[DeltaRow]:
     x = _inputs(case)
     b, L, hk, hv, dk, dv = case.batch, case.length, case.k_heads, case.v_heads, case.dk, case.dv
     weight = torch.randn(b, L, hv, dv, generator=torch.Generator().manual_seed(1))
-    cu = _cu_seqlens(case) if case.packed else None
+    cu = cu_seqlens(L, case.packed, case.seed + 2) if case.packed else None
     hf = _fallback(case)
 
     def ours(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, **kw: Any) -> Tensor:
@@ -257,18 +253,10 @@ def _run_case(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list
         correct[name] = errors[name] <= _TOLERANCE
 
     # the FLOP limit: 3 K V multiply-adds per token and head as one batched product
-    lhs = torch.randn(b * hv, L, dk)
-    rhs = torch.randn(b * hv, dk, 3 * dv)
-    buf = torch.empty(b * hv, L, 3 * dv)
-    lhs3 = torch.randn(b * hv, L, 3 * dk)
-    rhs3 = torch.randn(b * hv, 3 * dk, 3 * dv)
+    fns = bmm_limits(b * hv, L, dk, 3 * dv)
     prefix = case.prefix if case.prefix and case.prefix < L else L
     short = _inputs(case, prefix)
     short_weight = weight[:, :prefix]
-    fns: dict[tuple[str, str], Callable[[], object]] = {
-        ("limit", "forward"): lambda: torch.bmm(lhs, rhs, out=buf),
-        ("limit", "forward+backward"): lambda: torch.bmm(lhs3, rhs3, out=buf),
-    }
     for name, impl in impls.items():
         inputs, w = (short, short_weight) if name == "transformers" else (x, weight)
         fns[(name, "forward")] = partial(impl, **inputs)

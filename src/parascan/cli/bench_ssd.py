@@ -48,7 +48,9 @@ from torch import Tensor
 
 import parascan as ps
 from parascan.cli.common import (
+    bmm_limits,
     cell,
+    cu_seqlens,
     median,
     ms,
     peak_extra_mib,
@@ -159,13 +161,6 @@ def _impls(case: SsdCase) -> tuple[str, ...]:
 
 def ssd_step_names(case: SsdCase) -> list[str]:
     return [f"{case.name} {i} {d}" for i in _impls(case) for d in _DIRECTIONS]
-
-
-def _cu_seqlens(case: SsdCase) -> Tensor:
-    """``case.packed`` sequences of random lengths (some may be empty) covering L."""
-    gen = torch.Generator().manual_seed(case.seed + 2)
-    cuts = torch.randint(0, case.length + 1, (case.packed - 1,), generator=gen).sort().values
-    return torch.cat([torch.tensor([0]), cuts, torch.tensor([case.length])]).to(torch.int32)
 
 
 def _inputs(case: SsdCase) -> dict[str, Tensor]:
@@ -282,7 +277,7 @@ def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[S
     b, length, h, p, n = case.batch, case.length, case.heads, case.headdim, case.state
     weight = torch.randn(b, length, h, p, generator=torch.Generator().manual_seed(1))
     hf = _transformers_scan()
-    cu = _cu_seqlens(case) if case.packed else None
+    cu = cu_seqlens(length, case.packed, case.seed + 2) if case.packed else None
 
     def ours(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, **kw: Any) -> Tensor:
         out = ps.ssd_scan(x, dt, A, B, C, dt_softplus=True, **kw)
@@ -312,15 +307,7 @@ def _run_case(case: SsdCase, repeat: int, step: Callable[[str], None]) -> list[S
     macs = 2 * b * length * h * p * n
     inner = 2 * n
     rows_l = max(1, macs // (b * h * p * inner))  # ~ L: (b*h, L, 2N) @ (b*h, 2N, p)
-    lhs = torch.randn(b * h, rows_l, inner)
-    rhs = torch.randn(b * h, inner, p)
-    buf = torch.empty(b * h, rows_l, p)
-    lhs3 = torch.randn(b * h, rows_l, 3 * inner)
-    rhs3 = torch.randn(b * h, 3 * inner, p)
-    fns: dict[tuple[str, str], Callable[[], object]] = {
-        ("limit", "forward"): lambda: torch.bmm(lhs, rhs, out=buf),
-        ("limit", "forward+backward"): lambda: torch.bmm(lhs3, rhs3, out=buf),
-    }
+    fns = bmm_limits(b * h, rows_l, inner, p)
     for name, impl in impls.items():
         fns[(name, "forward")] = partial(impl, **x)
         fns[(name, "forward+backward")] = partial(train, impl, x, weight)

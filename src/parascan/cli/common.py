@@ -1,5 +1,6 @@
 """What the bench modules share: the loop over cases, rounds of timings and their
-medians, ratios, one training step, the peak memory of a call, and table lines."""
+medians, ratios, one training step, the peak memory of a call, packed sequences'
+offsets, the matrix-product FLOP limits, and table lines."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 from parascan.cli.timing import elapsed
 
 __all__ = [
+    "bmm_limits",
     "cell",
+    "cu_seqlens",
     "median",
     "ms",
     "peak_extra_mib",
@@ -79,6 +82,31 @@ def train(
     leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     out = fn(**leaves)
     return (out, *torch.autograd.grad(out, list(leaves.values()), weight))
+
+
+def cu_seqlens(length: int, packed: int, seed: int) -> torch.Tensor:
+    """``packed`` sequences of random lengths (some may be empty) covering ``length``
+    steps: their int32 offsets, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, length + 1, (packed - 1,), generator=gen).sort().values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([length])]).to(torch.int32)
+
+
+def bmm_limits(
+    batch: int, rows: int, inner: int, cols: int
+) -> dict[tuple[str, str], Callable[[], object]]:
+    """The FLOP limits of rows ``("limit", direction)``: ``torch.bmm`` of random
+    (batch, rows, inner) by (batch, inner, cols) matrices forward, and of 3x that inner
+    dim forward+backward, into one warm output."""
+    lhs = torch.randn(batch, rows, inner)
+    rhs = torch.randn(batch, inner, cols)
+    buf = torch.empty(batch, rows, cols)
+    lhs3 = torch.randn(batch, rows, 3 * inner)
+    rhs3 = torch.randn(batch, 3 * inner, cols)
+    return {
+        ("limit", "forward"): lambda: torch.bmm(lhs, rhs, out=buf),
+        ("limit", "forward+backward"): lambda: torch.bmm(lhs3, rhs3, out=buf),
+    }
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> float | None:
