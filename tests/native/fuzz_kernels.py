@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
@@ -585,6 +586,33 @@ def _selective_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     return what, lambda: _with_threads(threads, check)
 
 
+def _check_outputs(
+    got: torch.Tensor, final: torch.Tensor, leaves: dict[str, torch.Tensor],
+    loop: Callable[..., tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+    randn: Callable[..., torch.Tensor], grads: bool,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """A scan's output and final states against the float64 ``loop`` (called with
+    float64 copies of the scan's ``leaves``); then, with ``grads``, each leaf's
+    gradients, the scan's and the loop's, for the same weights of the output and the
+    final states (drawn by ``randn``), for the caller to compare."""
+    exact = {k2: v.detach().double().clone().requires_grad_() for k2, v in leaves.items()}
+    want, want_final = loop(**exact)
+    assert_matches(got, want, dtype)
+    assert_matches(final, want_final, dtype)
+    if not grads:
+        return {}
+    # in the outputs' dtypes: the kernel and the loop start from the same gradients
+    w_out = randn(*want.shape).to(got.dtype).double()
+    w_fin = randn(*want_final.shape).to(final.dtype).double()
+    got_grads = torch.autograd.grad(
+        (got.double() * w_out).sum() + (final.double() * w_fin).sum(), list(leaves.values())
+    )
+    want_grads = torch.autograd.grad(
+        (want * w_out).sum() + (want_final * w_fin).sum(), list(exact.values())
+    )
+    return dict(zip(leaves, zip(got_grads, want_grads, strict=True), strict=True))
+
+
 def _ssd_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     """The SSD scan's C kernel (forward, fused backward) through
     ps.ssd_scan(backend="cpu"): batch, heads in groups, headdim and N not multiples of
@@ -654,28 +682,14 @@ def _ssd_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
             initial=call.get("initial"), return_final=True,
             cu_seqlens=None if cu is None else torch.tensor(cu), backend="cpu",
         )  # fmt: skip
-        exact = {k2: v.detach().double().clone().requires_grad_() for k2, v in leaves.items()}
-        want, want_final = ssd_loop(**exact, dt_softplus=softplus, cu_seqlens=cu)
-        assert_matches(got, want, dtype)
-        assert_matches(final, want_final, dtype)
-        if length == 0:
-            return
-        # in the outputs' dtypes: the kernel and the loop start from the same gradients
-        w_out = r(*want.shape).to(got.dtype).double()
-        w_fin = r(*want_final.shape).to(final.dtype).double()
-        got_grads = torch.autograd.grad(
-            (got.double() * w_out).sum() + (final.double() * w_fin).sum(), list(leaves.values())
-        )
-        want_grads = torch.autograd.grad(
-            (want * w_out).sum() + (want_final * w_fin).sum(), list(exact.values())
-        )
-        terms = want_grads[list(leaves).index("dt")]
-        for name, g, w in zip(leaves, got_grads, want_grads, strict=True):
+        loop = partial(ssd_loop, dt_softplus=softplus, cu_seqlens=cu)
+        grads = _check_outputs(got, final, leaves, loop, dtype, r, grads=length > 0)
+        for name, (g, w) in grads.items():
             if name == "dt_bias":
                 # a sum over every step of terms as large as dt's gradient, which may
                 # cancel: float32 rounds each term, so the tolerance scales with them
                 rtol, atol = TOLERANCE[dtype]
-                scale = max(1.0, w.abs().max().item(), terms.abs().max().item())
+                scale = max(1.0, w.abs().max().item(), grads["dt"][1].abs().max().item())
                 torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol * scale)
             else:
                 assert_matches(g, w, dtype)
@@ -754,22 +768,9 @@ def _delta_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
             initial=call.get("initial"), qk_l2norm=l2norm, return_final=True,
             cu_seqlens=None if cu is None else torch.tensor(cu), backend="cpu",
         )  # fmt: skip
-        exact = {k2: v.detach().double().clone().requires_grad_() for k2, v in leaves.items()}
-        want, want_final = delta_rule_loop(**exact, qk_l2norm=l2norm, cu_seqlens=cu)
-        assert_matches(got, want, dtype)
-        assert_matches(final, want_final, dtype)
-        if length == 0:
-            return
-        # in the outputs' dtypes: the kernel and the loop start from the same gradients
-        w_out = r(*want.shape).to(got.dtype).double()
-        w_fin = r(*want_final.shape).to(final.dtype).double()
-        got_grads = torch.autograd.grad(
-            (got.double() * w_out).sum() + (final.double() * w_fin).sum(), list(leaves.values())
-        )
-        want_grads = torch.autograd.grad(
-            (want * w_out).sum() + (want_final * w_fin).sum(), list(exact.values())
-        )
-        for g, w in zip(got_grads, want_grads, strict=True):
+        loop = partial(delta_rule_loop, qk_l2norm=l2norm, cu_seqlens=cu)
+        grads = _check_outputs(got, final, leaves, loop, dtype, r, grads=length > 0)
+        for g, w in grads.values():
             assert_matches(g, w, dtype)
 
     return what, lambda: _with_threads(threads, check)
