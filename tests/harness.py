@@ -689,6 +689,7 @@ __all__ = [
     "Case",
     "Layout",
     "OpSpec",
+    "assert_within_scale",
     "check",
     "forward_mode_checks",
     "grid",
@@ -752,3 +753,15 @@ def forward_mode_checks(
     torch.testing.assert_close(hvp(fn), hvp(oracle))
     with pytest.raises(RuntimeError, match=rf"{public}: second derivatives"):
         torch.func.hessian(total(fn))(x)
+
+
+def assert_within_scale(
+    names: Sequence[str], want: Sequence[torch.Tensor], got: Sequence[torch.Tensor], tol: float
+) -> None:
+    """Each of ``got`` against the float64 tensor of ``want`` at its place: the largest
+    error within ``tol`` times the largest magnitude of that tensor (at least 1); an
+    empty one passes. A failure names the tensor by ``names``."""
+    for name, w, o in zip(names, want, got, strict=True):
+        scale = max(w.abs().max().item(), 1.0) if w.numel() else 1.0
+        err = (o.double() - w).abs().max().item() if w.numel() else 0.0
+        assert err <= tol * scale, f"{name}: error {err:.3g} (scale {scale:.3g})"

@@ -15,6 +15,7 @@ import parascan as ps
 from parascan.delta_rule import cpu as delta_cpu
 
 from conftest import assert_matches, simd_path, threads
+from harness import assert_within_scale
 from oracles import delta_rule_loop
 
 F64 = torch.float64
@@ -74,11 +75,7 @@ def _check(p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None 
     want = _grads(p, F64, None, cu)
     got = _grads(p, dtype, "cpu", cu)
     names = ("out", "final", *(k for k in NAMES if k in p))
-    for name, w, o in zip(names, want, got, strict=True):
-        scale = max(w.abs().max().item(), 1.0) if w.numel() else 1.0
-        tol = 1e-11 if dtype == F64 else 2e-5
-        err = (o.double() - w).abs().max().item() if w.numel() else 0.0
-        assert err <= tol * scale, f"{name}: error {err:.3g} (scale {scale:.3g})"
+    assert_within_scale(names, want, got, 1e-11 if dtype == F64 else 2e-5)
 
 
 # (batch, L, Hk, Hv, K, V): Qwen3.5's head (128 x 128), V around the 32-float block and

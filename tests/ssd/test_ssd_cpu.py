@@ -16,6 +16,7 @@ from parascan.ssd import autograd as ssd_ops
 from parascan.ssd import cpu as ssd_cpu
 
 from conftest import assert_matches, simd_path, threads
+from harness import assert_within_scale
 from oracles import ssd_loop
 
 F64 = torch.float64
@@ -78,11 +79,7 @@ def _check(
         _ORACLE[cache_key] = _grads(p, F64, None, cu)
     want = _ORACLE[cache_key]
     got = _grads(p, dtype, "cpu", cu)
-    for name, w, o in zip(("out", "final", *NAMES), want, got, strict=True):
-        scale = max(w.abs().max().item(), 1.0) if w.numel() else 1.0
-        tol = 1e-10 if dtype == F64 else 3e-5
-        err = (o.double() - w).abs().max().item() if w.numel() else 0.0
-        assert err <= tol * scale, f"{name}: error {err:.3g} (scale {scale:.3g})"
+    assert_within_scale(("out", "final", *NAMES), want, got, 1e-10 if dtype == F64 else 3e-5)
 
 
 # (batch, L, heads, headdim, groups, N): the model's head (64 x 64), headdim not a
@@ -212,10 +209,7 @@ def test_without_the_final_state(backend: str, cu: list[int] | None, initial: bo
 
     want = run(F64, None)
     got = run(torch.float32, backend)
-    for name, w_, o in zip(("out", *names), want, got, strict=True):
-        scale = max(w_.abs().max().item(), 1.0)
-        err = (o.double() - w_).abs().max().item()
-        assert err <= 3e-5 * scale, f"{name}: error {err:.3g} (scale {scale:.3g})"
+    assert_within_scale(("out", *names), want, got, 3e-5)
     if initial and cu is not None:  # the empty sequences' initial states: zero gradient
         assert got[-1][0].abs().max() == 0 and got[-1][4].abs().max() == 0
     args = [p[k].float() for k in ("x", "dt", "A", "B", "C")]
