@@ -177,3 +177,35 @@ def test_no_sequence_at_all() -> None:
     out, final = ps.delta_rule_scan(*leaves, cu_seqlens=cu, return_final=True, backend="cpu")
     (out.sum() + final.sum()).backward()
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("gate", ["none", "head", "channel"])
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 6, 128, 128), (1, 2, 2, 17, 100), (1, 1, 1, 5, 31)], ids=["128", "100", "31"]
+)
+def test_the_decoding_step_gives_the_bits_of_the_tile_path(
+    shape: tuple[int, ...], gate: str, dtype: torch.dtype, simd: bool
+) -> None:
+    """A call of one step with a state that nothing differentiates reads the state in
+    place (whole column blocks; the partial last one, V = 100 or 31, goes through a
+    tile): its output and final state have the bits of the tile path, which the same
+    call takes when it keeps checkpoints for a backward; and they match the loop."""
+    batch, hk, hv, dk, dv = shape
+    p = {k: v.to(dtype) for k, v in _problem(6, batch, 1, hk, hv, dk, dv, gate=gate).items()}
+    args = [p.get(k) for k in NAMES]
+    with simd_path(simd):
+        for raw in ((True, 0.25), None):
+            tiled = delta_cpu.forward(*args, None, keep=True, raw=raw)
+            single = delta_cpu.forward(*args, None, keep=False, raw=raw)
+            no_final = delta_cpu.forward(*args, None, want_final=False, keep=False, raw=raw)
+            assert torch.equal(single[0], tiled[0]) and torch.equal(single[1], tiled[1])
+            assert torch.equal(no_final[0], tiled[0])
+    # the last, raw=None: q and k as they are, unscaled
+    f64 = {k: v.double() for k, v in p.items()}
+    out, final = delta_rule_loop(
+        *(f64.get(k) for k in NAMES[:5]), scale=1.0, initial=f64["initial"]
+    )
+    assert_matches(single[0], out, dtype)
+    assert_matches(single[1], final, dtype)

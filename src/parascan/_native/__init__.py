@@ -337,7 +337,7 @@ def check_operands(entry: str, dtype: torch.dtype, *operands: Operand) -> None:
             t.shape != shape
             or t.dtype != dtype
             or t.layout != torch.strided
-            or t.device.type != "cpu"
+            or not t.is_cpu
             or t.is_neg()
             or t.is_conj()
         ):

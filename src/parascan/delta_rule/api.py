@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -134,11 +135,9 @@ def delta_rule_scan(
 
     cd = torch.float64 if v.dtype == torch.float64 else torch.float32
     name = resolve(delta_ops.ROW, backend, v.device, cd, name=_FN)
-    q, k = q.to(cd), k.to(cd)
+    q, k = _as(q, cd), _as(k, cd)
     args = (
-        q, k, v.to(cd), beta.to(cd), None if g is None else g.to(cd),
-        None if initial is None else initial.to(cd),
-        None if cu_seqlens is None else cu_seqlens.to(torch.int64),
+        q, k, _as(v, cd), _as(beta, cd), _as(g, cd), _as(initial, cd), _as(cu_seqlens, torch.int64)
     )  # fmt: skip
     if name == "cpu" and eager_no_grad([t for t in args if t is not None]):
         # nothing differentiates the call (inference, a decoding step): the kernel
@@ -152,5 +151,15 @@ def delta_rule_scan(
         # only the recurrence
         q, k = (_l2norm(q, factor), _l2norm(k)) if qk_l2norm else (q * factor, k)
         out, final = delta_ops.apply(q, k, *args[2:], return_final, name)
-    out = out.to(v.dtype)
+    out = _as(out, v.dtype)
     return (out, final) if return_final else out
+
+
+@overload
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor: ...
+@overload
+def _as(t: None, dtype: torch.dtype) -> None: ...
+def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` in ``dtype`` (itself when it is already: a decoding step is short enough
+    that each ``.to`` call's dispatch shows)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)

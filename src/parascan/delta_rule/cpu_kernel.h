@@ -108,12 +108,47 @@ static inline F(ps_delta_prep) F(ps_delta_prep_at)(T *m, int64_t C, int64_t K, i
                               m + 5 * C * K, m + 5 * C * K + C, r, r + C * Vd, r + 2 * C * Vd};
 }
 
+/* How many steps ahead a chunk's preparation fetches the rows of its inputs: a head's
+ * rows are H K (or H V) elements apart from step to step, further than the hardware
+ * prefetchers look, and each would otherwise be a cache miss waited for. */
+#define PS_DELTA_FETCH_STEPS 4
+
+/* Fetch the n elements at x into the cache (L1 when `near`, else L2). */
+PS_DELTA_INLINE void F(ps_delta_fetch)(const T *x, int64_t n, const int near) {
+    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(T))
+        if (near)
+            __builtin_prefetch(x + i, 0, 3);
+        else
+            __builtin_prefetch(x + i, 0, 2);
+    if (near)
+        __builtin_prefetch(x + n - 1, 0, 3);
+    else
+        __builtin_prefetch(x + n - 1, 0, 2);
+}
+
+/* Fetch step t's rows of q, k, v and a per-channel g of head h, batch row b, into L2
+ * (while the chunk before t's runs, so that preparing t's chunk reads no memory). */
+PS_DELTA_INLINE void F(ps_delta_fetch_step)(const ps_delta_args *a, int64_t b, int64_t h,
+                                            int64_t t) {
+    const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
+    const int64_t hk = h / (H / Hk), qk = ((b * L + t) * Hk + hk) * K;
+    const int64_t step = (b * L + t) * H + h;
+    F(ps_delta_fetch)((const T *)a->q + qk, K, 0);
+    F(ps_delta_fetch)((const T *)a->k + qk, K, 0);
+    F(ps_delta_fetch)((const T *)a->v + step * a->dv, a->dv, 0);
+    if (a->gate == 2) F(ps_delta_fetch)((const T *)a->g + step * K, K, 0);
+}
+
 /* Rows [t0, t0 + n) of head h, batch row b, of the (batch, L, H, Vd) tensor src into
  * dst (n, Vd), or back, columns [c0, c1). */
 ATTR static void F(ps_delta_gather)(T *dst, const T *src, int64_t b, int64_t h, int64_t t0,
                                     int64_t n, int64_t L, int64_t H, int64_t Vd) {
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + PS_DELTA_FETCH_STEPS < n)
+            F(ps_delta_fetch)(src + ((b * L + t0 + j + PS_DELTA_FETCH_STEPS) * H + h) * Vd, Vd,
+                              1);
         memcpy(dst + j * Vd, src + ((b * L + t0 + j) * H + h) * Vd, sizeof(T) * (size_t)Vd);
+    }
 }
 
 ATTR static void F(ps_delta_scatter)(T *dst, const T *src, int64_t b, int64_t h, int64_t t0,
@@ -124,21 +159,50 @@ ATTR static void F(ps_delta_scatter)(T *dst, const T *src, int64_t b, int64_t h,
                sizeof(T) * (size_t)(c1 - c0));
 }
 
+/* Elements [i, i + W) of x as a vector, zeros past K; and back, the lanes past K left
+ * out (a whole vector is a move of constant size, no call). */
+PS_DELTA_INLINE V F(ps_delta_load_vec)(const T *x, int64_t i, int64_t K) {
+    V v = (V){0};
+    if (K - i >= W)
+        memcpy(&v, x + i, sizeof v);
+    else
+        memcpy(&v, x + i, sizeof(T) * (size_t)(K - i));
+    return v;
+}
+
+PS_DELTA_INLINE void F(ps_delta_store_vec)(T *x, V v, int64_t i, int64_t K) {
+    if (K - i >= W)
+        memcpy(x + i, &v, sizeof v);
+    else
+        memcpy(x + i, &v, sizeof(T) * (size_t)(K - i));
+}
+
+/* The dot products k . k, q . q and k . q of two K-vectors, in W lanes summed at the
+ * end: chains of K / W multiply-adds, not K. */
+PS_DELTA_INLINE void F(ps_delta_dots)(const T *kk, const T *qq, int64_t K, T *kk_qq_kq) {
+    V acc[3] = {(V){0}, (V){0}, (V){0}};
+    for (int64_t i = 0; i < K; i += W) {
+        const V x = F(ps_delta_load_vec)(kk, i, K), y = F(ps_delta_load_vec)(qq, i, K);
+        acc[0] += x * x;
+        acc[1] += y * y;
+        acc[2] += x * y;
+    }
+    F(ps_lane_sums_n)(acc, 3, kk_qq_kq);
+}
+
 /* The forward's raw q and k rows brought to the canonical form as the public function
  * does in torch (ps_delta_args.qk_form, scale_bits): normalized, x * (1 / sqrt(sum x^2
- * + 1e-6)), when qk_form is 2; q times the scale. */
+ * + 1e-6)), when qk_form is 2; q times the scale. (The sums are in lanes, so the result
+ * may differ from torch's in the last bits.) */
 ATTR static void F(ps_delta_normalize)(const ps_delta_args *a, T *kk, T *qq, int64_t K) {
     double scale;
     memcpy(&scale, &a->scale_bits, sizeof scale);
     T rk = 1, rq = (T)scale;
     if (a->qk_form == 2) {
-        T sk = 0, sq = 0;
-        for (int64_t i = 0; i < K; ++i) {
-            sk += kk[i] * kk[i];
-            sq += qq[i] * qq[i];
-        }
-        rk = (T)1 / SQRT(sk + (T)1e-6);
-        rq = (T)1 / SQRT(sq + (T)1e-6) * (T)scale;
+        T dots[3];
+        F(ps_delta_dots)(kk, qq, K, dots);
+        rk = (T)1 / SQRT(dots[0] + (T)1e-6);
+        rq = (T)1 / SQRT(dots[1] + (T)1e-6) * (T)scale;
     }
     for (int64_t i = 0; i < K; ++i) {
         kk[i] *= rk;
@@ -154,6 +218,12 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j, step = (b * L + t) * H + h;
         const T *qs = q + ((b * L + t) * Hk + hk) * K, *ks = k + ((b * L + t) * Hk + hk) * K;
+        if (j + PS_DELTA_FETCH_STEPS < n) {
+            const int64_t ahead = PS_DELTA_FETCH_STEPS * Hk * K;
+            F(ps_delta_fetch)(qs + ahead, K, 1);
+            F(ps_delta_fetch)(ks + ahead, K, 1);
+            if (a->gate == 2) F(ps_delta_fetch)(g + (step + PS_DELTA_FETCH_STEPS * H) * K, K, 1);
+        }
         T *kk = p->kk + j * K, *qq = p->qq + j * K, *dd = p->dd + j * K;
         T *kd = p->kd + j * K, *qd = p->qd + j * K;
         memcpy(kk, ks, sizeof(T) * (size_t)K);
@@ -165,23 +235,18 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
             for (int64_t i = 0; i < K; ++i) dd[i] = d;
         } else if (a->gate == 2) {
             const T *gs = g + step * K;
-            for (int64_t i = 0; i < K; i += W) {
-                const int64_t w = K - i < W ? K - i : W;
-                V x = (V){0};
-                memcpy(&x, gs + i, sizeof(T) * (size_t)w);
-                x = F(ps_vexp)(x);
-                memcpy(dd + i, &x, sizeof(T) * (size_t)w);
-            }
+            for (int64_t i = 0; i < K; i += W)
+                F(ps_delta_store_vec)(dd, F(ps_vexp)(F(ps_delta_load_vec)(gs, i, K)), i, K);
         } else {
             for (int64_t i = 0; i < K; ++i) dd[i] = 1;
         }
-        T dot = 0;
         for (int64_t i = 0; i < K; ++i) {
             kd[i] = dd[i] * kk[i];
             qd[i] = dd[i] * qq[i];
-            dot += kk[i] * qq[i];
         }
-        p->kq[j] = dot;
+        T dots[3];
+        F(ps_delta_dots)(kk, qq, K, dots);
+        p->kq[j] = dots[2];
     }
     F(ps_delta_gather)(p->vv, a->v, b, h, t0, n, L, H, a->dv);
     if (a->grad_out) F(ps_delta_gather)(p->go, a->grad_out, b, h, t0, n, L, H, a->dv);
@@ -309,11 +374,13 @@ typedef struct {
 } F(ps_delta_fwd_ctx);
 
 /* The steps [t0, t0 + n) (chunk c) of column block vb of head h, batch row b: the
- * tile holds the state entering t0 (or anything, when t0 starts a sequence). */
+ * tile holds the state entering t0 (or anything, when t0 starts a sequence). `fetch`:
+ * the next chunk's rows of the inputs are fetched meanwhile (ps_delta_fetch_step). */
 PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_delta_prep) *p,
                                            const F(ps_delta_seqs) *sq, T *tile, int64_t b,
                                            int64_t h, int64_t vb, int64_t c, int64_t t0,
-                                           int64_t n, int64_t nc, const int gated) {
+                                           int64_t n, int64_t nc, const int fetch,
+                                           const int gated) {
     const int64_t K = a->dk, Vd = a->dv, H = a->heads, c0 = vb * VB;
     const int64_t KV = K * Vd;
     const T *init = a->initial;
@@ -324,6 +391,7 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
     int fresh = 1; /* ak and aq are to be read from the tile */
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j;
+        if (fetch && t + a->chunk < a->length) F(ps_delta_fetch_step)(a, b, h, t + a->chunk);
         if (t == sq->cu[s])
             F(ps_delta_load_cols)(tile, init ? init + (F(ps_delta_state_row)(sq, s) * H + h) * KV
                                              : NULL, K, Vd, c0);
@@ -355,6 +423,52 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
     }
 }
 
+/* The decoding step: the single step of a call with L = 1 (not packed, no checkpoints)
+ * on whole column block vb of head h, batch row b, read from the initial state and
+ * written to the final one (when wanted) in place, without a tile: the tile path's
+ * copies in and out would double the passes over the state, which is all this call
+ * reads. The same operations in the same order as ps_delta_fwd_block's, so the same
+ * bits. */
+PS_DELTA_INLINE void F(ps_delta_fwd_single)(const ps_delta_args *a, const F(ps_delta_prep) *p,
+                                            int64_t b, int64_t h, int64_t vb, const int gated) {
+    typedef V VA __attribute__((aligned(sizeof(T)))); /* the state's rows: any alignment */
+    const int64_t K = a->dk, Vd = a->dv, c0 = vb * VB, at = (b * a->heads + h) * K * Vd + c0;
+    const T *src = (const T *)a->initial + at, *kd = p->kd, *qd = p->qd;
+    V k0[NB], k1[NB], q0[NB], q1[NB], u[NB], x[NB];
+    for (int n = 0; n < NB; ++n) k0[n] = k1[n] = q0[n] = q1[n] = (V){0};
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const VA *r0 = (const VA *)(src + i * Vd), *r1 = (const VA *)(src + (i + 1) * Vd);
+        for (int n = 0; n < NB; ++n) {
+            k0[n] += r0[n] * kd[i];
+            k1[n] += r1[n] * kd[i + 1];
+            q0[n] += r0[n] * qd[i];
+            q1[n] += r1[n] * qd[i + 1];
+        }
+    }
+    if (i < K) {
+        const VA *r0 = (const VA *)(src + i * Vd);
+        for (int n = 0; n < NB; ++n) {
+            k0[n] += r0[n] * kd[i];
+            q0[n] += r0[n] * qd[i];
+        }
+    }
+    F(ps_delta_load_row)(x, p->vv, Vd, c0);
+    const T beta = p->bt[0], kq = p->kq[0];
+    for (int n = 0; n < NB; ++n) {
+        u[n] = beta * (x[n] - (k0[n] + k1[n]));
+        x[n] = (q0[n] + q1[n]) + kq * u[n];
+    }
+    F(ps_delta_store_row)(p->oo, x, Vd, c0);
+    if (!a->final) return;
+    T *dst = (T *)a->final + at;
+    for (i = 0; i < K; ++i) {
+        const VA *r = (const VA *)(src + i * Vd);
+        VA *d = (VA *)(dst + i * Vd);
+        for (int n = 0; n < NB; ++n) d[n] = (gated ? p->dd[i] * r[n] : r[n]) + p->kk[i] * u[n];
+    }
+}
+
 ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end) {
     const F(ps_delta_fwd_ctx) *ctx = vp;
     ps_delta_args *a = ctx->a;
@@ -371,6 +485,8 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
         return;
     }
     const F(ps_delta_prep) p = F(ps_delta_prep_at)(pm, Cn, K, a->dv);
+    /* the decoding step (ps_delta_fwd_single) */
+    const int single = L == 1 && a->initial && !a->cu_seqlens && !a->checkpoints;
     for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t part = unit % split, bh = unit / split, b = bh / H, h = bh % H;
         const int64_t vb0 = part * nvb / split, vb1 = (part + 1) * nvb / split;
@@ -381,11 +497,19 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
             const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
             F(ps_delta_prepare)(a, &p, b, h, t0, n);
             for (int64_t vb = vb0; vb < vb1; ++vb) {
+                if (single && (vb + 1) * VB <= a->dv) { /* a whole block */
+                    if (a->gate)
+                        F(ps_delta_fwd_single)(a, &p, b, h, vb, 1);
+                    else
+                        F(ps_delta_fwd_single)(a, &p, b, h, vb, 0);
+                    continue;
+                }
                 T *tile = tiles + (vb - vb0) * K * VB;
+                const int fetch = vb == vb0;
                 if (a->gate)
-                    F(ps_delta_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, 1);
+                    F(ps_delta_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 1);
                 else
-                    F(ps_delta_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, 0);
+                    F(ps_delta_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 0);
             }
             const int64_t c1 = vb1 * VB < a->dv ? vb1 * VB : a->dv;
             F(ps_delta_scatter)(a->out, p.oo, b, h, t0, n, L, H, a->dv, vb0 * VB, c1);
