@@ -70,6 +70,17 @@ Kimi Delta Attention (the modules that define ``chunk_kimi_delta_attention``:
   layers pass down under that name) apart, which the fallbacks silently do not.
 - ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`; ``causal_conv1d_update`` as below.
 
+Short convolutions (the modules that define ``causal_conv1d_fn`` and none of the
+functions above: ``lfm2``, ``lfm2_moe``, ``lfm3``, ``inkling``, ``inkling2`` and
+``inkling2_loop`` in transformers 5.24, whose gated short-convolution blocks or
+per-projection convolutions call it):
+
+- ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`, which keeps packed sequences
+  (``seq_idx``, ``cu_seqlens`` or the attention keywords' ``cu_seq_lens_q``) apart, which
+  the fallback silently does not; ``causal_conv1d_update`` as below. (Inkling 2's dynamic
+  convolutions, whose taps depend on the token, are computed in their layers' own code
+  and stay unpatched.)
+
 All families, where their modules define them:
 
 - ``causal_conv1d_fn``, the depthwise causal convolution before the scan: a few shifted
@@ -564,11 +575,12 @@ def causal_conv1d_packed_q(
     activation: str | None = None,
     **kwargs: Any,
 ) -> Tensor:
-    """Replaces transformers' ``causal_conv1d_fn`` in the gated-delta-rule modules: as
-    :func:`causal_conv1d`, reading packed sequences from ``cu_seq_lens_q`` (the name
-    under which these layers pass them to the convolution) when no ``cu_seqlens`` or
-    ``seq_idx`` is given, so that no step reads an input of an earlier sequence, as
-    the delta rule after it restarts at each boundary."""
+    """Replaces transformers' ``causal_conv1d_fn`` in the gated-delta-rule, KDA and
+    short-convolution modules: as :func:`causal_conv1d`, reading packed sequences from
+    ``cu_seq_lens_q`` (the name under which these layers pass them to the convolution)
+    when no ``cu_seqlens`` or ``seq_idx`` is given, so that no step reads an input of an
+    earlier sequence (as the delta rule after it restarts at each boundary, and as the
+    attention layers of the short-convolution models keep the sequences apart)."""
     if kwargs.get("seq_idx") is None and kwargs.get("cu_seqlens") is None:
         cu = kwargs.get("cu_seq_lens_q")
         return causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)
@@ -665,6 +677,8 @@ class _Family:
     functions: tuple[_Function, ...]
     # The modules the patch promises: a transformers without them is not supported.
     expected: tuple[str, ...] = ()
+    # Markers of other families: a module that defines one of them is theirs, not this one's.
+    unless: tuple[str, ...] = ()
 
 
 # mamba_selective_scan's leading parameters: its replacement also takes (and ignores)
@@ -716,7 +730,15 @@ _KDA = _Family(
         _CONV_UPDATE,
     ),
 )
-_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA)
+# The models whose only patched function is the convolution (a gated short convolution
+# block in place of attention, or convolutions of the attention's projections).
+_SHORT_CONV = _Family(
+    marker=_CONV_FN,
+    functions=(_Function(_CONV_FN, causal_conv1d_packed_q), _CONV_UPDATE),
+    expected=("lfm2",),
+    unless=tuple(family.marker for family in (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA)),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
@@ -741,18 +763,20 @@ def _unsupported(version: str, what: str) -> UnsupportedVersionError:
 
 
 def _candidate_modules(family: _Family) -> list[str]:
-    """The modeling modules whose source defines ``family.marker`` (read as text, so only
-    those are imported)."""
+    """The modeling modules whose source defines ``family.marker`` and none of
+    ``family.unless`` (read as text, so only those are imported)."""
     spec = importlib.util.find_spec("transformers.models")
     if spec is None or not spec.submodule_search_locations:
         return []
     root = Path(next(iter(spec.submodule_search_locations)))
-    pattern = f"\ndef {family.marker}("
-    return [
-        f"transformers.models.{path.parent.name}.{path.stem}"
-        for path in sorted(root.glob("*/modeling_*.py"))
-        if pattern in path.read_text(encoding="utf-8", errors="replace")
-    ]
+    names = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if f"\ndef {family.marker}(" in text and not any(
+            f"\ndef {other}(" in text for other in family.unless
+        ):
+            names.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return names
 
 
 def _global_names(fn: object, depth: int = 3) -> set[str]:
