@@ -328,23 +328,31 @@ def test_patch_is_idempotent_and_names_what_it_replaced() -> None:
     assert integration.unpatch() == [] and integration.patched() == []
 
 
-def test_unpatch_restores_the_original_functions() -> None:
+def _resolve(name: str) -> object:
+    """A patched name's current object: ``transformers.models.<x>.modeling_<x>.`` then a
+    function, or a ``Class.method``."""
     import importlib
 
+    parts = name.split(".")
+    value: object = importlib.import_module(".".join(parts[:4]))
+    for attribute in parts[4:]:
+        value = getattr(value, attribute)
+    return value
+
+
+def test_unpatch_restores_the_original_functions() -> None:
     names = integration.patch()
-    modules = {n.rsplit(".", 1)[0] for n in names}
+    modules = {".".join(n.split(".")[:4]) for n in names}
     integration.unpatch()
-    before = {n: getattr(importlib.import_module(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1])
-              for n in names}  # fmt: skip
+    before = {n: _resolve(n) for n in names}
     integration.patch()
     for n in names:
-        module, fn = n.rsplit(".", 1)
-        assert getattr(importlib.import_module(module), fn) is not before[n]
+        assert _resolve(n) is not before[n]
     integration.unpatch()
     for n in names:
-        module, fn = n.rsplit(".", 1)
-        assert getattr(importlib.import_module(module), fn) is before[n]
+        assert _resolve(n) is before[n]
     assert len(modules) >= 2
+    assert any(n.endswith("RecurrentGemmaRglru._rnn_scan") for n in names)  # a method too
 
 
 def test_an_older_transformers_is_refused(monkeypatch) -> None:

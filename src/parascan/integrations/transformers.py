@@ -81,6 +81,12 @@ per-projection convolutions call it):
   convolutions, whose taps depend on the token, are computed in their layers' own code
   and stay unpatched.)
 
+Griffin's RG-LRU (``recurrent_gemma`` in transformers 5.24):
+
+- ``RecurrentGemmaRglru._rnn_scan``, a Python loop over the tokens (a method, patched
+  on the class): :func:`rg_lru_scan`, by :func:`parascan.linear_scan` with the gates
+  zeroed at the document boundaries (``position_ids == 0``) as the loop zeroes them.
+
 All families, where their modules define them:
 
 - ``causal_conv1d_fn``, the depthwise causal convolution before the scan: a few shifted
@@ -133,6 +139,7 @@ from parascan._core import check_in_place, describe
 from parascan.compat import mamba_ssm
 from parascan.compat._checks import is_integer_tensor
 from parascan.delta_rule.api import delta_rule_scan as ps_delta_rule_scan
+from parascan.first_order.api import linear_scan as ps_linear_scan
 from parascan.mixer import conv
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
@@ -590,6 +597,34 @@ def causal_conv1d_packed_q(
     )  # fmt: skip
 
 
+# --- Griffin's RG-LRU (RecurrentGemma) ----------------------------------------------------
+
+
+def rg_lru_scan(
+    self: Any,
+    hidden_states: Tensor,
+    recurrent_gate: Tensor,
+    reset: Tensor,
+    recurrent_states: Tensor | None,
+    acc_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """Replaces transformers' ``RecurrentGemmaRglru._rnn_scan`` (same parameters and
+    results): ``x[t] = a[t] x[t-1] + b[t]`` along the tokens (dim 1) of ``hidden_states``
+    (batch, L, width), ``a`` the ``recurrent_gate`` zeroed where ``reset`` (batch, L, 1)
+    marks a document's first token, from ``recurrent_states`` (batch, width; zeros when
+    None), accumulated in ``acc_dtype``: the outputs in the input's dtype and the last
+    state in ``acc_dtype``, by :func:`parascan.linear_scan` instead of a Python loop over
+    the tokens (the decoding step, one token, too)."""
+    if recurrent_states is None and hidden_states.shape[1] == 1:
+        return hidden_states, hidden_states[:, 0].to(acc_dtype)  # as the original
+    gates = (recurrent_gate * ~reset).to(acc_dtype)
+    initial = None if recurrent_states is None else recurrent_states.to(gates.device, acc_dtype)
+    out, final = ps_linear_scan(
+        gates, hidden_states.to(acc_dtype), 1, initial=initial, return_final=True
+    )
+    return out.to(hidden_states.dtype), final
+
+
 # --- Kimi Delta Attention (Kimi Linear, GLM-5-Next, Bailing hybrid) -----------------------
 
 
@@ -652,7 +687,8 @@ def recurrent_kimi_delta_attention(
 
 @dataclass(frozen=True)
 class _Function:
-    """One module-level function of a modeling module and its replacement."""
+    """One module-level function of a modeling module (or a method, ``Class.name``) and
+    its replacement."""
 
     name: str
     replacement: Callable[..., Any]
@@ -738,7 +774,18 @@ _SHORT_CONV = _Family(
     expected=("lfm2",),
     unless=tuple(family.marker for family in (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA)),
 )
-_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV)
+_RG_LRU = _Family(
+    marker="RecurrentGemmaRglru._rnn_scan",
+    functions=(
+        _Function(
+            "RecurrentGemmaRglru._rnn_scan",
+            rg_lru_scan,
+            ("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states"),
+        ),
+    ),
+    expected=("recurrent_gemma",),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV, _RG_LRU)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
@@ -772,11 +819,27 @@ def _candidate_modules(family: _Family) -> list[str]:
     names = []
     for path in sorted(root.glob("*/modeling_*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
-        if f"\ndef {family.marker}(" in text and not any(
-            f"\ndef {other}(" in text for other in family.unless
-        ):
+        if _defines(text, family.marker) and not any(_defines(text, o) for o in family.unless):
             names.append(f"transformers.models.{path.parent.name}.{path.stem}")
     return names
+
+
+def _defines(source: str, name: str) -> bool:
+    """Whether a module's ``source`` defines the function ``name`` (or ``Class.method``)."""
+    if "." in name:
+        owner, method = name.split(".")
+        return f"\nclass {owner}(" in source and f"\n    def {method}(" in source
+    return f"\ndef {name}(" in source
+
+
+def _owner(module: ModuleType, name: str) -> tuple[object, str]:
+    """Where ``name`` (a function, or ``Class.method``) of ``module`` is an attribute:
+    the module or the class, and the attribute's name (the class is None when the module
+    has no such class)."""
+    if "." in name:
+        owner, attribute = name.split(".")
+        return getattr(module, owner, None), attribute
+    return module, name
 
 
 def _global_names(fn: object, depth: int = 3) -> set[str]:
@@ -812,7 +875,8 @@ def _check(version: str, module: ModuleType, fn: _Function) -> bool:
     """Whether ``fn`` is to be patched in ``module``; raises if the module does not
     have it as expected."""
     where = f"{module.__name__}.{fn.name}"
-    original = _ORIGINALS.get((module.__name__, fn.name), getattr(module, fn.name, None))
+    owner, attribute = _owner(module, fn.name)
+    original = _ORIGINALS.get((module.__name__, fn.name), getattr(owner, attribute, None))
     if original is None or not callable(original):
         if fn.required:
             raise _unsupported(version, f"but {module.__name__} has no function {fn.name}")
@@ -826,7 +890,7 @@ def _check(version: str, module: ModuleType, fn: _Function) -> bool:
             version,
             f"but {where} takes ({', '.join(params)}), not ({', '.join(fn.params)}, ...)",
         )
-    if fn.required and not _calls(module, fn.name):
+    if fn.required and not _calls(module, attribute):
         raise _unsupported(version, f"but no mixer's forward in {module.__name__} calls {fn.name}")
     return True
 
@@ -885,8 +949,9 @@ def patch() -> list[str]:
     for module, fn in _targets():
         key = (module.__name__, fn.name)
         if key not in _ORIGINALS:
-            _ORIGINALS[key] = getattr(module, fn.name)
-            setattr(module, fn.name, fn.replacement)
+            owner, attribute = _owner(module, fn.name)
+            _ORIGINALS[key] = getattr(owner, attribute)
+            setattr(owner, attribute, fn.replacement)
     return patched()
 
 
@@ -897,7 +962,8 @@ def unpatch() -> list[str]:
     for (module_name, name), original in _ORIGINALS.items():
         module = sys.modules.get(module_name)
         if module is not None:
-            setattr(module, name, original)
+            owner, attribute = _owner(module, name)
+            setattr(owner, attribute, original)
     _ORIGINALS.clear()
     return restored
 
