@@ -49,7 +49,6 @@ SLOW = {
 # entry whose module no longer has a slow path (or that patch() now covers) fails the
 # test too, so that this list stays true.
 KNOWN_GAPS = {
-    "rwkv": "RWKV-4: its WKV loop, to be replaced by a log-space scan",
     "minimax": "lightning attention inside the layer's forward, to be replaced",
     "xlstm": "the mLSTM cell's stabilized exponential gating, an op parascan lacks",
 }
@@ -87,7 +86,7 @@ def test_the_source_scan_finds_what_it_should() -> None:
         ("lfm2", "causal_conv1d_fn"),
     ]:
         assert (module, function) in found
-    for family in (*KNOWN_GAPS, "recurrent_gemma"):
+    for family in (*KNOWN_GAPS, "recurrent_gemma", "rwkv"):
         text = SOURCES.get(f"{family}.modeling_{family}", "")
         assert any(marker in text for marker in SLOW), f"{family}: no slow path found"
 

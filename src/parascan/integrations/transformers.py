@@ -87,6 +87,13 @@ Griffin's RG-LRU (``recurrent_gemma`` in transformers 5.24):
   on the class): :func:`rg_lru_scan`, by :func:`parascan.linear_scan` with the gates
   zeroed at the document boundaries (``position_ids == 0``) as the loop zeroes them.
 
+RWKV-4 (``rwkv`` in transformers 5.24):
+
+- ``rwkv_linear_attention_cpu``, its WKV attention as a Python loop over the tokens with
+  a running maximum for stability (what transformers runs without its CUDA kernel, and
+  for a single token always): :func:`rwkv_linear_attention`, two first-order scans, one
+  in log space, that need no maximum; its state keeps transformers' layout.
+
 All families, where their modules define them:
 
 - ``causal_conv1d_fn``, the depthwise causal convolution before the scan: a few shifted
@@ -140,6 +147,7 @@ from parascan.compat import mamba_ssm
 from parascan.compat._checks import is_integer_tensor
 from parascan.delta_rule.api import delta_rule_scan as ps_delta_rule_scan
 from parascan.first_order.api import linear_scan as ps_linear_scan
+from parascan.first_order.api import log_linear_scan as ps_log_linear_scan
 from parascan.mixer import conv
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
@@ -625,6 +633,56 @@ def rg_lru_scan(
     return out.to(hidden_states.dtype), final
 
 
+# --- RWKV-4's WKV -------------------------------------------------------------------------
+
+
+def rwkv_linear_attention(
+    time_decay: Tensor,
+    time_first: Tensor,
+    key: Tensor,
+    value: Tensor,
+    state: list[Tensor] | tuple[Tensor, ...] | None = None,
+    return_state: bool = False,
+) -> tuple[Tensor, list[Tensor] | None]:
+    """Replaces transformers' ``rwkv_linear_attention_cpu`` (same parameters and
+    results). With ``w = -exp(time_decay)`` and ``u = time_first`` (channels), RWKV-4's
+    attention over ``key`` and ``value`` (batch, L, channels) is::
+
+        A[t] = exp(w) A[t-1] + exp(k[t]) v[t],   B[t] = exp(w) B[t-1] + exp(k[t])
+        out[t] = (A[t-1] + exp(u + k[t]) v[t]) / (B[t-1] + exp(u + k[t]))
+
+    computed as two first-order scans, in float32 as the original: ``log B`` by
+    :func:`parascan.log_linear_scan` (B is positive), then the weighted mean ``y = A / B``,
+    ``y[t] = alpha[t] y[t-1] + exp(k[t] - log B[t]) v[t]`` with ``alpha[t] = exp(w +
+    log B[t-1] - log B[t])`` in [0, 1], by :func:`parascan.linear_scan`; ``out[t]`` is
+    the mean of ``y[t-1]`` and ``v[t]`` weighted ``B[t-1]`` and ``exp(u + k[t])``. No
+    running maximum is needed: nothing is exponentiated that can overflow. ``state``,
+    transformers' ``[num, den, max]`` (``A = num exp(max)``, ``B = den exp(max)``), is
+    read and returned (when given, or ``return_state``) in that layout, as ``[y, 1, log
+    B]``."""
+    w = -torch.exp(time_decay.float())
+    k, v, u = key.float(), value.float(), time_first.float()
+    batch, _, channels = k.shape
+    if state is None:
+        log_b0 = y0 = None
+        before = torch.full((batch, 1, channels), -math.inf, device=k.device)
+        y_before = torch.zeros(batch, 1, channels, device=k.device)
+    else:
+        num, den, top = (t.float() for t in state)
+        log_b0 = torch.log(den) + top  # -inf where den is 0 (nothing seen yet)
+        y0 = num / torch.where(den > 0, den, torch.ones_like(den))
+        before, y_before = log_b0[:, None], y0[:, None]
+    log_b = ps_log_linear_scan(w, k, 1, initial=log_b0)
+    log_prev = torch.cat([before, log_b[:, :-1]], dim=1)
+    alpha = torch.exp(w + log_prev - log_b)
+    y = ps_linear_scan(alpha, torch.exp(k - log_b) * v, 1, initial=y0)
+    y_prev = torch.cat([y_before, y[:, :-1]], dim=1)
+    out = torch.lerp(v, y_prev, torch.sigmoid(log_prev - u - k))
+    if return_state or state is not None:
+        return out.to(key.dtype), [y[:, -1], torch.ones_like(y[:, -1]), log_b[:, -1]]
+    return out.to(key.dtype), None
+
+
 # --- Kimi Delta Attention (Kimi Linear, GLM-5-Next, Bailing hybrid) -----------------------
 
 
@@ -785,7 +843,14 @@ _RG_LRU = _Family(
     ),
     expected=("recurrent_gemma",),
 )
-_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV, _RG_LRU)
+_RWKV = _Family(
+    marker="rwkv_linear_attention_cpu",
+    # called through rwkv_linear_attention (which the attention's forward calls): not
+    # required to be looked up by a forward itself
+    functions=(_Function("rwkv_linear_attention_cpu", rwkv_linear_attention, required=False),),
+    expected=("rwkv",),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV, _RG_LRU, _RWKV)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
