@@ -49,7 +49,6 @@ SLOW = {
 # entry whose module no longer has a slow path (or that patch() now covers) fails the
 # test too, so that this list stays true.
 KNOWN_GAPS = {
-    "minimax": "lightning attention inside the layer's forward, to be replaced",
     "xlstm": "the mLSTM cell's stabilized exponential gating, an op parascan lacks",
 }
 
@@ -86,7 +85,7 @@ def test_the_source_scan_finds_what_it_should() -> None:
         ("lfm2", "causal_conv1d_fn"),
     ]:
         assert (module, function) in found
-    for family in (*KNOWN_GAPS, "recurrent_gemma", "rwkv"):
+    for family in (*KNOWN_GAPS, "recurrent_gemma", "rwkv", "minimax"):
         text = SOURCES.get(f"{family}.modeling_{family}", "")
         assert any(marker in text for marker in SLOW), f"{family}: no slow path found"
 

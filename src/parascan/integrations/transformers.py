@@ -94,6 +94,15 @@ RWKV-4 (``rwkv`` in transformers 5.24):
   for a single token always): :func:`rwkv_linear_attention`, two first-order scans, one
   in log space, that need no maximum; its state keeps transformers' layout.
 
+MiniMax's lightning attention (``minimax`` in transformers 5.24):
+
+- ``MiniMaxLightningAttention.forward``, whose recurrence (a per-head constant decay
+  over a (head_dim, head_dim) state) runs as a Python loop over blocks, and over the
+  tokens with a cache: :func:`lightning_attention_forward`, the same layer with the
+  recurrence by :func:`parascan.ssd_scan` (a step of 1, ``A = -slope_rate``, ``B`` the
+  keys, ``C`` the queries). Without a cache it keeps packed sequences
+  (``cu_seq_lens_q``, batch 1) apart, which the original silently does not.
+
 All families, where their modules define them:
 
 - ``causal_conv1d_fn``, the depthwise causal convolution before the scan: a few shifted
@@ -149,6 +158,7 @@ from parascan.delta_rule.api import delta_rule_scan as ps_delta_rule_scan
 from parascan.first_order.api import linear_scan as ps_linear_scan
 from parascan.first_order.api import log_linear_scan as ps_log_linear_scan
 from parascan.mixer import conv
+from parascan.ssd.api import ssd_scan as ps_ssd_scan
 
 __all__ = ["MIN_VERSION", "UnsupportedVersionError", "patch", "patched", "unpatch"]
 
@@ -683,6 +693,50 @@ def rwkv_linear_attention(
     return out.to(key.dtype), None
 
 
+# --- MiniMax's lightning attention ---------------------------------------------------------
+
+
+def lightning_attention_forward(
+    self: Any,
+    hidden_states: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    attention_mask: Tensor | None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """Replaces transformers' ``MiniMaxLightningAttention.forward`` (same parameters and
+    results): the layer's own projections, activation, padding mask, norm, output gate
+    and cache, with its recurrence ``S[t] = exp(-slope) S[t-1] + k[t]^T v[t]``, ``o[t] =
+    q[t] S[t]`` per head by :func:`parascan.ssd_scan` (the state transposed: transformers
+    keeps ``K^T V``, the scan ``V^T K``). The original's blocks compute the same sums,
+    within a block as a masked (block, block) product. Packed sequences
+    (``cu_seq_lens_q`` among the keywords, batch 1, no cached state) restart their state
+    at each boundary; the returned state is then the last sequence's."""
+    if cache is None:  # the keyword's name before transformers 5.40
+        cache = kwargs.get("past_key_values")
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.num_attention_heads, self.head_dim
+    own = sys.modules[type(self).__module__]
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    qkv = own.apply_mask_to_padding_states(qkv, attention_mask)
+    q, k, v = torch.split(qkv.reshape(batch, length, heads, 3 * dim), dim, dim=3)
+    state = None if cache is None else cache.get_linear_cache(self.layer_idx)
+    cu = kwargs.get("cu_seq_lens_q") if state is None and batch == 1 else None
+    step = torch.ones(batch, length, heads, device=v.device, dtype=v.dtype)
+    out, final = ps_ssd_scan(
+        v, step, -self.slope_rate.reshape(heads).float(), k, q,
+        initial=None if state is None else state.transpose(-1, -2),
+        return_final=True, cu_seqlens=cu,
+    )  # fmt: skip
+    last = final if cu is None else final[-1:]  # packed: the last sequence's state
+    inter = last.transpose(-1, -2).to(v.dtype)
+    out = self.norm(out.reshape(batch, length, heads * dim))
+    out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
+    if cache is not None:
+        cache.set_linear_cache(self.layer_idx, inter)
+    return out, inter
+
+
 # --- Kimi Delta Attention (Kimi Linear, GLM-5-Next, Bailing hybrid) -----------------------
 
 
@@ -850,7 +904,19 @@ _RWKV = _Family(
     functions=(_Function("rwkv_linear_attention_cpu", rwkv_linear_attention, required=False),),
     expected=("rwkv",),
 )
-_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV, _RG_LRU, _RWKV)
+_LIGHTNING = _Family(
+    marker="MiniMaxLightningAttention.forward",
+    functions=(
+        _Function(
+            "MiniMaxLightningAttention.forward",
+            lightning_attention_forward,
+            ("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
+            required=False,  # the layer's forward itself: no other forward calls it
+        ),
+    ),
+    expected=("minimax",),
+)
+_FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV, _RG_LRU, _RWKV, _LIGHTNING)
 
 # (module name, function name) -> the original, for every function patched now.
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}

@@ -1,0 +1,99 @@
+"""parascan.integrations.transformers on MiniMax's lightning attention: a small randomly
+initialized MiniMax model computes the same logits, gradients and greedy generation
+(cached: the token-by-token branch of the original) patched as unpatched, the recurrence
+through parascan.ssd_scan (counted); the patched layer keeps packed sequences
+(cu_seq_lens_q) apart, equal to each sequence alone, where the original runs them as
+one; unpatch() restores the very same forward. The helpers (and the autouse fixture
+``restored``) are test_transformers_delta's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+# restored: the autouse fixture that unpatches around every test
+from test_transformers_delta import VOCAB, both, close, inputs, restored  # noqa: E402, F401
+
+import parascan.integrations.transformers as integration  # noqa: E402
+
+modeling = pytest.importorskip("transformers.models.minimax.modeling_minimax")
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+        num_experts_per_tok=1, block_size=8, pad_token_id=0,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    return transformers.MiniMaxForCausalLM(config).float()
+
+
+def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths: list[int] = []
+    inner = integration.ps_ssd_scan
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        lengths.append(x.shape[1])
+        return inner(x, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "ps_ssd_scan", counted)
+    model = build()
+    ids = inputs(batch=2, length=29)  # not a multiple of the block size, 8
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        model.zero_grad()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            prompt = ids[:, :10]
+            generated = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                do_sample=False,
+            )  # fmt: skip
+        return out.logits.detach(), grads, generated
+
+    (logits, grads, generated), (want_logits, want_grads, want_generated) = both(run)
+    close(logits, want_logits, "logits")
+    assert len(grads) == len(want_grads)
+    for i, (got, want) in enumerate(zip(grads, want_grads, strict=True)):
+        close(got, want, f"gradient {i}")
+    assert torch.equal(generated, want_generated)
+    # one linear-attention layer: the training forward, the prompt, a step per new token
+    assert lengths[:2] == [29, 10] and lengths[2:] == [1] * 7
+
+
+def test_packed_sequences_equal_each_alone() -> None:
+    model = build().eval()
+    layer = model.model.layers[0].self_attn
+    assert isinstance(layer, modeling.MiniMaxLightningAttention)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, 23, 64, generator=gen)
+    cu = torch.tensor([0, 9, 9, 23], dtype=torch.int32)
+    rope = (torch.ones(1, 23, 16), torch.zeros(1, 23, 16))  # the layer ignores them
+
+    def run(x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return layer(x, rope, None, **kwargs)[0]
+
+    original = run(hidden, cu_seq_lens_q=cu)
+    integration.patch()
+    packed = run(hidden, cu_seq_lens_q=cu)
+    alone = torch.cat([run(hidden[:, :9]), run(hidden[:, 9:])], dim=1)
+    close(packed, alone, "packed against alone")
+    assert not torch.allclose(original[:, 9:], alone[:, 9:], atol=1e-4)  # what unpatched does
+
+
+def test_unpatch_restores_the_forward() -> None:
+    original = modeling.MiniMaxLightningAttention.forward
+    names = integration.patch()
+    assert f"{modeling.__name__}.MiniMaxLightningAttention.forward" in names
+    assert modeling.MiniMaxLightningAttention.forward is integration.lightning_attention_forward
+    integration.unpatch()
+    assert modeling.MiniMaxLightningAttention.forward is original
