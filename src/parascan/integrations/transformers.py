@@ -76,10 +76,11 @@ functions above: ``lfm2``, ``lfm2_moe``, ``lfm3``, ``inkling``, ``inkling2`` and
 per-projection convolutions call it):
 
 - ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`, which keeps packed sequences
-  (``seq_idx``, ``cu_seqlens`` or the attention keywords' ``cu_seq_lens_q``) apart, which
-  the fallback silently does not; ``causal_conv1d_update`` as below. (Inkling 2's dynamic
-  convolutions, whose taps depend on the token, are computed in their layers' own code
-  and stay unpatched.)
+  apart where the layer passes them (LFM2's pass the attention keywords, so
+  ``cu_seq_lens_q``, which the fallback silently ignores; Inkling 2's pass ``seq_idx``,
+  which the fallback refuses; Inkling's pass neither); ``causal_conv1d_update`` as
+  below. (Inkling 2's dynamic convolutions, whose taps depend on the token, are computed
+  in their layers' own code and stay unpatched.)
 
 Griffin's RG-LRU (``recurrent_gemma`` in transformers 5.24):
 
