@@ -68,6 +68,37 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     )
 
 
+def train_and_generate(
+    model: torch.nn.Module, ids: torch.Tensor, prompt: int
+) -> dict[str, torch.Tensor]:
+    """A training forward and backward on ``ids`` and a greedy generation of 8 tokens
+    from ``ids[:, :prompt]`` (with a cache): the logits, the loss, every parameter's
+    gradient by name and the generated tokens."""
+    model.zero_grad()
+    out = model(ids, labels=ids)  # type: ignore[operator]
+    out.loss.backward()
+    result = {"logits": out.logits.detach(), "loss": out.loss.detach()}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            result[f"gradient of {name}"] = p.grad.clone()
+    with torch.no_grad():
+        start = ids[:, :prompt]
+        result["generated"] = model.generate(  # type: ignore[operator]
+            start, attention_mask=torch.ones_like(start), max_new_tokens=8, do_sample=False
+        )
+    return result
+
+
+def assert_same_results(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """:func:`train_and_generate`'s results patched against unpatched: the same tokens,
+    the rest to rounding."""
+    assert got.keys() == want.keys()
+    assert sum(name.startswith("gradient") for name in got) > 1
+    assert torch.equal(got["generated"], want["generated"])
+    for name in want:
+        close(got[name], want[name], name)
+
+
 def test_logits_equal() -> None:
     model = build().eval()
     ids = inputs()

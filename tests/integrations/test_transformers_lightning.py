@@ -16,7 +16,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 # restored: the autouse fixture that unpatches around every test
-from test_transformers_delta import VOCAB, both, close, inputs, restored  # noqa: E402, F401
+from test_transformers_delta import (  # noqa: E402, F401
+    VOCAB,
+    assert_same_results,
+    both,
+    close,
+    inputs,
+    restored,
+    train_and_generate,
+)
 
 import parascan.integrations.transformers as integration  # noqa: E402
 
@@ -45,26 +53,8 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(integration, "ps_ssd_scan", counted)
     model = build()
     ids = inputs(batch=2, length=29)  # not a multiple of the block size, 8
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        model.zero_grad()
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        with torch.no_grad():
-            prompt = ids[:, :10]
-            generated = model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
-                do_sample=False,
-            )  # fmt: skip
-        return out.logits.detach(), grads, generated
-
-    (logits, grads, generated), (want_logits, want_grads, want_generated) = both(run)
-    close(logits, want_logits, "logits")
-    assert len(grads) == len(want_grads)
-    for i, (got, want) in enumerate(zip(grads, want_grads, strict=True)):
-        close(got, want, f"gradient {i}")
-    assert torch.equal(generated, want_generated)
+    got, want = both(lambda: train_and_generate(model, ids, prompt=10))
+    assert_same_results(got, want)  # type: ignore[arg-type]
     # one linear-attention layer: the training forward, the prompt, a step per new token
     assert lengths[:2] == [29, 10] and lengths[2:] == [1] * 7
 

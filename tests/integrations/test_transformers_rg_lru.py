@@ -15,7 +15,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 # restored: the autouse fixture that unpatches around every test
-from test_transformers_delta import VOCAB, both, close, inputs, restored  # noqa: E402, F401
+from test_transformers_delta import (  # noqa: E402, F401
+    VOCAB,
+    assert_same_results,
+    both,
+    close,
+    inputs,
+    restored,
+    train_and_generate,
+)
 
 import parascan.integrations.transformers as integration  # noqa: E402
 
@@ -50,22 +58,8 @@ def scans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_logits_gradients_and_generation_equal(scans: list[int]) -> None:
     model = build()
     ids = inputs(batch=3, length=37)
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        model.zero_grad()
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        with torch.no_grad():
-            generated = model.generate(ids[:, :9], max_new_tokens=8, do_sample=False)
-        return out.logits.detach(), grads, generated
-
-    (logits, grads, generated), (want_logits, want_grads, want_generated) = both(run)
-    close(logits, want_logits, "logits")
-    assert len(grads) == len(want_grads)
-    for i, (got, want) in enumerate(zip(grads, want_grads, strict=True)):
-        close(got, want, f"gradient {i}")
-    assert torch.equal(generated, want_generated)
+    got, want = both(lambda: train_and_generate(model, ids, prompt=9))
+    assert_same_results(got, want)  # type: ignore[arg-type]
     # 2 recurrent layers: the training forward, the prompt, then a step per new token
     assert scans.count(37) == 2 and scans.count(9) == 2 and scans.count(1) >= 2 * 7
 

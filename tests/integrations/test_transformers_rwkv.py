@@ -15,7 +15,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 # restored: the autouse fixture that unpatches around every test
-from test_transformers_delta import VOCAB, both, close, inputs, restored  # noqa: E402, F401
+from test_transformers_delta import (  # noqa: E402, F401
+    VOCAB,
+    assert_same_results,
+    both,
+    inputs,
+    restored,
+    train_and_generate,
+)
 
 import parascan.integrations.transformers as integration  # noqa: E402
 
@@ -118,25 +125,8 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(integration, "ps_log_linear_scan", counted)
     model = build()
     ids = inputs(batch=2, length=30)
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        model.zero_grad()
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        with torch.no_grad():
-            generated = model.generate(
-                ids[:, :10], attention_mask=torch.ones_like(ids[:, :10]), max_new_tokens=8,
-                do_sample=False,
-            )  # fmt: skip
-        return out.logits.detach(), grads, generated
-
-    (logits, grads, generated), (want_logits, want_grads, want_generated) = both(run)
-    close(logits, want_logits, "logits")
-    assert len(grads) == len(want_grads)
-    for i, (got, want) in enumerate(zip(grads, want_grads, strict=True)):
-        close(got, want, f"gradient {i}")
-    assert torch.equal(generated, want_generated)
+    got, want = both(lambda: train_and_generate(model, ids, prompt=10))
+    assert_same_results(got, want)  # type: ignore[arg-type]
     # 2 layers: the training forward, the prompt, then the generation's steps (a few
     # tokens each: transformers' RWKV feeds them so)
     assert calls[:4] == [30, 30, 10, 10] and len(calls) >= 4 + 2 * 7
