@@ -10,7 +10,8 @@
   lists, the Triton kernels in Triton's interpreter on CPU tensors (where a test asks
   for them: the interpreter is slow), and, on a machine with CUDA, every backend
   ``ps.backends("cuda")`` lists, on CUDA tensors. Narrow it with
-  ``@pytest.mark.targets(backends=..., interpreter=True)``.
+  ``@pytest.mark.targets(backends=..., interpreter=True)``; ``slow_interpreter=True``
+  moves the interpreter's cases to the slow tests (``pytest -m slow``).
 """
 
 from __future__ import annotations
@@ -130,8 +131,14 @@ def targets(*, backends: Iterable[str] | None = None, interpreter: bool = False)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "target" in metafunc.fixturenames:
         marker = metafunc.definition.get_closest_marker("targets")
-        chosen = targets(**(marker.kwargs if marker else {}))
-        metafunc.parametrize("target", chosen, ids=[str(t) for t in chosen])
+        options = dict(marker.kwargs) if marker else {}
+        slow_interpreter = options.pop("slow_interpreter", False)
+        chosen = targets(**options)
+        params = [
+            pytest.param(t, marks=pytest.mark.slow) if slow_interpreter and t.interpreted else t
+            for t in chosen
+        ]
+        metafunc.parametrize("target", params, ids=[str(t) for t in chosen])
 
 
 @contextmanager

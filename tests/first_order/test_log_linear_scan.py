@@ -61,7 +61,8 @@ def _edge_inputs(dtype: torch.dtype, gen: torch.Generator):
     return la, lb, h0
 
 
-@pytest.mark.targets(interpreter=True)
+# the interpreter's 4 cases take 20 s: with the slow tests (`pytest -m slow`)
+@pytest.mark.targets(interpreter=True, slow_interpreter=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128], ids=str)
 @pytest.mark.parametrize("reverse", [False, True])
 def test_minus_infinity_gives_exact_finite_gradients(target, dtype, reverse, gen) -> None:
