@@ -87,3 +87,42 @@ def test_unpatch_restores_the_forward() -> None:
     assert modeling.MiniMaxLightningAttention.forward is integration.lightning_attention_forward
     integration.unpatch()
     assert modeling.MiniMaxLightningAttention.forward is original
+
+
+class _Cache:
+    """The two methods of transformers' cache the layer calls, recording the states set."""
+
+    def __init__(self) -> None:
+        self.states: list[torch.Tensor] = []
+
+    def get_linear_cache(self, layer: int) -> torch.Tensor | None:
+        return self.states[-1] if self.states else None
+
+    def set_linear_cache(self, layer: int, state: torch.Tensor) -> None:
+        self.states.append(state)
+
+
+def test_the_signature_before_5_24_is_patched_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.15 to 5.23 name the forward's cache ``past_key_values`` (5.24:
+    ``cache``): patch() takes that forward too (it once refused it, and with it every
+    family), and the replacement reads the cache under either name."""
+
+    def forward(  # the 5.23 signature
+        self: Any, hidden_states: Any, position_embeddings: Any, attention_mask: Any,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        raise AssertionError("the original runs")
+
+    monkeypatch.setattr(modeling.MiniMaxLightningAttention, "forward", forward)
+    assert f"{modeling.__name__}.MiniMaxLightningAttention.forward" in integration.patch()
+    layer = build().eval().model.layers[0].self_attn
+    hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(2))
+    rope = (torch.ones(1, 5, 16), torch.zeros(1, 5, 16))
+    old, new = _Cache(), _Cache()
+    with torch.no_grad():
+        got = layer(hidden, rope, None, past_key_values=old)[0]
+        want = layer(hidden, rope, None, cache=new)[0]
+    assert len(old.states) == len(new.states) == 1
+    assert torch.equal(got, want) and torch.equal(old.states[0], new.states[0])
+    integration.unpatch()
+    assert modeling.MiniMaxLightningAttention.forward is forward

@@ -662,7 +662,9 @@ def rwkv_linear_attention(
         A[t] = exp(w) A[t-1] + exp(k[t]) v[t],   B[t] = exp(w) B[t-1] + exp(k[t])
         out[t] = (A[t-1] + exp(u + k[t]) v[t]) / (B[t-1] + exp(u + k[t]))
 
-    computed as two first-order scans, in float32 as the original: ``log B`` by
+    computed as two first-order scans, in float32 (the decay exponentiated in the
+    parameter's dtype first, as the original; a float64 model's scans are float32 too,
+    where the original mixes float64 values in): ``log B`` by
     :func:`parascan.log_linear_scan` (B is positive), then the weighted mean ``y = A / B``,
     ``y[t] = alpha[t] y[t-1] + exp(k[t] - log B[t]) v[t]`` with ``alpha[t] = exp(w +
     log B[t-1] - log B[t])`` in [0, 1], by :func:`parascan.linear_scan`; ``out[t]`` is
@@ -671,17 +673,19 @@ def rwkv_linear_attention(
     transformers' ``[num, den, max]`` (``A = num exp(max)``, ``B = den exp(max)``), is
     read and returned (when given, or ``return_state``) in that layout, as ``[y, 1, log
     B]``."""
-    w = -torch.exp(time_decay.float())
+    w = -torch.exp(time_decay).float()
     k, v, u = key.float(), value.float(), time_first.float()
     batch, _, channels = k.shape
     if state is None:
         log_b0 = y0 = None
-        before = torch.full((batch, 1, channels), -math.inf, device=k.device)
-        y_before = torch.zeros(batch, 1, channels, device=k.device)
+        before = torch.full((batch, 1, channels), -math.inf, device=k.device, dtype=k.dtype)
+        y_before = torch.zeros(batch, 1, channels, device=k.device, dtype=k.dtype)
     else:
         num, den, top = (t.float() for t in state)
-        log_b0 = torch.log(den) + top  # -inf where den is 0 (nothing seen yet)
-        y0 = num / torch.where(den > 0, den, torch.ones_like(den))
+        seen = den > 0  # where den is 0 (nothing seen yet): log B = -inf, y = 0
+        safe = torch.where(seen, den, torch.ones_like(den))  # no log(0) to differentiate
+        log_b0 = torch.where(seen, torch.log(safe) + top, torch.full_like(den, -math.inf))
+        y0 = torch.where(seen, num / safe, torch.zeros_like(num))
         before, y_before = log_b0[:, None], y0[:, None]
     log_b = ps_log_linear_scan(w, k, 1, initial=log_b0)
     log_prev = torch.cat([before, log_b[:, :-1]], dim=1)
@@ -713,11 +717,16 @@ def lightning_attention_forward(
     within a block as a masked (block, block) product. Packed sequences
     (``cu_seq_lens_q`` among the keywords, batch 1, no cached state) restart their state
     at each boundary; the returned state is then the last sequence's."""
-    if cache is None:  # the keyword's name before transformers 5.40
+    if cache is None:  # its name before transformers 5.24 (an alias until 5.40)
         cache = kwargs.get("past_key_values")
     batch, length, _ = hidden_states.shape
     heads, dim = self.num_attention_heads, self.head_dim
-    own = sys.modules[type(self).__module__]
+    # the modeling module of the patched class (self may be of a subclass defined elsewhere)
+    own = next(
+        sys.modules[c.__module__]
+        for c in type(self).__mro__
+        if hasattr(sys.modules.get(c.__module__), "apply_mask_to_padding_states")
+    )
     qkv = self.act_fn(self.qkv_proj(hidden_states))
     qkv = own.apply_mask_to_padding_states(qkv, attention_mask)
     q, k, v = torch.split(qkv.reshape(batch, length, heads, 3 * dim), dim, dim=3)
@@ -725,7 +734,7 @@ def lightning_attention_forward(
     cu = kwargs.get("cu_seq_lens_q") if state is None and batch == 1 else None
     step = torch.ones(batch, length, heads, device=v.device, dtype=v.dtype)
     out, final = ps_ssd_scan(
-        v, step, -self.slope_rate.reshape(heads).float(), k, q,
+        v, step, -self.slope_rate.reshape(heads), k, q,
         initial=None if state is None else state.transpose(-1, -2),
         return_final=True, cu_seqlens=cu,
     )  # fmt: skip
@@ -911,7 +920,8 @@ _LIGHTNING = _Family(
         _Function(
             "MiniMaxLightningAttention.forward",
             lightning_attention_forward,
-            ("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
+            # the fifth, the cache, is `past_key_values` before 5.24 and `cache` after
+            ("self", "hidden_states", "position_embeddings", "attention_mask"),
             required=False,  # the layer's forward itself: no other forward calls it
         ),
     ),
@@ -969,9 +979,17 @@ def _owner(module: ModuleType, name: str) -> tuple[object, str]:
     the module or the class, and the attribute's name (the class is None when the module
     has no such class)."""
     if "." in name:
-        owner, attribute = name.split(".")
+        owner, attribute = name.split(".", 1)
         return getattr(module, owner, None), attribute
     return module, name
+
+
+def _own_attribute(owner: object, attribute: str) -> Any:
+    """``owner``'s own ``attribute`` as stored (a class's, not inherited, and a static or
+    class method as its descriptor), so that unpatch() puts back exactly what was there."""
+    if isinstance(owner, type):
+        return vars(owner).get(attribute)
+    return getattr(owner, attribute, None)
 
 
 def _global_names(fn: object, depth: int = 3) -> set[str]:
@@ -1008,7 +1026,7 @@ def _check(version: str, module: ModuleType, fn: _Function) -> bool:
     have it as expected."""
     where = f"{module.__name__}.{fn.name}"
     owner, attribute = _owner(module, fn.name)
-    original = _ORIGINALS.get((module.__name__, fn.name), getattr(owner, attribute, None))
+    original = _ORIGINALS.get((module.__name__, fn.name), _own_attribute(owner, attribute))
     if original is None or not callable(original):
         if fn.required:
             raise _unsupported(version, f"but {module.__name__} has no function {fn.name}")
@@ -1082,7 +1100,7 @@ def patch() -> list[str]:
         key = (module.__name__, fn.name)
         if key not in _ORIGINALS:
             owner, attribute = _owner(module, fn.name)
-            _ORIGINALS[key] = getattr(owner, attribute)
+            _ORIGINALS[key] = _own_attribute(owner, attribute)
             setattr(owner, attribute, fn.replacement)
     return patched()
 
@@ -1095,7 +1113,8 @@ def unpatch() -> list[str]:
         module = sys.modules.get(module_name)
         if module is not None:
             owner, attribute = _owner(module, name)
-            setattr(owner, attribute, original)
+            if owner is not None:
+                setattr(owner, attribute, original)
     _ORIGINALS.clear()
     return restored
 
