@@ -82,20 +82,20 @@ per-projection convolutions call it):
   below. (Inkling 2's dynamic convolutions, whose taps depend on the token, are computed
   in their layers' own code and stay unpatched.)
 
-Griffin's RG-LRU (``recurrent_gemma`` in transformers 5.24):
+Griffin's RG-LRU (``recurrent_gemma``, tested with transformers 5.23 and 5.24):
 
 - ``RecurrentGemmaRglru._rnn_scan``, a Python loop over the tokens (a method, patched
   on the class): :func:`rg_lru_scan`, by :func:`parascan.linear_scan` with the gates
   zeroed at the document boundaries (``position_ids == 0``) as the loop zeroes them.
 
-RWKV-4 (``rwkv`` in transformers 5.24):
+RWKV-4 (``rwkv``, tested with transformers 5.23 and 5.24):
 
 - ``rwkv_linear_attention_cpu``, its WKV attention as a Python loop over the tokens with
   a running maximum for stability (what transformers runs without its CUDA kernel, and
   for a single token always): :func:`rwkv_linear_attention`, two first-order scans, one
   in log space, that need no maximum; its state keeps transformers' layout.
 
-MiniMax's lightning attention (``minimax`` in transformers 5.24):
+MiniMax's lightning attention (``minimax``, tested with transformers 5.23 and 5.24):
 
 - ``MiniMaxLightningAttention.forward``, whose recurrence (a per-head constant decay
   over a (head_dim, head_dim) state) runs as a Python loop over blocks, and over the
