@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -66,6 +67,21 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(
         got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}"
     )
+
+
+def scan_lengths(monkeypatch: pytest.MonkeyPatch, name: str, operand: int) -> list[int]:
+    """The lengths (dim 1 of positional argument ``operand``) of the calls that
+    parascan.integrations.transformers makes to its scan ``name`` (e.g.
+    ``"ps_linear_scan"``) from now on in the test: proof that a replacement runs it."""
+    lengths: list[int] = []
+    inner = getattr(integration, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        lengths.append(args[operand].shape[1])
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(integration, name, counted)
+    return lengths
 
 
 def train_and_generate(

@@ -23,6 +23,7 @@ from test_transformers_delta import (  # noqa: E402, F401
     close,
     inputs,
     restored,
+    scan_lengths,
     train_and_generate,
 )
 
@@ -43,14 +44,7 @@ def build() -> torch.nn.Module:
 
 
 def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) -> None:
-    lengths: list[int] = []
-    inner = integration.ps_ssd_scan
-
-    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        lengths.append(x.shape[1])
-        return inner(x, *args, **kwargs)
-
-    monkeypatch.setattr(integration, "ps_ssd_scan", counted)
+    lengths = scan_lengths(monkeypatch, "ps_ssd_scan", 0)
     model = build()
     ids = inputs(batch=2, length=29)  # not a multiple of the block size, 8
     got, want = both(lambda: train_and_generate(model, ids, prompt=10))

@@ -7,8 +7,6 @@ autouse fixture ``restored``) are test_transformers_delta's."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from test_transformers_delta import (  # noqa: E402, F401
     close,
     inputs,
     restored,
+    scan_lengths,
     train_and_generate,
 )
 
@@ -41,21 +40,8 @@ def build() -> torch.nn.Module:
     return transformers.RecurrentGemmaForCausalLM(config).float()
 
 
-@pytest.fixture
-def scans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The lengths of the parascan.linear_scan calls the patched method makes."""
-    lengths: list[int] = []
-    inner = integration.ps_linear_scan
-
-    def counted(gates: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        lengths.append(gates.shape[1])
-        return inner(gates, *args, **kwargs)
-
-    monkeypatch.setattr(integration, "ps_linear_scan", counted)
-    return lengths
-
-
-def test_logits_gradients_and_generation_equal(scans: list[int]) -> None:
+def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = scan_lengths(monkeypatch, "ps_linear_scan", 0)
     model = build()
     ids = inputs(batch=3, length=37)
     got, want = both(lambda: train_and_generate(model, ids, prompt=9))

@@ -7,8 +7,6 @@ unpatched. The helpers (and the autouse fixture ``restored``) are test_transform
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from test_transformers_delta import (  # noqa: E402, F401
     both,
     inputs,
     restored,
+    scan_lengths,
     train_and_generate,
 )
 
@@ -115,14 +114,7 @@ def build() -> torch.nn.Module:
 
 
 def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    inner = integration.ps_log_linear_scan
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[1].shape[1])
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "ps_log_linear_scan", counted)
+    calls = scan_lengths(monkeypatch, "ps_log_linear_scan", 1)
     model = build()
     ids = inputs(batch=2, length=30)
     got, want = both(lambda: train_and_generate(model, ids, prompt=10))
