@@ -26,6 +26,7 @@ import torch
 __all__ = [
     "ARG_FIELDS",
     "ARG_STRUCTS",
+    "ChunkedOperands",
     "arg_struct",
     "check_operands",
     "dense",
@@ -347,3 +348,59 @@ def check_operands(entry: str, dtype: torch.dtype, *operands: Operand) -> None:
                 f"handed Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, layout={t.layout}, "
                 f"device={t.device}, neg={t.is_neg()}, conj={t.is_conj()})"
             )
+
+
+class ChunkedOperands:
+    """What the operands of the chunked kernels with checkpoints (ssd, delta) share:
+    ``cu_seqlens`` as the kernel reads it, the struct's packing and pointer members,
+    and the backward's checks. A family's cpu.py subclasses it, with ``kind`` its
+    struct (abi.h) and ``entry`` the kernel whose operands these are; it sets
+    ``dtype``, ``state_shape`` and ``checkpoint_shape``."""
+
+    kind: str
+    dtype: torch.dtype
+    state_shape: tuple[int, ...]
+    checkpoint_shape: tuple[int, ...]
+
+    def __init__(self, entry: str, cu_seqlens: torch.Tensor | None, batch: int) -> None:
+        # cu_seqlens as the kernel reads it, a contiguous int64 CPU vector. Its values were
+        # checked by the public function (parascan._core.check_cu_seqlens); the kernel
+        # checks them again and fails the call rather than read out of bounds.
+        self.entry = entry
+        self.cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64).contiguous()
+        self.states = batch if self.cu is None else self.cu.numel() - 1
+        self.misfit = self.cu is not None and (batch != 1 or self.cu.dim() != 1)
+
+    def struct(self, plain: dict[str, int], operands: dict[str, torch.Tensor | None]) -> object:
+        """The argument struct: ``plain`` members, the packing and threading ones, and a
+        pointer for each of ``operands`` (NULL for None or an empty tensor)."""
+        pointers = {name: pointer(t) for name, t in operands.items()}
+        if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
+            pointers["cu_seqlens"] = self.cu.data_ptr()
+        return arg_struct(
+            self.kind, **plain, nseq=0 if self.cu is None else self.cu.numel() - 1,
+            nthreads=torch.get_num_threads(), simd=int(simd()), **pointers,
+        )  # fmt: skip
+
+    def backward_inputs(
+        self, checkpoints: torch.Tensor, grad_out: torch.Tensor, grad_final: torch.Tensor,
+        out_shape: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The backward's own operands, dense and guarded: ``grad_final`` may have no
+        rows (zeros, which the kernel then never reads)."""
+        checkpoints, grad_out, grad_final = (dense(t) for t in (checkpoints, grad_out, grad_final))
+        finals = self.state_shape if grad_final.shape[:1] != (0,) else (0, *self.state_shape[1:])
+        check_operands(
+            self.entry, self.dtype, (checkpoints, self.checkpoint_shape), (grad_out, out_shape),
+            (grad_final, finals),
+        )  # fmt: skip
+        return checkpoints, grad_out, grad_final
+
+    def final_rows(self, want_final: bool) -> torch.Tensor:
+        """The forward's final state; without ``want_final``, one with no rows (the kernel
+        then stores none)."""
+        rows = self.state_shape if want_final else (0, *self.state_shape[1:])
+        return torch.empty(rows, dtype=self.dtype)
+
+    def grad_initial(self, initial: torch.Tensor | None) -> torch.Tensor | None:
+        return None if initial is None else torch.empty(self.state_shape, dtype=self.dtype)

@@ -1,7 +1,7 @@
 /* What the CPU kernels share (first_order/, selective/ and ssd/ include it; matrix/
  * and generic/ need only abi.h): the ABI (abi.h), the thread helpers (parallel.h),
  * the function attributes of the hot loops and inlined math, the thread count of a
- * small job and token pasting. What only the first-order scans use (their work units,
+ * small job, the split of few units among threads and token pasting. What only the first-order scans use (their work units,
  * tiles, packed sequences and accumulation arithmetic) is in first_order/cpu_common.h.
  */
 #ifndef PARASCAN_COMMON_H
@@ -33,6 +33,16 @@
  * threads costs more than the work. */
 static inline int64_t ps_threads_for(int64_t elements, int64_t nthreads) {
     return elements < (INT64_C(1) << 16) ? 1 : nthreads;
+}
+
+/* Into how many parts to cut each of `units` independent units (a batch row's head)
+ * so that every thread has work: 1 when the units alone cover the threads, else
+ * enough parts to, at most `parts` (the unit's pieces that never interact, e.g. the
+ * state's column blocks) and at least 1. */
+static inline int64_t ps_split_units(int64_t units, int64_t parts, int64_t nthreads) {
+    if (units <= 0 || units >= nthreads) return 1;
+    const int64_t split = (nthreads + units - 1) / units;
+    return split > parts ? (parts > 1 ? parts : 1) : split;
 }
 
 /* Token pasting: PS_CAT(a, b) is a_b, after expanding a and b. */

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from parascan._checkpointed import EMPTY
-from parascan._native import arg_struct, check_operands, dense, pointer, run_kernel, simd
+from parascan._native import ChunkedOperands, check_operands, dense, run_kernel
 from parascan.delta_rule.canonical import CHECKPOINT_STEPS
 
 __all__ = ["backward", "forward"]
@@ -25,9 +25,11 @@ _C = CHECKPOINT_STEPS["cpu"]
 Opt = Tensor | None
 
 
-class _Operands:
+class _Operands(ChunkedOperands):
     """The canonical operands made contiguous and checked by the guard, with the
     struct's members they fill (the tensors are held here while the kernel runs)."""
+
+    kind = "delta"
 
     def __init__(
         self, entry: str, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt,
@@ -43,20 +45,15 @@ class _Operands:
             )
         batch, length, hk, dk = q.shape
         hv, dv = v.shape[2], v.shape[3]
-        # cu_seqlens as the kernel reads it, a contiguous int64 CPU vector. Its values were
-        # checked by the public function (parascan._core.check_cu_seqlens); the kernel
-        # checks them again and fails the call rather than read out of bounds.
-        self.cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64).contiguous()
-        states = batch if self.cu is None else self.cu.numel() - 1
+        super().__init__(entry, cu_seqlens, batch)
         self.gate = 0 if g is None else (1 if g.dim() == 3 else 2)
         gate_shape = (batch, length, hv) if self.gate == 1 else (batch, length, hv, dk)
         check_operands(
             entry, v.dtype, (q, (batch, length, hk, dk)), (k, (batch, length, hk, dk)),
             (v, (batch, length, hv, dv)), (beta, (batch, length, hv)), (g, gate_shape),
-            (initial, (states, hv, dk, dv)),
+            (initial, (self.states, hv, dk, dv)),
         )  # fmt: skip
-        packed = self.cu is not None and (batch != 1 or self.cu.dim() != 1)
-        if hv % hk != 0 or packed:
+        if hv % hk != 0 or self.misfit:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel got {hv} value heads for "
                 f"{hk} q/k heads, batch {batch}, packed {self.cu is not None}"
@@ -64,7 +61,7 @@ class _Operands:
         self.q, self.k, self.v, self.beta, self.g, self.initial = q, k, v, beta, g, initial
         self.dtype = v.dtype
         self.shape = (batch, length, hk, hv, dk, dv)
-        self.state_shape = (states, hv, dk, dv)
+        self.state_shape = (self.states, hv, dk, dv)
         self.checkpoint_shape = (batch, -(-length // _C), hv, dk, dv)  # n_chunks
 
     def args(self, tensors: dict[str, Opt], form: tuple[int, float] = (0, 1.0)) -> object:
@@ -75,17 +72,12 @@ class _Operands:
             "batch": batch, "length": length, "kheads": hk, "heads": hv, "dk": dk, "dv": dv,
             "gate": self.gate, "chunk": _C, "qk_form": qk_form,
             "scale_bits": struct.unpack("<q", struct.pack("<d", scale))[0],
-            "nseq": 0 if self.cu is None else self.cu.numel() - 1,
-            "nthreads": torch.get_num_threads(), "simd": int(simd()),
         }  # fmt: skip
         operands = {
             "cu_seqlens": self.cu, "q": self.q, "k": self.k, "v": self.v, "beta": self.beta,
             "g": self.g, "initial": self.initial, **tensors,
         }  # fmt: skip
-        pointers = {name: pointer(t) for name, t in operands.items()}
-        if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
-            pointers["cu_seqlens"] = self.cu.data_ptr()
-        return arg_struct("delta", **plain, **pointers)
+        return self.struct(plain, operands)
 
     def run(self, entry: str, args: object) -> None:
         run_kernel(entry, self.dtype, args, f"q {tuple(self.q.shape)}, v {tuple(self.v.shape)}")
@@ -103,8 +95,7 @@ def forward(
     brought to the canonical form in the kernel (a call no backward follows)."""
     ops = _Operands("delta_fwd", q, k, v, beta, g, initial, cu_seqlens)
     out = torch.empty(ops.v.shape, dtype=ops.dtype)
-    rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
-    final = torch.empty(rows, dtype=ops.dtype)
+    final = ops.final_rows(want_final)
     checkpoints = torch.empty(ops.checkpoint_shape if keep else (0,), dtype=ops.dtype)
     form = (0, 1.0) if raw is None else (2 if raw[0] else 1, raw[1])
     ops.run("delta_fwd", ops.args({"out": out, "final": final, "checkpoints": checkpoints}, form))
@@ -119,20 +110,16 @@ def backward(
     absent operand) from the forward's ``checkpoints``, ``grad_out`` and
     ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
     ops = _Operands("delta_bwd", q, k, v, beta, g, initial, cu_seqlens)
-    checkpoints, grad_out, grad_final = (dense(t) for t in (checkpoints, grad_out, grad_final))
-    finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
-    check_operands(
-        "delta_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),
-        (grad_out, tuple(ops.v.shape)), (grad_final, finals),
-    )  # fmt: skip
+    checkpoints, grad_out, grad_final = ops.backward_inputs(
+        checkpoints, grad_out, grad_final, tuple(ops.v.shape)
+    )
     grads = {
         "grad_q": torch.empty_like(ops.q),
         "grad_k": torch.empty_like(ops.k),
         "grad_v": torch.empty_like(ops.v),
         "grad_beta": torch.empty_like(ops.beta),
         "grad_g": None if ops.g is None else torch.empty_like(ops.g),
-        "grad_initial": None if ops.initial is None else torch.empty(ops.state_shape,
-                                                                     dtype=ops.dtype),
+        "grad_initial": ops.grad_initial(ops.initial),
     }  # fmt: skip
     ops.run(
         "delta_bwd",

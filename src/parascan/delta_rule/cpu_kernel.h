@@ -12,17 +12,8 @@
  * a step is a vector over the block's columns times a broadcast scalar of k, q or
  * the decay. */
 
-#include "vector_lanes.h"
-
-/* exp (and the rest of _native/vector_math.h) with this instruction set's
- * attributes: F(ps_vexp). */
-#define PS_VM_TYPE SFX
-#define PS_VM(name) F(name)
-#define PS_VM_ATTR ATTR static inline
-#include "vector_math.h"
-#undef PS_VM_TYPE
-#undef PS_VM
-#undef PS_VM_ATTR
+/* The level's vector helpers (F(ps_lane_sums_n), F(ps_vexp), ...) come from
+ * _native/isa_instance.h. */
 
 #define PS_DELTA_INLINE ATTR static inline __attribute__((always_inline))
 
@@ -521,13 +512,9 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
 
 ATTR static int F(ps_delta_fwd)(ps_delta_args *a) {
     const int64_t units = a->batch * a->heads, nvb = (a->dv + VB - 1) / VB;
-    int64_t split = 1;
     /* fewer heads than threads: each head's column blocks shared out (columns of the
      * state never interact) */
-    if (units > 0 && units < a->nthreads) {
-        split = (a->nthreads + units - 1) / units;
-        if (split > nvb) split = nvb;
-    }
+    const int64_t split = ps_split_units(units, nvb, a->nthreads);
     F(ps_delta_fwd_ctx) ctx = {a, nvb, split, (a->length + a->chunk - 1) / a->chunk};
     const int64_t work = a->batch * a->length * a->heads * a->dk * a->dv;
     const int64_t bytes = (int64_t)sizeof(T);

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._native import arg_struct, check_operands, dense, pointer, run_kernel, simd
+from parascan._native import ChunkedOperands, check_operands, dense, run_kernel
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY
 
 __all__ = ["backward", "forward"]
@@ -22,9 +22,11 @@ _K = CHECKPOINT_STEPS["cpu"]
 Opt = Tensor | None
 
 
-class _Operands:
+class _Operands(ChunkedOperands):
     """The canonical operands made contiguous and checked by the guard, with the
     struct's members they fill (the tensors are held here while the kernel runs)."""
+
+    kind = "ssd"
 
     def __init__(
         self, entry: str, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt,
@@ -40,11 +42,7 @@ class _Operands:
             )
         batch, length, heads, headdim = x.shape
         groups, n = B.shape[2], B.shape[3]
-        # cu_seqlens as the kernel reads it, a contiguous int64 CPU vector. Its values were
-        # checked by the public function (parascan._core.check_cu_seqlens); the kernel
-        # checks them again and fails the call rather than read out of bounds.
-        self.cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64).contiguous()
-        self.states = batch if self.cu is None else self.cu.numel() - 1
+        super().__init__(entry, cu_seqlens, batch)
         self.dtype = x.dtype
         self.shape = (batch, length, heads, headdim, groups, n)
         check_operands(
@@ -53,8 +51,7 @@ class _Operands:
             (D, (heads, headdim)), (z, (batch, length, heads, headdim)),
             (initial, (self.states, heads, headdim, n)),
         )  # fmt: skip
-        packed = self.cu is not None and (batch != 1 or self.cu.dim() != 1)
-        if groups < 1 or heads % groups != 0 or packed:
+        if groups < 1 or heads % groups != 0 or self.misfit:
             raise RuntimeError(
                 f"parascan: internal error: the {entry} CPU kernel got {heads} heads in "
                 f"{groups} groups, batch {batch}, packed {self.cu is not None}"
@@ -69,17 +66,12 @@ class _Operands:
         plain = {
             "batch": batch, "length": length, "heads": heads, "headdim": headdim,
             "groups": groups, "nstate": n, "chunk": _K,
-            "nseq": 0 if self.cu is None else self.cu.numel() - 1,
-            "nthreads": torch.get_num_threads(), "simd": int(simd()),
         }  # fmt: skip
         operands = {
             "cu_seqlens": self.cu, "x": self.x, "dt": self.dt, "A": self.A, "B": self.B,
             "C": self.C, "D": self.D, "z": self.z, "initial": self.initial, **tensors,
         }  # fmt: skip
-        pointers = {name: pointer(t) for name, t in operands.items()}
-        if self.cu is not None:  # the kernel tells packed from not by a non-NULL pointer
-            pointers["cu_seqlens"] = self.cu.data_ptr()
-        return arg_struct("ssd", **plain, **pointers)
+        return self.struct(plain, operands)
 
     def run(self, entry: str, args: object) -> None:
         run_kernel(entry, self.dtype, args, f"x {tuple(self.x.shape)}, B {tuple(self.B.shape)}")
@@ -94,8 +86,7 @@ def forward(
     ``want_final`` the kernel stores no final state and ``final`` has no rows."""
     ops = _Operands("ssd_fwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
     out = torch.empty(ops.x.shape, dtype=ops.dtype)
-    rows = ops.state_shape if want_final else (0, *ops.state_shape[1:])
-    final = torch.empty(rows, dtype=ops.dtype)
+    final = ops.final_rows(want_final)
     checkpoints = torch.empty(ops.checkpoint_shape, dtype=ops.dtype)
     ops.run("ssd_fwd", ops.args(out=out, final=final, checkpoints=checkpoints))
     return out, final, checkpoints
@@ -109,12 +100,9 @@ def backward(
     an absent operand) from the forward's ``checkpoints``, ``grad_out`` and
     ``grad_final`` (with no rows: zeros, which the kernel then never reads)."""
     ops = _Operands("ssd_bwd", x, dt, A, B, C, D, z, initial, cu_seqlens)
-    checkpoints, grad_out, grad_final = (dense(t) for t in (checkpoints, grad_out, grad_final))
-    finals = ops.state_shape if grad_final.shape[:1] != (0,) else (0, *ops.state_shape[1:])
-    check_operands(
-        "ssd_bwd", ops.dtype, (checkpoints, ops.checkpoint_shape),
-        (grad_out, tuple(ops.x.shape)), (grad_final, finals),
-    )  # fmt: skip
+    checkpoints, grad_out, grad_final = ops.backward_inputs(
+        checkpoints, grad_out, grad_final, tuple(ops.x.shape)
+    )
     grads = {
         "grad_x": torch.empty_like(ops.x),
         "grad_dt": torch.empty_like(ops.dt),
@@ -123,8 +111,7 @@ def backward(
         "grad_C": torch.empty_like(ops.C),
         "grad_D": None if ops.D is None else torch.empty_like(ops.D),
         "grad_z": None if ops.z is None else torch.empty_like(ops.z),
-        "grad_initial": None if ops.initial is None else torch.empty(ops.state_shape,
-                                                                     dtype=ops.dtype),
+        "grad_initial": ops.grad_initial(ops.initial),
     }  # fmt: skip
     ops.run(
         "ssd_bwd",

@@ -11,8 +11,9 @@
  * state of a head lives transposed, hT[n][p] for p in headdim (padded with zero
  * lanes to Pv vectors of W), so that every product of a step is a vector over p
  * times a broadcast B[n] or C[n]: no lane sums in the forward at all. */
-/* Lane sums and W x W transposes: F(ps_lane_sums), F(ps_lane_sums_n), F(ps_transpose). */
-#include "vector_lanes.h"
+/* Lane sums and W x W transposes (F(ps_lane_sums), F(ps_lane_sums_n),
+ * F(ps_transpose)), exp and sigmoid (F(ps_vexp), F(ps_vsigmoid)): from
+ * _native/isa_instance.h. */
 
 /* A (headdim, N) state at src (NULL: zeros) into hT lanes [j0 W, j1 W) (nj = j1 - j0
  * vectors a row), and back: W x W tiles transposed in registers (a checkpoint per K
@@ -66,16 +67,6 @@ ATTR static void F(ps_ssd_store)(T *dst, const V *row, int64_t P, int64_t j0, in
     const int64_t lo = j0 * W, hi = (j0 + nj) * W < P ? (j0 + nj) * W : P;
     if (hi > lo) memcpy(dst + lo, row, sizeof(T) * (size_t)(hi - lo));
 }
-
-/* exp, sigmoid (and the rest of _native/vector_math.h) with this instruction set's
- * attributes (ATTR): ps_vexp, ps_vsigmoid. */
-#define PS_VM_TYPE SFX
-#define PS_VM(name) F(name)
-#define PS_VM_ATTR ATTR static inline
-#include "vector_math.h"
-#undef PS_VM_TYPE
-#undef PS_VM
-#undef PS_VM_ATTR
 
 /* The forward step of nb (a constant after inlining) vectors of one head, in full:
  *   hT[n] = a hT[n] + u B[n],   y = sum_n hT[n] C[n]   over n. */
@@ -403,13 +394,8 @@ ATTR static void F(ps_ssd_fwd_task)(const void *vp, int64_t begin, int64_t end) 
 
 ATTR static int F(ps_ssd_fwd)(ps_ssd_args *a) {
     const int64_t units = a->batch * a->heads, pv = (a->headdim + W - 1) / W;
-    int64_t split = 1;
     /* fewer heads than threads: each head's rows shared out (rows never interact) */
-    if (units > 0 && units < a->nthreads) {
-        split = (a->nthreads + units - 1) / units;
-        if (split > pv) split = pv;
-        if (split < 1) split = 1;
-    }
+    const int64_t split = ps_split_units(units, pv, a->nthreads);
     F(ps_ssd_fwd_ctx) ctx = {a, pv, split};
     const int64_t work = a->batch * a->length * a->heads * a->headdim * (a->nstate + 1);
     ps_parallel_for(units * split, ps_threads_for(work / 16, a->nthreads), F(ps_ssd_fwd_task),
