@@ -66,6 +66,27 @@ def test_full_size_hybrids_mix_linear_and_full_attention(name: str, kinds: list[
     assert bench_transformers._HIDDEN[name] == 1024
 
 
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("lfm2", "Lfm2ForCausalLM"), ("recurrent_gemma", "RecurrentGemmaForCausalLM"),
+     ("rwkv", "RwkvForCausalLM"), ("minimax", "MiniMaxForCausalLM")],
+)  # fmt: skip
+def test_quick_runs_of_the_other_families(name: str, cls: str) -> None:
+    rows = bench_transformers.run(quick=True, tokens=12, new_tokens=2, repeat=1,
+                                  model_name=name)  # fmt: skip
+    assert len(rows) == 3 and all(r.correct for r in rows), rows
+    assert bench_transformers.format_rows(rows, name).startswith(f"{cls} on")
+    assert integration.patched() == []
+
+
+def test_bench_models_covers_every_patched_family_but_no_unpatched_one() -> None:
+    families = {"mamba", "mamba2", "qwen3_5", "kimi_linear", "lfm2", "recurrent_gemma",
+                "rwkv", "minimax"}  # fmt: skip
+    assert set(bench_transformers.PATCHED_MODELS) == families
+    # xLSTM is built for tools/matmul_floor.py only: the patch leaves it alone
+    assert set(bench_transformers.MODEL_CLASSES) == families | {"xlstm"}
+
+
 def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:
     real = integration.selective_scan
 

@@ -168,12 +168,19 @@ def test_eager_fast_path_is_taken_and_correct(dtype, gen, monkeypatch) -> None:
         initial = random_tokens(shape[:d] + shape[d + 1 :], dtype, gen)
         for reverse in (False, True):
             for h in (None, initial):
-                out = ps.linear_scan(gates, tokens, dim, initial=h, reverse=reverse)
+                out, final = ps.linear_scan(
+                    gates, tokens, dim, initial=h, reverse=reverse, return_final=True
+                )
                 high = oracle_dtype(dtype)
-                want, _ = linear_loop(
+                want, want_final = linear_loop(
                     gates.to(high), tokens.to(high), dim, None if h is None else h.to(high), reverse
                 )
                 assert_matches(out, want, dtype)
+                assert_matches(final, want_final, dtype)
+                # the final state is a tensor of its own, not a view of the output
+                assert final.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+                assert torch.equal(ps.linear_scan(gates, tokens, dim, initial=h, reverse=reverse),
+                                   out)  # fmt: skip
 
 
 def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) -> None:
@@ -205,7 +212,8 @@ def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) 
     assert fast(a.to(torch.complex64).conj(), x.to(torch.complex64), 1, None, False, "auto") is None
     assert fast(a, x, 2, None, False, "auto") is None  # bad dim: the general path raises
     assert fast(a, x, 1, torch.zeros(3, 1), False, "auto") is None  # broadcast initial
-    assert fast(a, x, 1, None, False, "auto", return_final=True) is None  # a final state
+    # the final state of no steps (the initial one, or zeros) is the general path's
+    assert fast(a[:, :0], x[:, :0], 1, None, False, "auto", return_final=True) is None
     assert fast(a, x, 1, None, False, "auto", return_final=None) is None  # not a bool
     assert fast(a, x, 1, None, 0, "auto") is None  # not a bool
     assert fast(a, x.to_sparse(), 1, None, False, "auto") is None  # not strided

@@ -91,6 +91,29 @@ def test_wkv_against_a_float64_loop(with_state: bool, big: float) -> None:
         torch.testing.assert_close(out, original, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("big", [0.0, 120.0], ids=["plain", "overflowing"])
+def test_one_token_steps_after_a_scanned_prefill(big: float) -> None:
+    """Decoding: steps of one token run the original's single step (patch() active),
+    reading the scans' [y, 1, log B] state as their own; the scans then read the
+    steps' state: the whole equals the float64 loop over the sequence."""
+    decay, first, key, value = _case(5, 2, 13, 4, big)
+    integration.patch()
+    out, state = integration.rwkv_linear_attention(
+        decay, first, key[:, :5], value[:, :5], return_state=True
+    )
+    outs = [out]
+    for t in range(5, 9):  # one token at a time (the 6th overflows with big: the middle)
+        step, state = integration.rwkv_linear_attention(
+            decay, first, key[:, t : t + 1], value[:, t : t + 1], state=state, return_state=True
+        )
+        outs.append(step)
+    rest, _ = integration.rwkv_linear_attention(
+        decay, first, key[:, 9:], value[:, 9:], state=state, return_state=True
+    )
+    want, _, _ = wkv_loop(decay, first, key, value, torch.zeros(2, 4), torch.zeros(2, 4))
+    torch.testing.assert_close(torch.cat([*outs, rest], 1).double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_state_only_when_asked() -> None:
     decay, first, key, value = _case(4, 1, 6, 3, 0.0)
     assert integration.rwkv_linear_attention(decay, first, key, value)[1] is None
@@ -119,8 +142,9 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     ids = inputs(batch=2, length=30)
     got, want = both(lambda: train_and_generate(model, ids, prompt=10))
     assert_same_results(got, want)  # type: ignore[arg-type]
-    # 2 layers: the training forward, the prompt, then the generation's steps (a few
-    # tokens each: transformers' RWKV feeds them so)
+    # 2 layers: the training forward, the prompt, then the generation's steps (two
+    # tokens each for this batch of 2, as transformers' RWKV feeds them; a step of one
+    # token is the original's: test_one_token_steps_after_a_scanned_prefill)
     assert calls[:4] == [30, 30, 10, 10] and len(calls) >= 4 + 2 * 7
 
 

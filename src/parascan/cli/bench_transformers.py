@@ -1,6 +1,8 @@
 """End to end: a Hugging Face transformers model (``MambaForCausalLM``,
-``Mamba2ForCausalLM``, ``Qwen3_5ForCausalLM`` or ``KimiLinearForCausalLM``) unpatched
-against patched by :func:`parascan.integrations.transformers.patch`, on CPU::
+``Mamba2ForCausalLM``, ``Qwen3_5ForCausalLM``, ``KimiLinearForCausalLM``,
+``Lfm2ForCausalLM``, ``RecurrentGemmaForCausalLM``, ``RwkvForCausalLM`` or
+``MiniMaxForCausalLM``) unpatched against patched by
+:func:`parascan.integrations.transformers.patch`, on CPU::
 
     python -m parascan.cli.bench_transformers            # the issue's sizes (minutes)
     python -m parascan.cli.bench_transformers --model mamba2
@@ -21,6 +23,18 @@ kimi_linear  Kimi Linear, hidden 1024, dense MLP 3072 on every layer (no mixture
              experts): layers 1-3 Kimi Delta Attention (8 heads of 128, per-channel
              decay, convolution of width 4: what the patch replaces), layer 4
              multi-head latent attention (8 heads, key/value rank 512, no query rank)
+lfm2         LFM2, hidden 768, MLP 2304: layers 1-3 gated short convolutions (width 3:
+             what the patch replaces), layer 4 full attention (8 heads, 2 key/value)
+recurrent_gemma  Griffin, hidden 768, MLP 2304: layers 1-3 recurrent (RG-LRU of width
+             768, convolution of width 4: the RG-LRU scan is what the patch replaces),
+             layer 4 local attention (8 heads, 1 key/value)
+rwkv         RWKV-4, hidden 768, MLP 3072: every layer's WKV recurrence (what the patch
+             replaces)
+minimax      MiniMax, hidden 1024, a mixture of 2 experts (MLP 3072, one a token):
+             layers 1-3 lightning attention (8 heads of 128, block 256: what the patch
+             replaces), layer 4 full attention (8 heads, 2 key/value)
+xlstm        xLSTM, hidden 768, 8 heads (not patched: tools/matmul_floor.py measures
+             how far transformers' own chunkwise mLSTM is from its linear layers)
 
 (with ``--quick``: hidden 64, 2 layers, the first linear and the second full attention,
 heads of 16 channels). One sequence, three workloads:
@@ -57,11 +71,12 @@ import torch
 from parascan.cli.common import table
 from parascan.cli.tolerance import relative_error
 
-__all__ = ["Row", "format_rows", "main", "run"]
+__all__ = ["MODEL_CLASSES", "PATCHED_MODELS", "Row", "format_rows", "main", "run"]
 
 _PROMPT = 16
 _RTOL = 1e-4  # float32, after a few layers of matmuls around the scan
-_HIDDEN = {"qwen3_5": 1024, "kimi_linear": 1024}  # the full size's hidden, where not 768
+# the full size's hidden, where not 768
+_HIDDEN = {"qwen3_5": 1024, "kimi_linear": 1024, "minimax": 1024}
 
 
 @dataclass
@@ -110,14 +125,15 @@ def run(
             8 new tokens) unless given explicitly: seconds, for tests.
         tokens: the sequence length of the forward and the training step (512).
         new_tokens: tokens generated (64).
-        hidden, layers, state, vocab: the model (768, 1024 for the Qwen3.5 and Kimi Linear
-            models; 4; 16 for Mamba and 64 for Mamba-2, unused by the others; 1024).
+        hidden, layers, state, vocab: the model (768, 1024 for the Qwen3.5, Kimi Linear
+            and MiniMax models; 4; 16 for Mamba and 64 for Mamba-2, unused by the others; 1024).
         model_name: ``"mamba"`` (MambaForCausalLM), ``"mamba2"`` (Mamba2ForCausalLM,
             heads of 64 channels, chunk 128; quick: heads of 16, chunk 16),
-            ``"qwen3_5"`` (Qwen3_5ForCausalLM) or ``"kimi_linear"``
+            ``"qwen3_5"`` (Qwen3_5ForCausalLM), ``"kimi_linear"``
             (KimiLinearForCausalLM): linear-attention layers with heads of 128 key and
             value channels (quick: 16), every fourth layer and the last full attention;
-            see the module's docstring.
+            ``"lfm2"``, ``"recurrent_gemma"``, ``"rwkv"``, ``"minimax"``; see the
+            module's docstring.
         repeat: timed runs of each variant of the forward and of generate; the fastest
             counts.
         train_repeat: the same for the training step.
@@ -239,6 +255,58 @@ def _model(name: str, hidden: int, layers: int, state: int | None, vocab: int,
             v_head_dim=head, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         return KimiLinearForCausalLM(config4)
+    return _other_model(name, hidden, layers, vocab, quick, kinds, head)
+
+
+def _other_model(name: str, hidden: int, layers: int, vocab: int, quick: bool,
+                 kinds: list[str], head: int) -> Any:  # fmt: skip
+    """The families patched through one function of their layer (their sizes in the
+    module's docstring); ``kinds``: the hybrids' layer pattern, "linear_attention"
+    for the recurrent layers."""
+    import transformers
+
+    heads = 4 if quick else 8
+    recurrent = [kind == "linear_attention" for kind in kinds]
+    if name == "lfm2":
+        lfm2 = transformers.Lfm2Config(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+            block_auto_adjust_ff_dim=False, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=2,
+            layer_types=["conv" if r else "full_attention" for r in recurrent],
+        )  # fmt: skip
+        return transformers.Lfm2ForCausalLM(lfm2)
+    if name == "recurrent_gemma":
+        griffin = transformers.RecurrentGemmaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
+            lru_width=hidden, attention_window_size=2048,
+            block_types=["recurrent" if r else "attention" for r in recurrent],
+        )  # fmt: skip
+        model: Any = transformers.RecurrentGemmaForCausalLM(griffin)
+        return model.float()  # as the tests build it (float32 buffers too)
+    if name == "rwkv":
+        rwkv = transformers.RwkvConfig(
+            vocab_size=vocab, context_length=1024, hidden_size=hidden,
+            num_hidden_layers=layers, attention_hidden_size=hidden, intermediate_size=4 * hidden,
+        )  # fmt: skip
+        model = transformers.RwkvForCausalLM(rwkv)
+        return model.float()  # as the tests build it (float32 buffers too)
+    if name == "minimax":
+        minimax = transformers.MiniMaxConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+            head_dim=head, num_local_experts=2, num_experts_per_tok=1,
+            block_size=16 if quick else 256, pad_token_id=0, layer_types=kinds,
+        )  # fmt: skip
+        model = transformers.MiniMaxForCausalLM(minimax)
+        return model.float()  # as the tests build it (float32 buffers too)
+    if name == "xlstm":
+        xlstm = transformers.xLSTMConfig(
+            vocab_size=vocab, hidden_size=hidden, embedding_dim=hidden,
+            num_hidden_layers=layers, num_blocks=layers, num_heads=heads,
+            chunk_size=16 if quick else 64, mode="train", pad_token_id=0,
+        )  # fmt: skip
+        return transformers.xLSTMForCausalLM(xlstm)
     raise ValueError(
         f"bench_transformers: expected model {', '.join(map(repr, MODEL_CLASSES))}, "
         f"but got {name!r}"
@@ -250,7 +318,14 @@ MODEL_CLASSES = {
     "mamba2": "Mamba2ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "recurrent_gemma": "RecurrentGemmaForCausalLM",
+    "rwkv": "RwkvForCausalLM",
+    "minimax": "MiniMaxForCausalLM",
+    "xlstm": "xLSTMForCausalLM",
 }
+# The models of the families the patch covers (`parascan bench --models`).
+PATCHED_MODELS = tuple(name for name in MODEL_CLASSES if name != "xlstm")
 
 
 def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
@@ -275,10 +350,10 @@ def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m parascan.cli.bench_transformers",
-        description="a transformers model (Mamba, Mamba-2, Qwen3.5, Kimi Linear) unpatched against "
-        "patched by parascan",
+        description="a transformers model of a family parascan's patch covers, unpatched "
+        "against patched",
     )
-    parser.add_argument("--model", choices=sorted(MODEL_CLASSES), default="mamba")
+    parser.add_argument("--model", choices=sorted(PATCHED_MODELS), default="mamba")
     parser.add_argument("--quick", action="store_true", help="a small model (seconds)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (min)")
     parser.add_argument(

@@ -59,7 +59,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_models(quick: bool) -> int:
-    """The end-to-end tables: transformers' Mamba, Mamba2, Qwen3.5 and Kimi Linear models
+    """The end-to-end tables: a transformers model of every family the patch covers
+    (Mamba, Mamba2, Qwen3.5, Kimi Linear, LFM2, RecurrentGemma, RWKV, MiniMax)
     unpatched against patched (parascan.cli.bench_transformers); 1 when any result
     differs."""
     import importlib.util
@@ -71,7 +72,7 @@ def _bench_models(quick: bool) -> int:
     from parascan.cli import bench_transformers
 
     status = 0
-    for model in ("mamba", "mamba2", "qwen3_5", "kimi_linear"):
+    for model in bench_transformers.PATCHED_MODELS:
         print(f"\nEnd to end: {model}, unpatched against parascan.integrations.transformers",
               flush=True)  # fmt: skip
         rows = bench_transformers.run(
@@ -180,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--models",
         action="store_true",
-        help="also transformers' Mamba, Mamba2, Qwen3.5 and Kimi Linear models end to end, "
-        "unpatched against "
-        "patched (needs transformers; minutes; on with --full)",
+        help="also a transformers model of every family the patch covers, end to end, "
+        "unpatched against patched (needs transformers; minutes; on with --full)",
     )
     p.add_argument(
         "--plot", metavar="FILE.png", help="also sweep T and plot time against T (matplotlib)"

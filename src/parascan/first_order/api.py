@@ -147,11 +147,12 @@ def cpu_fast_path(
     reverse: object,
     return_final: object,
     backend: object,
-) -> Tensor | None:
+) -> Tensor | tuple[Tensor, Tensor] | None:
     """The cpu kernel of ``ring`` called directly, for the common call that needs
     nothing of the op machinery: plain strided CPU tensors of one shape and dtype
-    that need no gradient, no final state. Returns None (take the general path,
-    which validates everything and owns every error message) for anything else.
+    that need no gradient (and the final state, when asked for, of at least one step:
+    a copy of the last output, as with_final takes it). Returns None (take the general
+    path, which validates everything and owns every error message) for anything else.
     Every condition here implies that ``prepare`` would accept the call as it is, so
     the same arguments are accepted or rejected whichever path runs. A small scan
     costs microseconds in the kernel, so the tens of microseconds of dispatch are
@@ -162,7 +163,7 @@ def cpu_fast_path(
         and (initial is None or type(initial) is torch.Tensor)
         and type(dim) is int
         and type(reverse) is bool
-        and return_final is False
+        and type(return_final) is bool
         and backend in ("auto", "cpu")
         and not tokens.is_nested  # a nested tensor has no .shape
         and not gates.is_nested
@@ -188,20 +189,24 @@ def cpu_fast_path(
         or kernel_library_error() is not None
     ):
         return None
-    if initial is not None:
-        d = dim % len(shape)
-        if (
-            initial.dtype != dtype
-            or initial.device.type != "cpu"
-            or initial.layout != torch.strided
-            or initial.shape != shape[:d] + shape[d + 1 :]
-            or initial.is_conj()
-            or initial.is_neg()
-            or (torch.is_grad_enabled() and initial.requires_grad)
-        ):
-            return None
+    d = dim % len(shape)
+    if initial is not None and (
+        initial.dtype != dtype
+        or initial.device.type != "cpu"
+        or initial.layout != torch.strided
+        or initial.shape != shape[:d] + shape[d + 1 :]
+        or initial.is_conj()
+        or initial.is_neg()
+        or (torch.is_grad_enabled() and initial.requires_grad)
+    ):
+        return None
+    if return_final and shape[d] == 0:
+        return None  # the final state of no steps: with_final's
     # Every operand was checked above as check_operands would: verified.
-    return bindings.scan_forward(ring.name, gates, tokens, initial, dim, reverse, True)
+    out = bindings.scan_forward(ring.name, gates, tokens, initial, dim, reverse, True)
+    if not return_final:
+        return out
+    return out, out.select(d, 0 if reverse else shape[d] - 1).clone()
 
 
 def scan(

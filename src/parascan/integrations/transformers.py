@@ -381,15 +381,21 @@ def multihead_state_update(
 _CONV_ACTIVATIONS = (None, "silu", "swish")
 
 
-def _transformers_own(name: str, *args: Any) -> Tensor:
-    """transformers' own function ``name`` (any patched module's: they are the same
-    code) called on ``args``: a convolution for an activation the replacement does not
-    compute, or the padding mask that mask_padding applies unchanged."""
+def _original(name: str) -> Callable[..., Any]:
+    """transformers' own function (or method, ``"Class.method"``) ``name`` that the
+    patch replaced (any patched module's: they are the same code)."""
     for (_, fn_name), original in _ORIGINALS.items():
         if fn_name == name:
-            result: Tensor = original(*args)
-            return result
+            return original
     raise RuntimeError(f"{name}: parascan's replacement is called while nothing is patched")
+
+
+def _transformers_own(name: str, *args: Any) -> Tensor:
+    """transformers' own function ``name`` called on ``args``: a convolution for an
+    activation the replacement does not compute, or the padding mask that mask_padding
+    applies unchanged."""
+    result: Tensor = _original(name)(*args)
+    return result
 
 
 _CONV_FN = "causal_conv1d_fn"
@@ -633,9 +639,14 @@ def rg_lru_scan(
     marks a document's first token, from ``recurrent_states`` (batch, width; zeros when
     None), accumulated in ``acc_dtype``: the outputs in the input's dtype and the last
     state in ``acc_dtype``, by :func:`parascan.linear_scan` instead of a Python loop over
-    the tokens (the decoding step, one token, too)."""
-    if recurrent_states is None and hidden_states.shape[1] == 1:
-        return hidden_states, hidden_states[:, 0].to(acc_dtype)  # as the original
+    the tokens. The decoding step (one token) is the original's: a single step, which
+    no scan makes faster (the scan's dispatch costs more than the step)."""
+    if hidden_states.shape[1] == 1:
+        step = _original("RecurrentGemmaRglru._rnn_scan")
+        result: tuple[Tensor, Tensor] = step(
+            self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype
+        )
+        return result
     gates = (recurrent_gate * ~reset).to(acc_dtype)
     initial = None if recurrent_states is None else recurrent_states.to(gates.device, acc_dtype)
     out, final = ps_linear_scan(
@@ -672,7 +683,15 @@ def rwkv_linear_attention(
     running maximum is needed: nothing is exponentiated that can overflow. ``state``,
     transformers' ``[num, den, max]`` (``A = num exp(max)``, ``B = den exp(max)``), is
     read and returned (when given, or ``return_state``) in that layout, as ``[y, 1, log
-    B]``."""
+    B]``. The decoding step (one token) is the original's: a single step, which no
+    scan makes faster (the scans' dispatch costs more than the step); it reads that
+    state as it reads its own."""
+    if key.shape[1] == 1:
+        step = _original("rwkv_linear_attention_cpu")
+        result: tuple[Tensor, list[Tensor] | None] = step(
+            time_decay, time_first, key, value, state=state, return_state=return_state
+        )
+        return result
     w = -torch.exp(time_decay).float()
     k, v, u = key.float(), value.float(), time_first.float()
     batch, _, channels = k.shape
