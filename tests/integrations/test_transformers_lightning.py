@@ -49,8 +49,9 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     ids = inputs(batch=2, length=29)  # not a multiple of the block size, 8
     got, want = both(lambda: train_and_generate(model, ids, prompt=10))
     assert_same_results(got, want)  # type: ignore[arg-type]
-    # one linear-attention layer: the training forward, the prompt, a step per new token
-    assert lengths[:2] == [29, 10] and lengths[2:] == [1] * 7
+    # one linear-attention layer: the training forward and the prompt by the scan; the
+    # steps of one new token each are the original forward's, from the scan's state
+    assert lengths == [29, 10]
 
 
 def test_packed_sequences_equal_each_alone() -> None:
@@ -120,3 +121,27 @@ def test_the_signature_before_5_24_is_patched_too(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(got, want) and torch.equal(old.states[0], new.states[0])
     integration.unpatch()
     assert modeling.MiniMaxLightningAttention.forward is forward
+
+
+def test_a_one_token_step_is_the_original_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of one token runs the layer's original forward, handed the cache under
+    the name the caller used (the 5.23 signature here: ``cache=`` arrives as its fifth
+    argument, ``past_key_values``)."""
+    seen: list[Any] = []
+
+    def forward(  # the 5.23 signature
+        self: Any, hidden_states: Any, position_embeddings: Any, attention_mask: Any,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        seen.append(past_key_values)
+        return "the original"
+
+    monkeypatch.setattr(modeling.MiniMaxLightningAttention, "forward", forward)
+    integration.patch()
+    layer = build().eval().model.layers[0].self_attn
+    hidden, rope = torch.randn(1, 1, 64), (torch.ones(1, 1, 16), torch.zeros(1, 1, 16))
+    old, new = _Cache(), _Cache()
+    assert layer(hidden, rope, None, past_key_values=old) == "the original"
+    assert layer(hidden, rope, None, cache=new) == "the original"
+    assert layer(hidden, rope, None) == "the original"
+    assert seen == [old, new, None]

@@ -381,9 +381,15 @@ def multihead_state_update(
 _CONV_ACTIVATIONS = (None, "silu", "swish")
 
 
-def _original(name: str) -> Callable[..., Any]:
+def _original(name: str, owner: object = None) -> Callable[..., Any]:
     """transformers' own function (or method, ``"Class.method"``) ``name`` that the
-    patch replaced (any patched module's: they are the same code)."""
+    patch replaced: for a method, that of the patched class ``owner`` is an instance of
+    (the first patched one in its MRO: a subclass may live in another module); for a
+    function, any patched module's (they are the same code)."""
+    for cls in type(owner).__mro__ if owner is not None else ():
+        found = _ORIGINALS.get((cls.__module__, name))
+        if found is not None:
+            return found
     for (_, fn_name), original in _ORIGINALS.items():
         if fn_name == name:
             return original
@@ -642,7 +648,7 @@ def rg_lru_scan(
     the tokens. The decoding step (one token) is the original's: a single step, which
     no scan makes faster (the scan's dispatch costs more than the step)."""
     if hidden_states.shape[1] == 1:
-        step = _original("RecurrentGemmaRglru._rnn_scan")
+        step = _original("RecurrentGemmaRglru._rnn_scan", self)
         result: tuple[Tensor, Tensor] = step(
             self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype
         )
@@ -735,7 +741,16 @@ def lightning_attention_forward(
     keeps ``K^T V``, the scan ``V^T K``). The original's blocks compute the same sums,
     within a block as a masked (block, block) product. Packed sequences
     (``cu_seq_lens_q`` among the keywords, batch 1, no cached state) restart their state
-    at each boundary; the returned state is then the last sequence's."""
+    at each boundary; the returned state is then the last sequence's. A step of one
+    token is the original forward's (with a cached state, a single step, which no scan
+    makes faster: the scan's dispatch costs more)."""
+    if hidden_states.shape[1] == 1:
+        forward = _original("MiniMaxLightningAttention.forward", self)
+        given = () if cache is None else (cache,)  # past_key_values, if so, is in kwargs
+        result: tuple[Tensor, Tensor] = forward(
+            self, hidden_states, position_embeddings, attention_mask, *given, **kwargs
+        )
+        return result
     if cache is None:  # its name before transformers 5.24 (an alias until 5.40)
         cache = kwargs.get("past_key_values")
     batch, length, _ = hidden_states.shape
