@@ -29,10 +29,32 @@ def test_linear_shapes_sees_modules_and_functional_calls():
         return torch.nn.functional.linear(y, handed)
 
     seen = floor._linear_shapes(run)
-    assert [(tuple(shape), w.shape, b is not None) for shape, w, b in seen] == [
-        ((2, 4, 6), (5, 6), True),
-        ((2, 4, 5), (3, 5), False),
+    linear = torch.nn.functional.linear
+    assert [(f, tuple(shape), w.shape, b is not None) for f, shape, w, b in seen] == [
+        (linear, (2, 4, 6), (5, 6), True),
+        (linear, (2, 4, 5), (3, 5), False),
     ]
-    assert seen[0][1] is layer.weight and seen[1][1] is handed
+    assert seen[0][2] is layer.weight and seen[1][2] is handed
     # the timing runs the recorded projections, forward and backward
     assert floor._linear_time(seen, train=True, repeat=1) > 0
+
+
+def test_experts_and_block_diagonal_projections_count_too():
+    # a mixture of experts runs its experts by grouped_mm (MiniMax), RecurrentGemma its
+    # gates by baddbmm: projections of the model, which patching leaves alone
+    floor = _load()
+    experts, offs = torch.randn(2, 8, 4), torch.tensor([3, 7], dtype=torch.int32)
+    blocks, bias = torch.randn(4, 3, 2), torch.randn(4, 1, 2)
+
+    def run():
+        torch.nn.functional.grouped_mm(torch.randn(7, 8), experts, offs=offs)
+        return torch.baddbmm(bias, torch.randn(4, 5, 3), blocks)
+
+    seen = floor._linear_shapes(run)
+    assert [(f.__name__, tuple(shape), w is weight) for (f, shape, w, _), weight
+            in zip(seen, (experts, blocks), strict=True)] == [
+        ("_grouped_mm", (7, 8), True), ("baddbmm", (4, 5, 3), True)
+    ]  # fmt: skip
+    assert torch.equal(seen[0][3], offs) and seen[1][3] is bias
+    for train in (False, True):
+        assert floor._linear_time(seen, train=train, repeat=1) > 0
