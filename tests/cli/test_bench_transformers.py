@@ -24,9 +24,13 @@ def test_quick_run_gives_a_checked_row_per_workload() -> None:
         assert r.correct, r
         assert r.speedup == pytest.approx(r.unpatched_s / r.patched_s)
         assert r.unpatched_s > 0 and r.patched_s > 0
-    assert len(lines) == 6
+    assert len(lines) == 8  # each variant of each workload, and two linear timings
+    # the linear layers alone, for the forward and the training step only
+    assert [r.linear_s is not None and r.linear_s > 0 for r in rows] == [True, True, False]
     table = bench_transformers.format_rows(rows)
     assert "transformers" in table and "train step, 16 tokens" in table
+    forward = next(line for line in table.splitlines() if line.startswith("forward, 16"))
+    assert f"{rows[0].patched_s / rows[0].linear_s:.2f}" in forward
     assert integration.patched() == []
 
 
@@ -85,6 +89,8 @@ def test_bench_models_covers_every_patched_family_but_no_unpatched_one() -> None
     assert set(bench_transformers.PATCHED_MODELS) == families
     # xLSTM is built for tools/matmul_floor.py only: the patch leaves it alone
     assert set(bench_transformers.MODEL_CLASSES) == families | {"xlstm"}
+    with pytest.raises(ValueError, match="the patch leaves 'xlstm' alone"):
+        bench_transformers.run(quick=True, model_name="xlstm")
 
 
 def test_a_wrong_result_gets_no_speed(monkeypatch) -> None:

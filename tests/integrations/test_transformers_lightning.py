@@ -54,6 +54,32 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     assert lengths == [29, 10]
 
 
+def test_greedy_generation_from_a_left_padded_batch() -> None:
+    """Batch 2, the first row left-padded by 5 (the layer's q, k, v zeroed there, as the
+    original masks them): the logits of the real tokens, and a greedy generation with a
+    cache (the prefill by the scan, each new token by the original's step)."""
+    model = build().eval()
+    ids = inputs(length=13)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+
+    def run():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        return logits, out.sequences, torch.stack(out.scores)
+
+    (got, got_seq, got_scores), (want, want_seq, want_scores) = both(run)
+    close(got[0, 5:], want[0, 5:], "padded row")
+    close(got[1], want[1], "unpadded row")
+    assert torch.equal(got_seq, want_seq)
+    close(got_scores, want_scores, "scores")
+
+
 def test_packed_sequences_equal_each_alone() -> None:
     model = build().eval()
     layer = model.model.layers[0].self_attn
@@ -138,10 +164,14 @@ def test_a_one_token_step_is_the_original_forwards(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(modeling.MiniMaxLightningAttention, "forward", forward)
     integration.patch()
-    layer = build().eval().model.layers[0].self_attn
-    hidden, rope = torch.randn(1, 1, 64), (torch.ones(1, 1, 16), torch.zeros(1, 1, 16))
-    old, new = _Cache(), _Cache()
-    assert layer(hidden, rope, None, past_key_values=old) == "the original"
-    assert layer(hidden, rope, None, cache=new) == "the original"
-    assert layer(hidden, rope, None) == "the original"
-    assert seen == [old, new, None]
+    try:
+        layer = build().eval().model.layers[0].self_attn
+        hidden, rope = torch.randn(1, 1, 64), (torch.ones(1, 1, 16), torch.zeros(1, 1, 16))
+        old, new = _Cache(), _Cache()
+        assert layer(hidden, rope, None, past_key_values=old) == "the original"
+        assert layer(hidden, rope, None, cache=new) == "the original"
+        assert layer(hidden, rope, None) == "the original"
+        assert seen == [old, new, None]
+    finally:  # before monkeypatch puts the real forward back: unpatch() restores the fake
+        integration.unpatch()
+    assert modeling.MiniMaxLightningAttention.forward is forward

@@ -92,10 +92,13 @@ def test_wkv_against_a_float64_loop(with_state: bool, big: float) -> None:
 
 
 @pytest.mark.parametrize("big", [0.0, 120.0], ids=["plain", "overflowing"])
-def test_one_token_steps_after_a_scanned_prefill(big: float) -> None:
+def test_one_token_steps_after_a_scanned_prefill(
+    big: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decoding: steps of one token run the original's single step (patch() active),
     reading the scans' [y, 1, log B] state as their own; the scans then read the
     steps' state: the whole equals the float64 loop over the sequence."""
+    scans = scan_lengths(monkeypatch, "ps_log_linear_scan", 1)
     decay, first, key, value = _case(5, 2, 13, 4, big)
     integration.patch()
     out, state = integration.rwkv_linear_attention(
@@ -112,6 +115,7 @@ def test_one_token_steps_after_a_scanned_prefill(big: float) -> None:
     )
     want, _, _ = wkv_loop(decay, first, key, value, torch.zeros(2, 4), torch.zeros(2, 4))
     torch.testing.assert_close(torch.cat([*outs, rest], 1).double(), want, rtol=1e-4, atol=1e-5)
+    assert scans == [5, 4]  # the one-token steps never reached the scans
 
 
 def test_state_only_when_asked() -> None:
@@ -143,8 +147,9 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     got, want = both(lambda: train_and_generate(model, ids, prompt=10))
     assert_same_results(got, want)  # type: ignore[arg-type]
     # 2 layers: the training forward, the prompt, then the generation's steps (two
-    # tokens each for this batch of 2, as transformers' RWKV feeds them; a step of one
-    # token is the original's: test_one_token_steps_after_a_scanned_prefill)
+    # tokens each for this batch of 2, as transformers 5.24's RWKV feeds them, seen by
+    # hand; batch 1 feeds one, which the original's step takes:
+    # test_one_token_steps_after_a_scanned_prefill)
     assert calls[:4] == [30, 30, 10, 10] and len(calls) >= 4 + 2 * 7
 
 

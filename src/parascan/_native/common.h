@@ -1,8 +1,9 @@
-/* What the CPU kernels share (first_order/, selective/ and ssd/ include it; matrix/
- * and generic/ need only abi.h): the ABI (abi.h), the thread helpers (parallel.h),
- * the function attributes of the hot loops and inlined math, the thread count of a
- * small job, the split of few units among threads and token pasting. What only the first-order scans use (their work units,
- * tiles, packed sequences and accumulation arithmetic) is in first_order/cpu_common.h.
+/* What the CPU kernels share (first_order/, selective/, ssd/ and delta_rule/ include
+ * it; matrix/ and generic/ need only abi.h): the ABI (abi.h), the thread helpers
+ * (parallel.h), the function attributes of the hot loops and inlined math, the thread
+ * count of a small job, the split of few units among threads and token pasting. What
+ * only the first-order scans use (their work units, tiles, packed sequences and
+ * accumulation arithmetic) is in first_order/cpu_common.h.
  */
 #ifndef PARASCAN_COMMON_H
 #define PARASCAN_COMMON_H

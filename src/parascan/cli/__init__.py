@@ -4,8 +4,9 @@
 - ``info``: facts about this machine and build (``parascan info``, benchmark headers);
 - ``check``: the self-test, every backend against the float64 loop (``parascan check``);
 - ``bench``, ``bench_generic``, ``bench_packed``: the benchmarks (``parascan bench``);
-- ``bench_transformers``: transformers' Mamba unpatched against patched by parascan
-  (``python -m parascan.cli.bench_transformers``);
+- ``bench_transformers``: a transformers model of every patched family, unpatched against
+  patched by parascan (``python -m parascan.cli.bench_transformers``, ``parascan bench
+  --models``); ``linear_floor``: the time of such a model's linear layers alone;
 - ``peers``: other ways of computing the recurrence, which the benchmark times;
 - ``common``: what the benchmarks share: rounds of timings, ratios, tables;
 - ``timing``: the clock under them (``parascan.distributed.bench`` uses it too).

@@ -25,9 +25,10 @@ kimi_linear  Kimi Linear, hidden 1024, dense MLP 3072 on every layer (no mixture
              multi-head latent attention (8 heads, key/value rank 512, no query rank)
 lfm2         LFM2, hidden 768, MLP 2304: layers 1-3 gated short convolutions (width 3:
              what the patch replaces), layer 4 full attention (8 heads, 2 key/value)
-recurrent_gemma  Griffin, hidden 768, MLP 2304: layers 1-3 recurrent (RG-LRU of width
-             768, convolution of width 4: the RG-LRU scan is what the patch replaces),
-             layer 4 local attention (8 heads, 1 key/value)
+recurrent_gemma  Griffin, hidden 768, gated MLP 1152 (the config's 2304, which the
+             model halves): layers 1-3 recurrent (RG-LRU of width 768, convolution of
+             width 4: the RG-LRU scan is what the patch replaces), layer 4 local
+             attention (8 heads, 1 key/value)
 rwkv         RWKV-4, hidden 768, MLP 3072: every layer's WKV recurrence (what the patch
              replaces)
 minimax      MiniMax, hidden 1024, a mixture of 2 experts (MLP 3072, one a token):
@@ -54,6 +55,12 @@ then varies many-fold from run to run.
 The first round's results are compared: logits and every parameter's gradient to the
 float32 tolerance relative to the largest unpatched magnitude, generated tokens exactly.
 A workload whose results differ gets no speed-up.
+
+For the forward and the training step, "linear s" is the time of the model's own linear
+layers alone in that workload (:mod:`parascan.cli.linear_floor`: every projection a
+patched run makes, timed alone, min of ``repeat``), which no patch of the scans can beat,
+and "/ linear" the patched time over it: what is left above 1 is everything else the
+model runs, transformers' own code included.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from typing import Any
 import torch
 
 from parascan.cli.common import table
+from parascan.cli.linear_floor import linear_calls, linear_time
 from parascan.cli.tolerance import relative_error
 
 __all__ = ["MODEL_CLASSES", "PATCHED_MODELS", "Row", "format_rows", "main", "run"]
@@ -88,6 +96,9 @@ class Row:
     max_error: float  # relative to the largest unpatched magnitude (0 for tokens)
     correct: bool
     detail: str = ""
+    # the model's own linear layers alone in this workload (parascan.cli.linear_floor):
+    # what no patch of the scans can beat; None for generate
+    linear_s: float | None = None
 
 
 @contextmanager
@@ -140,6 +151,12 @@ def run(
         seed: the model's initialization and the inputs.
         progress: called with a line before each measurement.
     """
+    if model_name not in PATCHED_MODELS and model_name in MODEL_CLASSES:
+        raise ValueError(
+            f"bench_transformers: the patch leaves {model_name!r} alone, so patched and "
+            f"unpatched are the same code (tools/matmul_floor.py measures its bound); "
+            f"expected one of {', '.join(map(repr, PATCHED_MODELS))}"
+        )
     tokens = tokens or (64 if quick else 512)
     new_tokens = new_tokens or (8 if quick else 64)
     hidden = hidden or (64 if quick else _HIDDEN.get(model_name, 768))
@@ -202,8 +219,14 @@ def run(
             )
             correct = error <= _RTOL
             detail = ""
+        linear = None
+        if not name.startswith("generate"):
+            say(f"{name}: the linear layers alone")
+            with _patched(True):
+                calls = linear_calls(fn)
+            linear = linear_time(calls, fn is train_step, repeat)
         speedup = times[False] / times[True] if correct else None
-        rows.append(Row(name, times[False], times[True], speedup, error, correct, detail))
+        rows.append(Row(name, times[False], times[True], speedup, error, correct, detail, linear))
     model.zero_grad(set_to_none=True)
     return rows
 
@@ -338,13 +361,17 @@ def format_rows(rows: list[Row], model_name: str = "mamba") -> str:
         f"{torch.get_num_threads()} threads; torch {torch.__version__}, "
         f"transformers {transformers.__version__}"
     )
-    names = ("workload", "unpatched s", "patched s", "speed-up", "max error", "detail")
+    names = ("workload", "unpatched s", "patched s", "speed-up", "linear s", "/ linear",
+             "max error", "detail")  # fmt: skip
     cells = (
         (r.name, f"{r.unpatched_s:.3f}", f"{r.patched_s:.3f}",
-         "WRONG" if r.speedup is None else f"{r.speedup:.1f}x", f"{r.max_error:.1e}", r.detail)
+         "WRONG" if r.speedup is None else f"{r.speedup:.1f}x",
+         "" if r.linear_s is None else f"{r.linear_s:.3f}",
+         "" if r.linear_s is None else f"{r.patched_s / r.linear_s:.2f}",
+         f"{r.max_error:.1e}", r.detail)
         for r in rows
     )  # fmt: skip
-    return table([head], "{:<28} {:>12} {:>10} {:>9}  {:>9}  {}", names, cells)
+    return table([head], "{:<28} {:>12} {:>10} {:>9} {:>9} {:>9}  {:>9}  {}", names, cells)
 
 
 def main(argv: list[str] | None = None) -> int:

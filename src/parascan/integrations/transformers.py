@@ -742,9 +742,9 @@ def lightning_attention_forward(
     within a block as a masked (block, block) product. Packed sequences
     (``cu_seq_lens_q`` among the keywords, batch 1, no cached state) restart their state
     at each boundary; the returned state is then the last sequence's. A step of one
-    token is the original forward's (with a cached state, a single step, which no scan
-    makes faster: the scan's dispatch costs more)."""
-    if hidden_states.shape[1] == 1:
+    token (not packed) is the original forward's (with a cached state, a single step,
+    which no scan makes faster: the scan's dispatch costs more)."""
+    if hidden_states.shape[1] == 1 and kwargs.get("cu_seq_lens_q") is None:
         forward = _original("MiniMaxLightningAttention.forward", self)
         given = () if cache is None else (cache,)  # past_key_values, if so, is in kwargs
         result: tuple[Tensor, Tensor] = forward(
