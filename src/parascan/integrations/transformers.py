@@ -773,7 +773,7 @@ def lightning_attention_forward(
         return_final=True, cu_seqlens=cu,
     )  # fmt: skip
     last = final if cu is None else final[-1:]  # packed: the last sequence's state
-    inter = last.transpose(-1, -2).to(v.dtype)
+    inter = last.transpose(-1, -2).to(v.dtype).contiguous()  # the steps after read it
     out = self.norm(out.reshape(batch, length, heads * dim))
     out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
     if cache is not None:
