@@ -105,6 +105,33 @@ def train_and_generate(
     return result
 
 
+def assert_left_padded_generation_equal(
+    model: torch.nn.Module, length: int, pad: int, new_tokens: int
+) -> None:
+    """Batch 2 of ``length`` tokens, the first row left-padded by ``pad``: the logits of
+    the real tokens and a greedy generation of ``new_tokens`` with a cache (its tokens
+    exactly, its scores to rounding), patched as unpatched."""
+    ids = inputs(length=length)
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+
+    def run():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits  # type: ignore[operator]
+        out = model.generate(  # type: ignore[operator]
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+            pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        return logits, out.sequences, torch.stack(out.scores)
+
+    (got, got_seq, got_scores), (want, want_seq, want_scores) = both(run)  # type: ignore[misc]
+    close(got[0, pad:], want[0, pad:], "padded row")
+    close(got[1], want[1], "unpadded row")
+    assert torch.equal(got_seq, want_seq)
+    close(got_scores, want_scores, "scores")
+
+
 def assert_same_results(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """:func:`train_and_generate`'s results patched against unpatched: the same tokens,
     the rest to rounding."""

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 # restored: the autouse fixture that unpatches around every test
 from test_transformers_delta import (  # noqa: E402, F401
     VOCAB,
+    assert_left_padded_generation_equal,
     assert_same_results,
     both,
     close,
@@ -58,26 +59,7 @@ def test_greedy_generation_from_a_left_padded_batch() -> None:
     """Batch 2, the first row left-padded by 5 (the layer's q, k, v zeroed there, as the
     original masks them): the logits of the real tokens, and a greedy generation with a
     cache (the prefill by the scan, each new token by the original's step)."""
-    model = build().eval()
-    ids = inputs(length=13)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-
-    def run():  # type: ignore[no-untyped-def]
-        with torch.no_grad():
-            logits = model(ids, attention_mask=mask).logits
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-            return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
-        return logits, out.sequences, torch.stack(out.scores)
-
-    (got, got_seq, got_scores), (want, want_seq, want_scores) = both(run)
-    close(got[0, 5:], want[0, 5:], "padded row")
-    close(got[1], want[1], "unpadded row")
-    assert torch.equal(got_seq, want_seq)
-    close(got_scores, want_scores, "scores")
+    assert_left_padded_generation_equal(build().eval(), length=13, pad=5, new_tokens=6)
 
 
 def test_packed_sequences_equal_each_alone() -> None:

@@ -36,7 +36,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 # restored: the autouse fixture that unpatches around every test
-from test_transformers_delta import VOCAB, both, close, inputs, restored  # noqa: E402, F401
+from test_transformers_delta import (  # noqa: E402, F401
+    VOCAB,
+    assert_left_padded_generation_equal,
+    both,
+    close,
+    inputs,
+    restored,
+)
 
 import parascan.integrations.transformers as integration  # noqa: E402
 
@@ -172,26 +179,7 @@ def test_greedy_generation_from_a_left_padded_batch(family: str) -> None:
     """Batch 2, the first row left-padded by 4 (the convolutions' inputs masked there):
     the logits of the real tokens, and a greedy generation with a cache (the prefill by
     causal_conv1d_fn, every further token by causal_conv1d_update)."""
-    model = build(family).eval()
-    ids = inputs(length=11)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-
-    def run():  # type: ignore[no-untyped-def]
-        with torch.no_grad():
-            logits = model(ids, attention_mask=mask).logits
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-            return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
-        return logits, out.sequences, torch.stack(out.scores)
-
-    (got, got_seq, got_scores), (want, want_seq, want_scores) = both(run)
-    close(got[0, 4:], want[0, 4:], "padded row")
-    close(got[1], want[1], "unpadded row")
-    assert torch.equal(got_seq, want_seq)
-    close(got_scores, want_scores, "scores")
+    assert_left_padded_generation_equal(build(family).eval(), length=11, pad=4, new_tokens=8)
 
 
 LENGTHS = (7, 12)
