@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 # restored: the autouse fixture that unpatches around every test
 from test_transformers_delta import (  # noqa: E402, F401
     VOCAB,
+    assert_left_padded_generation_equal,
     assert_same_results,
     both,
     close,
@@ -49,6 +50,12 @@ def test_logits_gradients_and_generation_equal(monkeypatch: pytest.MonkeyPatch) 
     # 2 recurrent layers: the training forward and the prompt by the scan; the steps
     # of one new token each are the original's single step
     assert scans == [37, 37, 9, 9]
+
+
+def test_greedy_generation_from_a_left_padded_batch() -> None:
+    """Batch 2, the first row left-padded by 6 (the attention layer masks the padding;
+    the recurrence runs over it, patched as unpatched)."""
+    assert_left_padded_generation_equal(build().eval(), length=15, pad=6, new_tokens=5)
 
 
 def test_resets_inside_a_row_equal_unpatched() -> None:
