@@ -283,9 +283,10 @@ def _model(name: str, hidden: int, layers: int, state: int | None, vocab: int,
 
 def _other_model(name: str, hidden: int, layers: int, vocab: int, quick: bool,
                  kinds: list[str], head: int) -> Any:  # fmt: skip
-    """The families patched through one function of their layer (their sizes in the
-    module's docstring); ``kinds``: the hybrids' layer pattern, "linear_attention"
-    for the recurrent layers."""
+    """The families patched through one function of their layer, and xLSTM, which the
+    patch leaves alone (for tools/matmul_floor.py); their sizes are in the module's
+    docstring. ``kinds``: the hybrids' layer pattern, "linear_attention" for the
+    recurrent layers."""
     import transformers
 
     heads = 4 if quick else 8
