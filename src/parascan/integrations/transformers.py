@@ -136,6 +136,7 @@ elsewhere keeps them unpatched, and its Mamba-1 models are still patched).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -991,13 +992,21 @@ def _candidate_modules(family: _Family) -> list[str]:
     spec = importlib.util.find_spec("transformers.models")
     if spec is None or not spec.submodule_search_locations:
         return []
-    root = Path(next(iter(spec.submodule_search_locations)))
+    root = next(iter(spec.submodule_search_locations))
+    return list(_modules_defining(str(root), family.marker, family.unless))
+
+
+@functools.lru_cache(maxsize=64)
+def _modules_defining(root: str, marker: str, unless: tuple[str, ...]) -> tuple[str, ...]:
+    """_candidate_modules' search of the modeling sources under ``root``, once per
+    process and family: reading the few hundred modeling files took about 60 ms, which
+    every patch() paid for each family."""
     names = []
-    for path in sorted(root.glob("*/modeling_*.py")):
+    for path in sorted(Path(root).glob("*/modeling_*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
-        if _defines(text, family.marker) and not any(_defines(text, o) for o in family.unless):
+        if _defines(text, marker) and not any(_defines(text, o) for o in unless):
             names.append(f"transformers.models.{path.parent.name}.{path.stem}")
-    return names
+    return tuple(names)
 
 
 def _defines(source: str, name: str) -> bool:
