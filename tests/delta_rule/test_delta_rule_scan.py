@@ -214,7 +214,10 @@ def test_gradcheck(where, gen, gate, packed):
         return _run({**p, **dict(zip(names, ts, strict=True))}, where.backend, cu, qk_l2norm=True)
 
     leaves = tuple(p[k].clone().requires_grad_() for k in names)
-    assert torch.autograd.gradcheck(f, leaves)
+    # The whole Jacobian for the C kernel's hand-written backward; the loop and torch
+    # backends (autograd through torch code on the checkpointed driver) against random
+    # projections of it (fast_mode), which took 30 s of the suite in full.
+    assert torch.autograd.gradcheck(f, leaves, fast_mode=where.backend != "cpu")
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)

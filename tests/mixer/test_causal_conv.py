@@ -16,16 +16,21 @@ def conv_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """out[b, t] = act(bias + sum_k weight[:, k] x[b, t - (K-1) + k]) in float64, inputs
     before step 0 (or before the step's sequence, with seq_idx) zero; x (batch, L, c)."""
     x, weight = x.double(), weight.double()
-    batch, length, _ = x.shape
+    batch, length, channels = x.shape
     width = weight.shape[1]
-    out = x * 0.0  # in the graph of x even with no terms
-    for b in range(batch):
-        for t in range(length):
-            for k in range(width):
-                s = t - (width - 1) + k
-                if s < 0 or (seq_idx is not None and seq_idx[b, s] != seq_idx[b, t]):
-                    continue
-                out[b, t] += weight[:, k] * x[b, s]
+    steps = []
+    for t in range(length):
+        out_t = x.new_zeros(batch, channels)
+        for k in range(width):
+            s = t - (width - 1) + k
+            if s < 0:
+                continue
+            term = weight[:, k] * x[:, s]
+            if seq_idx is not None:  # rows where step s is in step t's sequence
+                term = term * (seq_idx[:, s] == seq_idx[:, t]).to(term.dtype)[:, None]
+            out_t = out_t + term
+        steps.append(out_t)
+    out = torch.stack(steps, 1) if steps else x * 0.0  # in the graph of x even with no terms
     if bias is not None:
         out += bias.double()
     return torch.nn.functional.silu(out) if silu else out
