@@ -209,3 +209,66 @@ def test_the_decoding_step_gives_the_bits_of_the_tile_path(
     )
     assert_matches(single[0], out, dtype)
     assert_matches(single[1], final, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("gate", ["none", "head", "channel"])
+@pytest.mark.parametrize("length", [1, 70])
+def test_a_plain_inference_call_goes_to_the_kernel_at_once(
+    monkeypatch: pytest.MonkeyPatch, length: int, gate: str, dtype: torch.dtype
+) -> None:
+    """An eager call that nothing differentiates, on contiguous CPU tensors of one
+    float dtype (a decoding step's), skips the general path's validation and casts:
+    the same bits as that path, which the calls it declines still take (and which
+    raises on bad input)."""
+    from parascan.delta_rule import api
+
+    p = {k: v.to(dtype) for k, v in _problem(8, 2, length, 2, 4, 17, 33, gate=gate).items()}
+    args = [p.pop(k) for k in ("q", "k", "v", "beta")]
+    check = api._plain_inference
+    taken: list[bool] = []
+
+    def spy(*a: object) -> object:
+        result = check(*a)
+        taken.append(result is not None)
+        return result
+
+    def general(*a: object) -> None:
+        return None
+
+    for options in (
+        {"qk_l2norm": True, "return_final": True},
+        {"scale": 0.3, "return_final": False},
+        {"qk_l2norm": True, "scale": 2, "return_final": True, "backend": "cpu"},
+    ):
+        monkeypatch.setattr(api, "_plain_inference", spy)
+        got = ps.delta_rule_scan(*args, **p, **options)
+        monkeypatch.setattr(api, "_plain_inference", general)
+        want = ps.delta_rule_scan(*args, **p, **options)
+        for a, b in zip(got, want, strict=True) if options["return_final"] else [(got, want)]:
+            assert torch.equal(a, b)
+    assert taken == [True] * 3
+
+    # declined: each call below takes the general path, with the same results
+    monkeypatch.setattr(api, "_plain_inference", spy)
+    q, k, v, beta = args
+    declined = [
+        ((torch.cat([q, q], -1)[..., : q.shape[-1]], k, v, beta), {}),  # strided q
+        ((q, k, v.to(torch.bfloat16), beta), {}),  # a dtype to cast
+        ((q, k, v, beta), {"backend": "torch"}),
+        ((q, k, v, beta), {"qk_l2norm": 1}),  # not a flag: the general path raises
+    ]
+    for call_args, options in declined:
+        taken.clear()
+        if "qk_l2norm" in options:
+            with pytest.raises(TypeError, match="expected qk_l2norm to be a bool"):
+                ps.delta_rule_scan(*call_args, **p, **options)
+        else:
+            ps.delta_rule_scan(*call_args, **p, **options)
+        assert taken == [False]
+    leaf = q.clone().requires_grad_()
+    taken.clear()
+    ps.delta_rule_scan(leaf, k, v, beta, **p)
+    with torch.no_grad():
+        ps.delta_rule_scan(leaf, k, v, beta, **p)
+    assert taken == [False, True]
