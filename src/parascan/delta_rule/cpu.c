@@ -56,7 +56,12 @@
 #include "common.h"
 #include "isa.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h> /* the decoding step's non-temporal stores (cpu_kernel.h) */
+#endif
+
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 

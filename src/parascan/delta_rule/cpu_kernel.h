@@ -414,6 +414,37 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
     }
 }
 
+/* Non-temporal stores for the decoding step's final state, on the vector levels
+ * (x86-64 only): written through the caches, each line of the state is first read for
+ * ownership, and the state is read again only at the next token, after the rest of the
+ * model (its weights, far more than the caches hold) has gone through them. At
+ * Qwen3.5's shape the step went from 3.0-3.8x to 2.3-2.8x torch.add over the state (2
+ * threads, alternated runs, BENCHMARKS.md). A state read again at once (a chain of
+ * steps with nothing between them) then comes from memory instead of the caches.
+ * ps_delta_streams: whether the rows of Vd elements from dst are all vector-aligned. */
+PS_DELTA_INLINE int F(ps_delta_streams)(const T *dst, int64_t Vd) {
+#ifdef PS_ISA_VECTOR
+    return ((uintptr_t)dst % PS_ISA_VBYTES) == 0 && (Vd * TBYTES) % PS_ISA_VBYTES == 0;
+#else
+    (void)dst, (void)Vd;
+    return 0;
+#endif
+}
+
+PS_DELTA_INLINE void F(ps_delta_stream)(T *dst, V x) {
+#if defined(PS_ISA_VECTOR) && PS_ISA_VBYTES == 64 && TBYTES == 4
+    _mm512_stream_ps(dst, (__m512)x);
+#elif defined(PS_ISA_VECTOR) && PS_ISA_VBYTES == 64
+    _mm512_stream_pd(dst, (__m512d)x);
+#elif defined(PS_ISA_VECTOR) && TBYTES == 4
+    _mm256_stream_ps(dst, (__m256)x);
+#elif defined(PS_ISA_VECTOR)
+    _mm256_stream_pd(dst, (__m256d)x);
+#else
+    *(V *)dst = x;
+#endif
+}
+
 /* The decoding step: the single step of a call with L = 1 (not packed, no checkpoints)
  * on whole column block vb of head h, batch row b, read from the initial state and
  * written to the final one (when wanted) in place, without a tile: the tile path's
@@ -453,6 +484,15 @@ PS_DELTA_INLINE void F(ps_delta_fwd_single)(const ps_delta_args *a, const F(ps_d
     F(ps_delta_store_row)(p->oo, x, Vd, c0);
     if (!a->final) return;
     T *dst = (T *)a->final + at;
+    if (F(ps_delta_streams)(dst, Vd)) { /* rows aligned to a vector: stored past the caches */
+        for (i = 0; i < K; ++i) {
+            const VA *r = (const VA *)(src + i * Vd);
+            for (int n = 0; n < NB; ++n)
+                F(ps_delta_stream)(dst + i * Vd + n * W,
+                                   (gated ? p->dd[i] * r[n] : r[n]) + p->kk[i] * u[n]);
+        }
+        return;
+    }
     for (i = 0; i < K; ++i) {
         const VA *r = (const VA *)(src + i * Vd);
         VA *d = (VA *)(dst + i * Vd);
@@ -508,6 +548,9 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
     }
     free(tiles);
     free(pm);
+#ifdef PS_ISA_VECTOR
+    _mm_sfence(); /* the streamed stores (ps_delta_stream) done before the call returns */
+#endif
 }
 
 ATTR static int F(ps_delta_fwd)(ps_delta_args *a) {
