@@ -216,7 +216,7 @@ def _plain_inference(
         or not eager_no_grad(tensors)  # type: ignore[arg-type]
     ):
         return None
-    return qk_l2norm, 1.0 / math.sqrt(dk) if scale is None else float(scale)  # type: ignore[arg-type]
+    return qk_l2norm, _scale(scale, dk)
 
 
 @overload

@@ -992,8 +992,8 @@ def _candidate_modules(family: _Family) -> list[str]:
     spec = importlib.util.find_spec("transformers.models")
     if spec is None or not spec.submodule_search_locations:
         return []
-    root = next(iter(spec.submodule_search_locations))
-    return list(_modules_defining(str(root), family.marker, family.unless))
+    root = str(next(iter(spec.submodule_search_locations)))
+    return list(_modules_defining(root, family.marker, family.unless))
 
 
 @functools.lru_cache(maxsize=64)
