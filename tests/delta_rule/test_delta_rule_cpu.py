@@ -236,18 +236,24 @@ def test_a_plain_inference_call_goes_to_the_kernel_at_once(
     def general(*a: object) -> None:
         return None
 
+    # the kernel's struct comes from a template per shape and options (cpu.infer):
+    # calls that alternate options on one shape must each get their own
     for options in (
         {"qk_l2norm": True, "return_final": True},
         {"scale": 0.3, "return_final": False},
         {"qk_l2norm": True, "scale": 2, "return_final": True, "backend": "cpu"},
+        {"initial": None, "return_final": True},
+        {"qk_l2norm": True, "return_final": True},
+        {"initial": None, "g": None, "return_final": False},
     ):
+        kwargs = {**p, **options}
         monkeypatch.setattr(api, "_plain_inference", spy)
-        got = ps.delta_rule_scan(*args, **p, **options)
+        got = ps.delta_rule_scan(*args, **kwargs)
         monkeypatch.setattr(api, "_plain_inference", general)
-        want = ps.delta_rule_scan(*args, **p, **options)
+        want = ps.delta_rule_scan(*args, **kwargs)
         for a, b in zip(got, want, strict=True) if options["return_final"] else [(got, want)]:
             assert torch.equal(a, b)
-    assert taken == [True] * 3
+    assert taken == [True] * 6
 
     # declined: each call below takes the general path, with the same results
     monkeypatch.setattr(api, "_plain_inference", spy)

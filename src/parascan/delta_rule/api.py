@@ -92,9 +92,7 @@ def delta_rule_scan(
         q, k, v, beta, g, scale, qk_l2norm, initial, return_final, cu_seqlens, backend
     )
     if plain is not None:  # the checks below would pass: the kernel at once
-        out, final, _ = delta_cpu.forward(
-            q, k, v, beta, g, initial, None, want_final=return_final, keep=False, raw=plain
-        )
+        out, final = delta_cpu.infer(q, k, v, beta, g, initial, return_final, plain)
         return (out, final) if return_final else out
 
     q = check_tensor(_FN, "q", q)
@@ -168,8 +166,8 @@ def _plain_inference(
     q: object, k: object, v: object, beta: object, g: object, scale: object,
     qk_l2norm: object, initial: object, return_final: object, cu_seqlens: object,
     backend: object,
-) -> tuple[bool, float] | None:  # fmt: skip
-    """``(qk_l2norm, scale)`` for the C kernel when a call can go to it at once, else
+) -> tuple[int, float] | None:  # fmt: skip
+    """``(qk_form, scale)`` for the C kernel (cpu.infer) when a call can go to it at once, else
     None: an eager call that nothing differentiates (inference, a decoding step), not
     packed, on contiguous CPU tensors of one float32 or float64 dtype whose shapes
     agree, as a generation loop hands them in on every token. These checks imply every
@@ -195,7 +193,7 @@ def _plain_inference(
             or t.dtype != v.dtype
             or t.layout != torch.strided
             or t.is_nested
-            or t.device.type != "cpu"
+            or not t.is_cpu
             or not t.is_contiguous()
             or t.is_neg()
         ):
@@ -216,7 +214,7 @@ def _plain_inference(
         or not eager_no_grad(tensors)  # type: ignore[arg-type]
     ):
         return None
-    return qk_l2norm, _scale(scale, dk)
+    return 2 if qk_l2norm else 1, _scale(scale, dk)
 
 
 @overload
