@@ -13,7 +13,9 @@ transformers' own torch fallbacks and a FLOP limit, forward and forward + backwa
   sequences of random lengths in one call (``cu_seqlens``); its ``x parascan`` is the
   cost of packing against one sequence.
 - ``decode step``: one token with a state (L = 1), against ``torch.add`` over the
-  state's bytes (the ``x limit`` of that row).
+  state's bytes (the ``x limit`` of that row): the same state every call, and
+  (``decode step, from memory``) states cycled through twice the largest cache, as a
+  model's layers cycle them (_decode_rows).
 - ``FLOP limit``: ``torch.bmm`` doing the recurrence's 3 K V multiply-adds per token
   and head (the state's decay-and-update, its product with k and with q) in one warm
   product, measured in the same run; forward + backward, three times that.
@@ -30,6 +32,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,7 +112,7 @@ DEFAULT_DELTA_CASES = [
 ]
 QUICK_DELTA_CASES = [DeltaCase("gated delta", 1, 64, 2, 4, 16, 16, "head", packed=3)]
 
-_LINE = "{:<20} {:<22} {:<16} {:<17} {:>9} {:>9} {:>8} {:>10} {:>8} {:>9}  {}"
+_LINE = "{:<20} {:<22} {:<16} {:<24} {:>9} {:>9} {:>8} {:>10} {:>8} {:>9}  {}"
 
 
 def format_delta(rows: list[DeltaRow]) -> str:
@@ -122,7 +125,8 @@ def format_delta(rows: list[DeltaRow]) -> str:
              "x limit", "x parascan", "error", "peak MiB", "note")  # fmt: skip
     cells = (
         (r.case, ",".join(map(str, r.shape)), r.impl, r.direction,
-         "WRONG" if not r.correct else cell(r.time_ms, ".1f"), f"{r.limit_ms:.2f}",
+         "WRONG" if not r.correct else cell(r.time_ms, ".3f" if (r.time_ms or 0) < 1 else ".1f"),
+         f"{r.limit_ms:.2f}" if r.limit_ms >= 1 else f"{r.limit_ms:.3f}",
          cell(r.vs_limit, ".2f"), cell(r.parascan_speedup, ".2f"), cell(r.max_error, ".1e", ""),
          cell(r.peak_extra_mib, ".0f", ""),
          r.note)
@@ -160,7 +164,8 @@ def _directions(case: DeltaCase) -> tuple[str, ...]:
 
 def delta_step_names(case: DeltaCase) -> list[str]:
     rows = [f"{case.name} {i} {d}" for i in _impls(case) for d in _directions(case)]
-    return [*rows, f"{case.name} decode step"]
+    decode = ["decode step", "decode step, from memory"] if case.decode else []
+    return [*rows, *(f"{case.name} {name}" for name in decode)]
 
 
 def _inputs(case: DeltaCase, length: int | None = None) -> dict[str, Tensor]:
@@ -295,39 +300,82 @@ def _run_case(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list
                 peaks.get(direction) if name == "parascan" else None,
             ))  # fmt: skip
     if case.decode:
-        rows.append(_decode_row(case, repeat, step))
+        rows += _decode_rows(case, repeat, step)
     return rows
 
 
-def _decode_row(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> DeltaRow:
-    """One token with a state against torch.add over the state."""
+_COLD_STATES_MAX = 512  # states a from-memory decode row cycles through, at most
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's largest cache (Linux sysfs), or None where unknown."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        scale = units.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in units else text
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+def _decode_rows(case: DeltaCase, repeat: int, step: Callable[[str], None]) -> list[DeltaRow]:
+    """One token with a state against torch.add over the state: the same state call
+    after call (it stays in the caches), and states cycled through twice the largest
+    cache (each comes from memory, as in a model, whose other layers run between two
+    steps of one layer). The kernel writes the final state past the caches
+    (delta_rule/cpu_kernel.h, ps_delta_stream): the first row charges it for that, the
+    second is the regime it is written for."""
     x = _inputs(case, 1)
     b, hv, dk, dv = case.batch, case.v_heads, case.dk, case.dv
-    state = torch.randn(b, hv, dk, dv)
-    out = torch.empty_like(state)
-    fns: dict[str, Callable[[], object]] = {
-        "limit": lambda: torch.add(state, state, out=out),
-        "step": lambda: ps.delta_rule_scan(x["q"], x["k"], x["v"], x["beta"], g=x["g"],
-                                           qk_l2norm=True, initial=state, return_final=True),
-    }  # fmt: skip
-    times = rounds(fns, repeat, calls=20)
-    step(f"{case.name} decode step")
-    t, limit = median(times["step"]), statistics.median(times["limit"])
-    return DeltaRow(
-        case.name,
-        (b, 1, case.k_heads, hv, dk, dv),
-        torch.get_num_threads(),
-        "parascan",
-        "decode step",
-        ms(t),
-        limit * 1e3,
-        ratio(t, limit),
-        None,
-        None,
-        True,
-        f"one token with a state: x limit against torch.add over the {b * hv * dk * dv * 4 >> 10}"
-        " KiB state",
-    )
+    state_bytes = b * hv * dk * dv * 4
+    cache = last_level_cache_bytes() or 64 << 20
+    count = min(_COLD_STATES_MAX, max(2, -(-2 * cache // state_bytes)))
+    states = [torch.randn(b, hv, dk, dv) for _ in range(count)]
+    outs = [torch.empty_like(s) for s in states]
+    turn = {"limit": 0, "step": 0}
+
+    def state(key: str, cycled: bool) -> int:
+        if not cycled:
+            return 0
+        turn[key] = (turn[key] + 1) % count
+        return turn[key]
+
+    def add(cycled: bool) -> None:
+        i = state("limit", cycled)
+        torch.add(states[i], states[i], out=outs[i])
+
+    def decode(cycled: bool) -> None:
+        ps.delta_rule_scan(x["q"], x["k"], x["v"], x["beta"], g=x["g"], qk_l2norm=True,
+                           initial=states[state("step", cycled)], return_final=True)  # fmt: skip
+
+    rows = []
+    cycled_mib = count * state_bytes / 2**20
+    for cycled, name, note in (
+        (False, "decode step", "the same state every call (in the caches)"),
+        (True, "decode step, from memory",
+         f"{count} states cycled, {cycled_mib:.0f} MiB, largest cache {cache >> 20} MiB"
+         + ("" if count * state_bytes >= 2 * cache else ": fits the caches")),
+    ):  # fmt: skip
+        fns: dict[str, Callable[[], object]] = {
+            "limit": partial(add, cycled), "step": partial(decode, cycled),
+        }  # fmt: skip
+        times = rounds(fns, repeat, calls=count if cycled else 20)
+        step(f"{case.name} {name}")
+        t, limit = median(times["step"]), statistics.median(times["limit"])
+        rows.append(DeltaRow(
+            case.name, (b, 1, case.k_heads, hv, dk, dv), torch.get_num_threads(), "parascan",
+            name, ms(t), limit * 1e3, ratio(t, limit), None, None, True,
+            f"one token with a state against torch.add over the {state_bytes >> 10} KiB state: "
+            + note,
+        ))  # fmt: skip
+    return rows
 
 
 # run_delta(cases, repeat, step): every case's rows
