@@ -245,6 +245,10 @@ def test_a_plain_inference_call_goes_to_the_kernel_at_once(
         {"initial": None, "return_final": True},
         {"qk_l2norm": True, "return_final": True},
         {"initial": None, "g": None, "return_final": False},
+        # one template (shape, gate, form) with and without initial and the final state
+        {"qk_l2norm": True, "return_final": False},
+        {"qk_l2norm": True, "initial": None, "return_final": True},
+        {"qk_l2norm": True, "initial": None, "return_final": False},
     ):
         kwargs = {**p, **options}
         monkeypatch.setattr(api, "_plain_inference", spy)
@@ -253,7 +257,7 @@ def test_a_plain_inference_call_goes_to_the_kernel_at_once(
         want = ps.delta_rule_scan(*args, **kwargs)
         for a, b in zip(got, want, strict=True) if options["return_final"] else [(got, want)]:
             assert torch.equal(a, b)
-    assert taken == [True] * 6
+    assert taken == [True] * 9
 
     # declined: each call below takes the general path, with the same results
     monkeypatch.setattr(api, "_plain_inference", spy)

@@ -327,6 +327,9 @@ def test_errors(gen):
         (ValueError, "initial of shape", lambda: ps.delta_rule_scan(
             q, k, v, beta, initial=p["initial"][:1])),
         (TypeError, "scale", lambda: ps.delta_rule_scan(q, k, v, beta, scale="1")),
+        (TypeError, "scale", lambda: ps.delta_rule_scan(q, k, v, beta, scale=10**400)),
+        (TypeError, "scale", lambda: ps.delta_rule_scan(q, k, v, beta, scale=float("nan"))),
+        (TypeError, "scale", lambda: ps.delta_rule_scan(q, k, v, beta, scale=True)),
         (TypeError, "qk_l2norm", lambda: ps.delta_rule_scan(q, k, v, beta, qk_l2norm=1)),
         (TypeError, "return_final", lambda: ps.delta_rule_scan(q, k, v, beta, return_final=None)),
         (RuntimeError, "Triton kernel", lambda: ps.delta_rule_scan(
