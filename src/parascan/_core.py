@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import numbers
 import os
 from collections.abc import Callable, Sequence
@@ -149,7 +150,30 @@ def describe(value: object) -> str:
             f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}"
             f"{layout})"
         )
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"int of {value.bit_length()} bits"  # not its hundreds of digits
     return f"{type(value).__name__} {value!r}"
+
+
+def finite_float(value: object) -> float | None:
+    """``value`` as a finite float, or None when it is not a finite real number (a bool
+    is not one here; an int too large for a float is not finite)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def real_float(value: numbers.Real) -> float:
+    """A real number as a float, one too large for a float as the infinity of its sign
+    (it is beyond every float, as the infinity is)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def check_layout(fn: str, name: str, tensor: torch.Tensor) -> None:
@@ -170,6 +194,10 @@ def as_operand(
         check_layout(fn, name, value)
         return value
     if allow_number and isinstance(value, numbers.Number) and not isinstance(value, bool):
+        if isinstance(value, int) and finite_float(value) is None:
+            raise ValueError(
+                f"{fn}: expected {name} to be a number a float can hold, but got {describe(value)}"
+            )
         # A 0-d floating tensor promotes like the Python scalar it came from: it
         # never widens the dtype of a dimensioned tensor of the same kind. It is
         # made in the dtype of ``like`` (complex when the number is), so that

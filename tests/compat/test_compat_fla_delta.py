@@ -671,8 +671,9 @@ def test_bad_input_raises_naming_the_function(fn) -> None:
     with pytest.raises(ValueError, match=rf"{fname}: expected initial_state .*sequences in cu_s"):
         call(fn, {n: t[:1] for n, t in x.items()}, h0=x["h0"][:1],
              cu_seqlens=torch.tensor([0, 5, 12]))  # fmt: skip
-    with pytest.raises(TypeError, match=f"{fname}: expected scale or None to be a finite"):
-        call(fn, x, scale="0.5")
+    for scale in ("0.5", 10**400):  # an int no float holds was an OverflowError
+        with pytest.raises(TypeError, match=f"{fname}: expected scale or None to be a finite"):
+            call(fn, x, scale=scale)
     with pytest.raises(TypeError, match=f"{fname}: expected output_final_state to be a bool"):
         call(fn, x, output_final_state=1)
     with pytest.raises(TypeError, match=f"{fname}: expected use_qk_l2norm_in_kernel to be a"):

@@ -206,6 +206,14 @@ def test_bad_arguments_are_named() -> None:
             ops["zxbcdt"][..., :-1], ops["weight"], None, ops["dt_bias"], ops["A"], ops["D"], 64,
             headdim=HEADDIM, ngroups=GROUPS,
         )  # fmt: skip
+    # headdim with D (nheads,): True and 0 read the channels in another layout silently
+    d1 = ops["D"][:, 0] if ops["D"].dim() == 2 else ops["D"]
+    for headdim in (True, 0, -2, 2.0, "2"):
+        with pytest.raises(ValueError, match="expected headdim to be a positive int"):
+            mamba_split_conv1d_scan_combined(
+                ops["zxbcdt"], ops["weight"], None, ops["dt_bias"], ops["A"], d1, 64,
+                headdim=headdim, ngroups=GROUPS,
+            )  # fmt: skip
 
 
 def _bad_operands():  # type: ignore[no-untyped-def]
@@ -244,6 +252,12 @@ def _bad_operands():  # type: ignore[no-untyped-def]
                                          "expected return_final_states to be a bool"),
         "norm_before_gate None": (dict(norm_before_gate=None), TypeError,
                                   "expected norm_before_gate to be a bool"),
+        "rmsnorm_eps too large for a float": (dict(rmsnorm_eps=10**400), ValueError,
+                                              "expected rmsnorm_eps to be a finite number"),
+        "0-d outproj_weight": (dict(outproj_weight=torch.tensor(1.0)), ValueError,
+                               "expected outproj_weight of shape"),
+        "integer state_dtype": (dict(state_dtype=torch.int64), TypeError,
+                                "expected state_dtype to be None or a floating"),
         "rmsnorm_weight on another device": (
             dict(rmsnorm_weight=torch.ones(dim, dtype=f32, device="meta")), ValueError,
             "expected all tensors on one device"),

@@ -555,3 +555,13 @@ def test_chunk_scan_checks_its_conventions() -> None:
                                   return_varlen_states=True)  # fmt: skip
     with pytest.raises(ValueError, match=r"parascan\.ssd_scan: expected dt"):
         mamba_chunk_scan_combined(**(args | {"dt": args["dt"][:, :5]}), chunk_size=4)
+    # with seq_idx, a non-tensor initial_states was dropped and the scan ran from zeros
+    seq = torch.tensor([[0] * 5 + [1] * 5])
+    for initial in ("garbage", [1.0], 0.5):
+        with pytest.raises(TypeError, match=f"{fn}: expected initial_states to be a strided"):
+            mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=seq, initial_states=initial)
+    # an integer state_dtype rounded the returned states
+    for state_dtype in (torch.int64, torch.bool, "float32"):
+        with pytest.raises(TypeError, match=f"{fn}: expected state_dtype"):
+            mamba_chunk_scan_combined(**args, chunk_size=4, return_final_states=True,
+                                      state_dtype=state_dtype)  # fmt: skip

@@ -21,6 +21,9 @@ T = torch.ones(2, 5)
         (lambda: ps.linear_scan(T, [1.0, 2.0], 1), TypeError, ["tokens", "Tensor", "list"]),
         (lambda: ps.linear_scan("0.5", T, 1), TypeError, ["gates", "str"]),
         (lambda: ps.linear_scan(True, T, 1), TypeError, ["gates", "bool"]),
+        # an int no float holds: a named error, not Python's OverflowError
+        (lambda: ps.linear_scan(10**400, T, 1), ValueError, ["gates", "float can hold", "bits"]),
+        (lambda: ps.linear_scan(T, T, 1, initial=-(10**400)), ValueError, ["initial", "bits"]),
         (lambda: ps.linear_scan(T, 1.0, 0), TypeError, ["tokens", "float"]),
         (lambda: ps.linear_scan(torch.ones(3), T, 1), ValueError, ["broadcast", "(3,)", "(2, 5)"]),
         (lambda: ps.linear_scan(T, T, 2), ValueError, ["dim", "[-2, 1]", "got 2"]),

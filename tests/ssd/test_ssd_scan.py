@@ -114,6 +114,20 @@ def test_options_against_loop(where, gen, option):
     _check(_problem(gen, length=70, **OPTIONS[option]), where.backend)
 
 
+def test_dt_limit_beyond_the_dtype_is_no_limit(gen):
+    """A bound that float32 (or any float) cannot hold clamps nothing on its side, as
+    the infinity it rounds to: (0, 1e39) and (0, 10**400) were an OverflowError (torch's
+    clamp, Python's float) instead of a scan."""
+    p = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+         for k, v in _problem(gen, softplus=False, bias=False, length=9).items()}  # fmt: skip
+    want = _run({**p, "dt_limit": (0.0, math.inf)}, "cpu")[0]
+    for limit in ((0.0, 1e39), (0, 10**400), (-(10**400), 1e39)):
+        got = _run({**p, "dt_limit": limit}, "cpu")[0]
+        floor = 0.0 if limit[0] == 0 else -math.inf
+        assert torch.equal(got, _run({**p, "dt_limit": (floor, math.inf)}, "cpu")[0])
+    assert torch.equal(_run({**p, "dt_limit": (0, 10**400)}, "cpu")[0], want)
+
+
 def test_dt_limit_default_lets_negative_steps_through(gen):
     """(0, inf) is no clamp at all (a negative step stays negative); any other limit
     clamps."""

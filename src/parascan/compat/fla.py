@@ -73,8 +73,6 @@ How they differ from the originals:
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections.abc import Mapping
 from itertools import pairwise
@@ -91,6 +89,7 @@ from parascan._core import (
     check_shape,
     check_tensor,
     describe,
+    finite_float,
 )
 from parascan.compat._checks import check_same_3d, is_integer_tensor
 from parascan.delta_rule import delta_rule_scan
@@ -206,8 +205,9 @@ def _compute_dtype(v: Tensor) -> torch.dtype:
 
 
 def _real(fn: str, name: str, value: object) -> float:
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
+    number = finite_float(value)
+    if number is not None:
+        return number
     raise TypeError(f"{fn}: expected {name} to be a finite number, but got {describe(value)}")
 
 

@@ -59,7 +59,14 @@ import torch
 from torch import Tensor
 
 import parascan as ps
-from parascan._core import check_cu_seqlens, check_flag, check_in_place, check_tensor, describe
+from parascan._core import (
+    check_cu_seqlens,
+    check_flag,
+    check_in_place,
+    check_tensor,
+    describe,
+    finite_float,
+)
 from parascan.compat._checks import is_integer_tensor
 from parascan.mixer.conv import causal_conv1d
 from parascan.ssd import layer as ssd_layer
@@ -384,6 +391,7 @@ def mamba_chunk_scan_combined(
     """
     fn = _CHUNK
     _check_chunk_size(fn, chunk_size)
+    _check_state_dtype(fn, state_dtype)
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(
             f"{fn}: expected x of shape (batch, seqlen, nheads, headdim), but got {describe(x)}"
@@ -422,6 +430,8 @@ def mamba_chunk_scan_combined(
                 f"one: expected batch 1, but got x {describe(x)}"
             )
     starts = _sequence_starts(fn, seq_idx, batch, length)
+    if initial_states is not None:
+        _real(fn, "initial_states", initial_states)
     if isinstance(initial_states, Tensor) and tuple(initial_states.shape[:1]) != (batch,):
         raise ValueError(
             f"{fn}: expected initial_states of shape (batch, nheads, headdim, dstate) with "
@@ -477,6 +487,18 @@ def mamba_chunk_scan_combined(
         chosen = torch.cat(bank).index_select(0, torch.tensor(picks, device=finals.device))
         results.append(_state(chosen, C, state_dtype))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _check_state_dtype(fn: str, state_dtype: object) -> None:
+    """``state_dtype`` None or a floating dtype (an integer one would round the states)."""
+    if state_dtype is not None and (
+        not isinstance(state_dtype, torch.dtype)
+        or not (state_dtype.is_floating_point or state_dtype.is_complex)
+    ):
+        raise TypeError(
+            f"{fn}: expected state_dtype to be None or a floating torch.dtype, but got "
+            f"{describe(state_dtype)}"
+        )
 
 
 def _state(state: Tensor, C: Tensor, state_dtype: torch.dtype | None) -> Tensor:
@@ -590,12 +612,10 @@ def mamba_split_conv1d_scan_combined(
             f"{fn}: expected activation None, 'silu' or 'swish', but got {activation!r}"
         )
     _check_chunk_size(fn, chunk_size)
+    _check_state_dtype(fn, state_dtype)
     norm_before_gate = check_flag(fn, "norm_before_gate", norm_before_gate)
-    if (
-        isinstance(rmsnorm_eps, bool)
-        or not isinstance(rmsnorm_eps, (int, float))
-        or not 0 <= rmsnorm_eps < math.inf
-    ):
+    eps = finite_float(rmsnorm_eps)
+    if not isinstance(rmsnorm_eps, (int, float)) or eps is None or eps < 0:
         raise ValueError(f"{fn}: expected rmsnorm_eps to be a finite number >= 0, but got "
                          f"{describe(rmsnorm_eps)}")  # fmt: skip
     if _real(fn, "D", D).dim() not in (1, 2):
@@ -605,6 +625,10 @@ def mamba_split_conv1d_scan_combined(
         nheads, headdim = D.shape
     elif headdim is None:
         raise ValueError(f"{fn}: D is (nheads,), so headdim must be given, but got None")
+    elif isinstance(headdim, bool) or not isinstance(headdim, int) or headdim < 1:
+        raise ValueError(
+            f"{fn}: expected headdim to be a positive int, but got {describe(headdim)}"
+        )
     else:
         nheads = D.shape[0]
     if isinstance(ngroups, bool) or not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:
@@ -632,7 +656,11 @@ def mamba_split_conv1d_scan_combined(
     d_nonssm = nonssm2 // 2
     if outproj_weight is None and outproj_bias is not None:
         raise ValueError(f"{fn}: outproj_bias is given without outproj_weight")
-    out_dim = None if not isinstance(outproj_weight, Tensor) else outproj_weight.shape[0]
+    out_dim = (
+        outproj_weight.shape[0]
+        if isinstance(outproj_weight, Tensor) and outproj_weight.dim() > 0
+        else None
+    )
     optional = (
         ("conv1d_bias", conv1d_bias, (conv_dim,), "(conv_dim,)"),
         ("dt_bias", dt_bias, (nheads,), "(nheads,)"),

@@ -4,7 +4,6 @@ Delta Attention)."""
 from __future__ import annotations
 
 import math
-import numbers
 from typing import overload
 
 import torch
@@ -18,6 +17,7 @@ from parascan._core import (
     check_tensor,
     describe,
     eager_no_grad,
+    finite_float,
     resolve,
 )
 from parascan.delta_rule import autograd as delta_ops
@@ -35,22 +35,10 @@ def _l2norm(x: Tensor, factor: float = 1.0) -> Tensor:
     return x * (torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) * factor)
 
 
-def _finite(x: object) -> float | None:
-    """``x`` as a finite float, or None when it is not a finite real number (a bool is
-    not; an int too large for a float is not finite)."""
-    if not isinstance(x, numbers.Real) or isinstance(x, bool):
-        return None
-    try:
-        value = float(x)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
-
-
 def _scale(scale: object, dk: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(dk)
-    value = _finite(scale)
+    value = finite_float(scale)
     if value is None:
         raise TypeError(
             f"{_FN}: expected scale to be a finite number or None, but got {describe(scale)}"
@@ -193,7 +181,7 @@ def _plain_inference(
         or backend not in ("auto", "cpu")
         or type(qk_l2norm) is not bool
         or type(return_final) is not bool
-        or not (scale is None or (type(scale) in (float, int) and _finite(scale) is not None))
+        or not (scale is None or (type(scale) in (float, int) and finite_float(scale) is not None))
         or torch.compiler.is_compiling()
     ):
         return None

@@ -15,6 +15,7 @@ from parascan._core import (
     check_shape,
     check_tensor,
     describe,
+    real_float,
     resolve,
 )
 from parascan.ssd import autograd as ssd_ops
@@ -33,13 +34,22 @@ def _limit(dt_limit: object) -> tuple[float, float]:
         and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in dt_limit)
     )
     if ok:
-        lo, hi = float(dt_limit[0]), float(dt_limit[1])  # type: ignore[index]
+        lo, hi = real_float(dt_limit[0]), real_float(dt_limit[1])  # type: ignore[index]
         if lo <= hi:  # False when either is NaN
             return lo, hi
     raise ValueError(
         f"{_FN}: expected dt_limit to be a pair of numbers (min, max) with min <= max, but got "
         f"{describe(dt_limit)}"
     )
+
+
+def clamp_to(step: Tensor, limit: tuple[float, float]) -> Tensor:
+    """``step.clamp(*limit)``, a bound beyond the largest finite value of ``step``'s
+    dtype taken as the infinity of its sign (the float32 it would round to; torch's
+    clamp refuses a bound the dtype cannot hold)."""
+    big = torch.finfo(step.dtype).max
+    lo, hi = (v if abs(v) <= big else math.copysign(math.inf, v) for v in limit)
+    return step.clamp(lo, hi)
 
 
 def ssd_scan(
@@ -165,7 +175,7 @@ def ssd_scan(
     if dt_softplus:
         step = F.softplus(step)  # log1p(exp(v)), and v itself above the threshold 20
     if limit != _NO_LIMIT:
-        step = step.clamp(*limit)
+        step = clamp_to(step, limit)
     d = None if D is None else D.to(cd).reshape(heads, -1).expand(heads, headdim)
     out, final = ssd_ops.apply(
         x.to(cd), step, A.to(cd), B.to(cd), C.to(cd), d, None if z is None else z.to(cd),

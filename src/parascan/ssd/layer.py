@@ -50,6 +50,7 @@ from parascan._native import (
     simd,
 )
 from parascan.ssd import cpu as ssd_cpu
+from parascan.ssd.api import clamp_to
 
 __all__ = [
     "CONV_MAX_WIDTH",
@@ -284,7 +285,7 @@ class _SplitConvScan(torch.autograd.Function):
         v = dt + dt_bias
         step = F.softplus(v)
         if limit != _NO_LIMIT:
-            step = step.clamp(*limit)
+            step = clamp_to(step, limit)
         d = D.reshape(heads, -1).expand(heads, headdim)
         y, final, checkpoints = ssd_cpu.forward(x4, step, A, B4, C4, d, None, initial, None)
         out, rstd = norm_forward(y.view(batch, length, dim), z, norm_weight, eps, groups,
