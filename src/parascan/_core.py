@@ -173,7 +173,7 @@ def real_float(value: numbers.Real) -> float:
     try:
         return float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]
 
 
 def check_layout(fn: str, name: str, tensor: torch.Tensor) -> None:
