@@ -295,7 +295,15 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
 def check_in_place(fn: str, name: str, tensor: torch.Tensor) -> None:
     """A ValueError naming ``fn`` unless ``tensor``, which ``fn`` writes in place, has
     no two elements sharing memory: each write must land in an element of its own
-    (torch's own in-place ops let such aliased writes through unless a stride is 0)."""
+    (torch's own in-place ops let such aliased writes through unless a stride is 0),
+    and is no leaf that requires grad while grad mode is on (autograd would refuse the
+    write with a message that names no function)."""
+    if tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+        raise ValueError(
+            f"{fn}: expected {name} that is not a leaf requiring grad (it is updated in place, "
+            f"which autograd refuses on such a tensor), but got {describe(tensor)} with "
+            "requires_grad=True; pass it detached or call under torch.no_grad()"
+        )
     if has_internal_overlap(tensor):
         raise ValueError(
             f"{fn}: expected {name} whose elements do not share memory (it is updated in "
@@ -358,9 +366,14 @@ def check_cu_seqlens(
             f"{name}: expected cu_seqlens to be an integer tensor of offsets, but got "
             f"{describe(cu_seqlens)}"
         )
-    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+    if (
+        cu_seqlens.dtype not in (torch.int32, torch.int64)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.layout != torch.strided
+        or cu_seqlens.is_nested
+    ):
         raise TypeError(
-            f"{name}: expected cu_seqlens to be a 1-d int32 or int64 tensor "
+            f"{name}: expected cu_seqlens to be a 1-d int32 or int64 strided tensor with values "
             f"(num_seqs + 1 offsets), but got {describe(cu_seqlens)}"
         )
     if cu_seqlens.numel() == 0:
@@ -371,6 +384,11 @@ def check_cu_seqlens(
             f"{cu_seqlens.device}"
         )
     if not torch.compiler.is_compiling():
+        if cu_seqlens.is_meta:
+            raise ValueError(
+                f"{name}: expected cu_seqlens with values to read (its offsets are checked), "
+                f"but got {describe(cu_seqlens)}"
+            )
         check_offsets(name, cu_seqlens.tolist(), steps)
     return cu_seqlens
 

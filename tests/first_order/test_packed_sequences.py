@@ -446,6 +446,8 @@ BAD = [
     (lambda t: [0, 4], TypeError, "cu_seqlens to be an integer tensor"),
     (lambda t: torch.tensor([0.0, 4.0]), TypeError, "int32 or int64"),
     (lambda t: torch.tensor([[0, 4]]), TypeError, "1-d"),
+    # sparse and meta offsets were torch's errors, naming no function
+    (lambda t: torch.tensor([0, 4]).to_sparse(), TypeError, "strided tensor with values"),
     (lambda t: torch.tensor([], dtype=torch.int64), ValueError, "at least one offset"),
     (lambda t: torch.tensor([1, 4]), ValueError, "non-decreasing offsets from 0"),
     (lambda t: torch.tensor([0, 3]), ValueError, "(4)"),
@@ -593,6 +595,14 @@ def test_out_of_order_offsets_are_caught_by_the_ops_under_compile() -> None:
     torch.testing.assert_close(compiled(a, torch.tensor([0, 2, 6])), f(a, torch.tensor([0, 2, 6])))
     with pytest.raises(ValueError, match=r"parascan\.linear_scan: expected cu_seqlens"):
         compiled(a, torch.tensor([0, 4, 2, 6]))
+
+
+def test_meta_cu_seqlens_with_meta_operands_is_refused() -> None:
+    """Offsets on the meta device with meta operands have no values to check: a named
+    error (it was torch's "Cannot copy out of meta tensor")."""
+    a = torch.rand(1, 4, 2, device="meta")
+    with pytest.raises(ValueError, match=r"parascan\.linear_scan: expected cu_seqlens with values"):
+        ps.linear_scan(a, a, 1, cu_seqlens=torch.tensor([0, 4], device="meta"))
 
 
 def test_cu_seqlens_on_another_device_is_refused() -> None:

@@ -156,6 +156,21 @@ def test_state_update_refuses_an_overlapping_state(gen, grad):
     assert not state.any()
 
 
+def test_state_update_refuses_a_leaf_that_requires_grad(gen):
+    """A state that is a leaf requiring grad cannot be written in place while grad mode
+    is on: a parascan error (it was autograd's, naming no function); under no_grad the
+    step runs."""
+    state = torch.zeros(3, 6, 4, requires_grad=True)
+    x = torch.randn(3, 6, generator=gen)
+    args = (x, x.abs(), -torch.rand(6, 4), torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(ValueError, match=r"parascan.selective_state_update: .*leaf requiring"):
+        ps.selective_state_update(state, *args)
+    assert not state.any()
+    with torch.no_grad():
+        ps.selective_state_update(state, *args)
+    assert state.any()
+
+
 @pytest.mark.parametrize("heads_layout", [False, True])
 def test_state_update_gradcheck(gen, heads_layout):
     """The differentiable step (every operand but the cache needing gradients, the
