@@ -1,6 +1,6 @@
 """The delta rule's C kernel (backend "cpu", delta_rule/cpu.c) against the float64 loop
 (oracles.delta_rule_loop), beyond the backend-generic tests of test_delta_rule_scan.py:
-the shapes that exercise its column blocks (V around the 32-float block and the vector
+the shapes that exercise its column blocks (V around the column blocks and the vector
 widths, K not a multiple of any), both instruction-set builds, every gradient in
 float32 and float64, packed boundaries on and next to the 64-step checkpoints, the
 same bits with any thread count (grouped heads, heads split between threads), and the
@@ -78,11 +78,13 @@ def _check(p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None 
     assert_within_scale(names, want, got, 1e-11 if dtype == F64 else 2e-5)
 
 
-# (batch, L, Hk, Hv, K, V): Qwen3.5's head (128 x 128), V around the 32-float block and
-# below one vector, K not a multiple of any vector width, grouped value heads.
+# (batch, L, Hk, Hv, K, V): Qwen3.5's head (128 x 128), V around the column blocks (64
+# floats and 32 doubles with AVX-512, 32 and 16 with AVX2) and below one vector, K not a
+# multiple of any vector width, grouped value heads.
 SHAPES = [
     (1, 70, 1, 2, 128, 128),
     (2, 65, 2, 4, 17, 33),
+    (1, 20, 1, 2, 9, 65),
     (1, 66, 3, 3, 3, 31),
     (2, 20, 1, 3, 100, 5),
     (1, 9, 2, 2, 33, 64),

@@ -8,9 +8,9 @@
  *       x[t]   = S[t-1]^T (d[t] k[t]),  u[t] = beta[t] (v[t] - x[t])
  *       S[t]   = Diag(d[t]) S[t-1] + k[t] u[t]^T,   d[t] = exp(g[t]) (1 without a gate)
  *       o[t]   = S[t]^T q[t] = S[t-1]^T (d[t] q[t]) + (k[t] . q[t]) u[t]
- *   The kernel runs that recurrence step by step on column blocks of VB lanes (128
- *   bytes of a row: 32 floats, 16 doubles), a block's K rows (16 KiB at K = 128) held
- *   in L1, with every operation a vector over the block's columns times a broadcast
+ *   The kernel runs that recurrence step by step on column blocks of VB lanes (256
+ *   bytes of a row, 64 floats or 32 doubles, with AVX-512; 128 bytes on the other
+ *   levels), a block's K rows (32 KiB at K = 128) held in L1, with every operation a vector over the block's columns times a broadcast
  *   scalar: a step is one sweep over the rows that applies the update and reads the
  *   next step's x and S^T (d q) from the updated row (a multiply and three
  *   multiply-adds per state element, d k and d q precomputed per chunk of steps: a
@@ -35,8 +35,9 @@
  * The backward.
  *   Per unit, the chunks from last to first, per chunk the column blocks in order:
  *   the block's states before each step of the chunk are rebuilt from the checkpoint
- *   (chunk x K x VB: 1 MiB at K = 128, kept in L2), then the adjoint runs from the
- *   chunk's last step to its first, with dS the gradient of the state after step t:
+ *   (chunk x K x VB: 2 MiB at K = 128 with AVX-512, about the L2), then the adjoint
+ *   runs from the chunk's last step to its first, with dS the gradient of the state
+ *   after step t:
  *       dS += q go^T,  du = dS^T k,  dv = beta du,  grad_beta = du . (v - x)
  *       grad_q = Diag(d) S[t-1] go + k (u . go),  dP = dS - k dv^T
  *       grad_k = dS u - Diag(d) S[t-1] dv,  grad_g = rows of dP * Diag(d) S[t-1]
@@ -48,6 +49,16 @@
  *   the same bits for any number of threads. dS at a sequence's last step is its
  *   grad_final (or zeros) and at its first becomes its grad_initial. No buffer holds
  *   a (batch, L, heads, K, V) tensor: one chunk of one block's states per thread.
+ *
+ * Why those block widths.
+ *   A row's lane sums cost the same whatever the block's width, and the adjoint takes
+ *   three a row (grad_q's, grad_k's and, with a gate per key channel, grad_g's): a
+ *   wider block spreads them over more columns. With 64-byte vectors, blocks of 256
+ *   bytes (4 vectors) measured the backward 10 to 15% faster than blocks of 128 bytes
+ *   (AMD EPYC Zen 4, Qwen3.5's and Kimi Linear's shapes, 1 and 2 threads; the forward
+ *   the same), although a chunk's rebuilt states (2 MiB) then outgrow that L2: the
+ *   forward's four sets of NB accumulators still fit the 32 vector registers. The
+ *   levels with 16 registers keep 128 bytes (4 vectors of AVX2's 32 bytes).
  *
  *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
  *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the

@@ -8,9 +8,10 @@
  * an include guard.
  */
 
-/* A block of the state's columns: NB vectors, 128 bytes of each state row, on every
- * level (cpu.c: why that width). */
-#define NB (128 / PS_ISA_VBYTES)
+/* A block of the state's columns: NB vectors of each state row, 256 bytes with 64-byte
+ * vectors (32 registers), 128 bytes on the other levels (16 registers) (cpu.c: why
+ * those widths). */
+#define NB (PS_ISA_VBYTES == 64 ? 4 : 128 / PS_ISA_VBYTES)
 #define VB (NB * W)
 
 #include "cpu_kernel.h"
