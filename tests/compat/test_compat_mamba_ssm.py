@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 
+import parascan
 from parascan.compat.mamba_ssm import (
     mamba_chunk_scan_combined,
     selective_scan_fn,
@@ -385,6 +386,27 @@ def test_state_batch_indices_pick_rows_of_a_pool() -> None:
         assert_matches(out[b], want_out[0], torch.float32)
     for row in (0, 2, 3):  # untouched, padding included
         assert torch.equal(pool[row], before[row])
+
+
+def test_empty_batches_and_pools() -> None:
+    """Zero rows where mamba_ssm's conventions allow them: a batch of 0 with seq_idx and
+    final states, and a pool of no state with every index padding, gave index_select's
+    error; ssd_scan with 0 heads and D gave reshape's."""
+    a = (torch.randn(0, 4, 2, 2), torch.rand(0, 4, 2), -torch.rand(2), torch.randn(0, 4, 1, 2),
+         torch.randn(0, 4, 1, 2), 4)  # fmt: skip
+    for seq in (torch.zeros(0, 4, dtype=torch.long), None):
+        out, final = mamba_chunk_scan_combined(*a, seq_idx=seq, return_final_states=True)
+        assert out.shape == (0, 4, 2, 2) and final.shape == (0, 2, 2, 2)
+    x = torch.randn(2, 3)
+    out = selective_state_update(
+        torch.zeros(0, 3, 2), x, x.abs(), -torch.rand(3, 2), torch.randn(2, 2),
+        torch.randn(2, 2), state_batch_indices=torch.tensor([-1, -1]),
+    )  # fmt: skip
+    assert out.shape == (2, 3) and not out.any()
+    for D in (torch.ones(0), torch.ones(0, 2)):
+        y = parascan.ssd_scan(torch.randn(1, 4, 0, 2), torch.rand(1, 4, 0), torch.rand(0),
+                        torch.randn(1, 4, 1, 2), torch.randn(1, 4, 1, 2), D=D)  # fmt: skip
+        assert y.shape == (1, 4, 0, 2)
 
 
 def test_state_batch_indices_are_checked() -> None:

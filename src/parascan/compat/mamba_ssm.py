@@ -263,7 +263,10 @@ def selective_state_update(
             f"{fn}: state_batch_indices must not repeat a (non-negative) index, but got "
             f"{idx.tolist()}"
         )
-    picked = state.index_select(0, idx.clamp(min=0))  # a copy: padding rows read row 0
+    if state.shape[0]:
+        picked = state.index_select(0, idx.clamp(min=0))  # a copy: padding rows read row 0
+    else:  # no state at all, so every index is padding (checked above): rows of zeros
+        picked = state.new_zeros(idx.numel(), *state.shape[1:])
     out = ps.selective_state_update(picked, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     state.index_copy_(0, rows, picked[valid])
     mask = valid.to(out.device).reshape((-1,) + (1,) * (out.dim() - 1))
@@ -442,7 +445,7 @@ def mamba_chunk_scan_combined(
     total = batch * length
     bounds = [*starts, total]
     firsts = [starts.index(b * length) for b in range(batch)] if length else list(range(batch))
-    lasts = [*(f - 1 for f in firsts[1:]), len(starts) - 1]
+    lasts = [*(f - 1 for f in firsts[1:]), len(starts) - 1] if batch else []
     cu = torch.tensor(bounds, dtype=torch.int64)
 
     def flat(t: Tensor) -> Tensor:
@@ -460,8 +463,8 @@ def mamba_chunk_scan_combined(
     results: list[Tensor] = [out]
     if return_final_states:
         assert finals is not None
-        rows = torch.tensor(lasts, device=finals.device)
-        results.append(_state(finals.index_select(0, rows), C, state_dtype))
+        rows = torch.tensor(lasts, dtype=torch.int64, device=finals.device)
+        results.append(_state(finals[rows], C, state_dtype))  # index_select refuses 0 rows
     if return_varlen_states:
         assert cu_seqlens is not None and finals is not None
         offsets = check_cu_seqlens(fn, cu_seqlens, length, x.device).tolist()

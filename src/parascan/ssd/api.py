@@ -176,7 +176,7 @@ def ssd_scan(
         step = F.softplus(step)  # log1p(exp(v)), and v itself above the threshold 20
     if limit != _NO_LIMIT:
         step = clamp_to(step, limit)
-    d = None if D is None else D.to(cd).reshape(heads, -1).expand(heads, headdim)
+    d = None if D is None else (D if D.dim() == 2 else D[:, None]).to(cd).expand(heads, headdim)
     out, final = ssd_ops.apply(
         x.to(cd), step, A.to(cd), B.to(cd), C.to(cd), d, None if z is None else z.to(cd),
         None if initial is None else initial.to(cd),
