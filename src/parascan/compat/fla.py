@@ -53,9 +53,10 @@ How they differ from the originals:
 - All six are differentiable in every tensor argument (``A_log``, ``dt_bias`` and the
   initial state included), and through the final state; the originals'
   ``fused_recurrent_gated_delta_rule`` and ``fused_recurrent_kda`` have no backward.
-- Any real float dtype and device, any T (0 included), any K; grouped value heads and a
-  float32 ``chunk_delta_rule`` (the original has neither); ``initial_state`` of any float
-  dtype (``chunk_kda``'s original asserts float32). An empty packed sequence's final
+- Any real float dtype and device, any T (0 included), any K >= 1 (not only the
+  originals' kernel sizes; K = 0 raises, as ``ps.delta_rule_scan`` does); grouped value
+  heads and a float32 ``chunk_delta_rule`` (the original has neither); ``initial_state``
+  of any float dtype (``chunk_kda``'s original asserts float32). An empty packed sequence's final
   state is its initial state (``fused_recurrent_kda``'s original leaves it unwritten).
 - Options that only steer the originals' kernels are checked as the originals check them
   and otherwise ignored, since the results do not depend on them: ``chunk_size``,
@@ -214,7 +215,7 @@ def _real(fn: str, name: str, value: object) -> float:
 def _scale(fn: str, scale: object, dk: int) -> float:
     """``scale``, defaulting to ``K ** -0.5`` as the originals do."""
     if scale is None:
-        return dk**-0.5 if dk else 1.0  # K == 0: every output is 0, whatever the scale
+        return dk**-0.5 if dk else 1.0  # K == 0: delta_rule_scan raises, naming K
     return _real(fn, "scale or None", scale)
 
 
