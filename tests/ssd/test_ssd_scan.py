@@ -620,6 +620,8 @@ def test_every_backend_is_built_and_triton_refuses_cpu_tensors(gen):
         (lambda p: p.update(dt_limit=(1.0, 0.5)), None, ValueError, "expected dt_limit"),
         (lambda p: p.update(dt_limit=0.5), None, ValueError, "expected dt_limit"),
         (lambda p: p.update(dt_limit=(math.nan, 1.0)), None, ValueError, "expected dt_limit"),
+        # both beyond a float, min > max: both became inf and passed the order check
+        (lambda p: p.update(dt_limit=(10**401, 10**400)), None, ValueError, "expected dt_limit"),
         (lambda p: p.update(dt_softplus=1), None, TypeError, "expected dt_softplus to be"),
         (lambda p: None, [0, 20], ValueError, "batch of one"),
     ],

@@ -493,13 +493,14 @@ def mamba_chunk_scan_combined(
 
 
 def _check_state_dtype(fn: str, state_dtype: object) -> None:
-    """``state_dtype`` None or a floating dtype (an integer one would round the states)."""
+    """``state_dtype`` None or a floating or complex dtype (an integer one would round the
+    states)."""
     if state_dtype is not None and (
         not isinstance(state_dtype, torch.dtype)
         or not (state_dtype.is_floating_point or state_dtype.is_complex)
     ):
         raise TypeError(
-            f"{fn}: expected state_dtype to be None or a floating torch.dtype, but got "
+            f"{fn}: expected state_dtype to be None or a floating or complex torch.dtype, but got "
             f"{describe(state_dtype)}"
         )
 

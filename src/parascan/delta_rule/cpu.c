@@ -10,11 +10,12 @@
  *       o[t]   = S[t]^T q[t] = S[t-1]^T (d[t] q[t]) + (k[t] . q[t]) u[t]
  *   The kernel runs that recurrence step by step on column blocks of VB lanes (256
  *   bytes of a row, 64 floats or 32 doubles, with AVX-512; 128 bytes on the other
- *   levels), a block's K rows (32 KiB at K = 128) held in L1, with every operation a vector over the block's columns times a broadcast
- *   scalar: a step is one sweep over the rows that applies the update and reads the
- *   next step's x and S^T (d q) from the updated row (a multiply and three
- *   multiply-adds per state element, d k and d q precomputed per chunk of steps: a
- *   gate per key channel costs what a gate per head does). Work units are (batch row,
+ *   levels), a block's K rows (32 KiB at K = 128) held in L1, with every operation a
+ *   vector over the block's columns times a broadcast scalar: a step is one sweep
+ *   over the rows that applies the update and reads the next step's x and S^T (d q)
+ *   from the updated row (a multiply and three multiply-adds per state element, d k
+ *   and d q precomputed per chunk of steps: a gate per key channel costs what a gate
+ *   per head does). Work units are (batch row,
  *   head) pairs, split further into groups of column blocks when there are fewer
  *   pairs than threads. The state entering every chunk (`chunk` steps, 64) is stored
  *   as its checkpoint; packed sequences are walked one after the other inside a
@@ -35,7 +36,7 @@
  * The backward.
  *   Per unit, the chunks from last to first, per chunk the column blocks in order:
  *   the block's states before each step of the chunk are rebuilt from the checkpoint
- *   (chunk x K x VB: 2 MiB at K = 128 with AVX-512, about the L2), then the adjoint
+ *   (chunk x K x VB: 2 MiB at K = 128 with AVX-512, in L2 and beyond), then the adjoint
  *   runs from the chunk's last step to its first, with dS the gradient of the state
  *   after step t:
  *       dS += q go^T,  du = dS^T k,  dv = beta du,  grad_beta = du . (v - x)
@@ -56,9 +57,9 @@
  *   wider block spreads them over more columns. With 64-byte vectors, blocks of 256
  *   bytes (4 vectors) measured the backward 10 to 15% faster than blocks of 128 bytes
  *   (AMD EPYC Zen 4, Qwen3.5's and Kimi Linear's shapes, 1 and 2 threads; the forward
- *   the same), although a chunk's rebuilt states (2 MiB) then outgrow that L2: the
- *   forward's four sets of NB accumulators still fit the 32 vector registers. The
- *   levels with 16 registers keep 128 bytes (4 vectors of AVX2's 32 bytes).
+ *   the same), although a chunk's rebuilt states (2 MiB) then outgrow its 1 MiB L2;
+ *   the forward's four sets of NB accumulators still fit the 32 vector registers. The
+ *   levels with 16 registers keep 128 bytes (AVX2: 4 vectors; the baseline: 8).
  *
  *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
  *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the

@@ -34,9 +34,10 @@ def _limit(dt_limit: object) -> tuple[float, float]:
         and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in dt_limit)
     )
     if ok:
-        lo, hi = real_float(dt_limit[0]), real_float(dt_limit[1])  # type: ignore[index]
-        if lo <= hi:  # False when either is NaN
-            return lo, hi
+        first: numbers.Real = dt_limit[0]  # type: ignore[index]
+        second: numbers.Real = dt_limit[1]  # type: ignore[index]
+        if first <= second:  # False with a NaN; exact for ints beyond a float
+            return real_float(first), real_float(second)
     raise ValueError(
         f"{_FN}: expected dt_limit to be a pair of numbers (min, max) with min <= max, but got "
         f"{describe(dt_limit)}"
@@ -45,8 +46,8 @@ def _limit(dt_limit: object) -> tuple[float, float]:
 
 def clamp_to(step: Tensor, limit: tuple[float, float]) -> Tensor:
     """``step.clamp(*limit)``, a bound beyond the largest finite value of ``step``'s
-    dtype taken as the infinity of its sign (the float32 it would round to; torch's
-    clamp refuses a bound the dtype cannot hold)."""
+    dtype taken as the infinity of its sign: no finite value of the dtype lies beyond
+    it (torch's clamp refuses a bound the dtype cannot hold)."""
     big = torch.finfo(step.dtype).max
     lo, hi = (v if abs(v) <= big else math.copysign(math.inf, v) for v in limit)
     return step.clamp(lo, hi)
