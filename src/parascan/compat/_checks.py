@@ -4,6 +4,8 @@ follow it check it, and word its errors, alike."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TypeGuard
 
 import torch
@@ -11,7 +13,27 @@ from torch import Tensor
 
 from parascan._core import describe
 
-__all__ = ["check_same_3d", "is_integer_tensor"]
+__all__ = ["check_same_3d", "errors_as", "is_integer_tensor"]
+
+
+@contextlib.contextmanager
+def errors_as(fn: str, checker: str) -> Iterator[None]:
+    """Inside, the bad-input errors of ``checker``, the parascan function a drop-in
+    calls (their messages start with its name: ``parascan.ssd_scan: ...``), are raised
+    again, the same exception, under the drop-in's name ``fn``, the function its user
+    called, with ``checker`` named at the end. Other errors (a user's combine
+    function's, an internal one) pass as they are."""
+    try:
+        yield
+    except (TypeError, ValueError, IndexError, RuntimeError) as error:
+        message = error.args[0] if len(error.args) == 1 else None
+        prefix = f"{checker}: "
+        if isinstance(message, str) and message.startswith(prefix):
+            rest = message[len(prefix) :]
+            # a drop-in calling a drop-in: the function that checked it is named already
+            named = rest.endswith(" checked it)")
+            error.args = (f"{fn}: {rest}" + ("" if named else f" ({checker} checked it)"),)
+        raise
 
 
 def check_same_3d(

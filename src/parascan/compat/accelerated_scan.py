@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from parascan._core import check_dtype
-from parascan.compat._checks import check_same_3d
+from parascan.compat._checks import check_same_3d, errors_as
 from parascan.first_order import linear_scan
 
 __all__ = ["scan"]
@@ -39,4 +39,5 @@ def scan(gates: Tensor, tokens: Tensor) -> Tensor:
     check_same_3d(fn, ("gates", gates), ("tokens", tokens), "(B, C, T)")
     check_dtype(fn, "gates", gates)
     check_dtype(fn, "tokens", tokens)
-    return linear_scan(gates, tokens, -1)
+    with errors_as(fn, "parascan.linear_scan"):
+        return linear_scan(gates, tokens, -1)

@@ -67,7 +67,7 @@ from parascan._core import (
     describe,
     finite_float,
 )
-from parascan.compat._checks import is_integer_tensor
+from parascan.compat._checks import errors_as, is_integer_tensor
 from parascan.mixer.conv import causal_conv1d
 from parascan.ssd import layer as ssd_layer
 from parascan.ssd.api import _limit
@@ -119,9 +119,10 @@ def _selective_scan(
             C = _complex_from_interleaved(fn, "C", C, u)
     delta_softplus = check_flag(fn, "delta_softplus", delta_softplus)
     return_last_state = check_flag(fn, "return_last_state", return_last_state)
-    return ps.selective_scan(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_final=return_last_state
-    )
+    with errors_as(fn, "parascan.selective_scan"):
+        return ps.selective_scan(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_final=return_last_state
+        )
 
 
 def selective_scan_fn(
@@ -235,7 +236,10 @@ def selective_state_update(
     if isinstance(state, Tensor):
         check_in_place(fn, "state", state)
     if state_batch_indices is None:
-        out: Tensor = ps.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+        with errors_as(fn, "parascan.selective_state_update"):
+            out: Tensor = ps.selective_state_update(
+                state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
+            )
         return out
     if not isinstance(state, Tensor) or state.dim() not in (3, 4):
         raise ValueError(
@@ -267,7 +271,8 @@ def selective_state_update(
         picked = state.index_select(0, idx.clamp(min=0))  # a copy: padding rows read row 0
     else:  # no state at all, so every index is padding (checked above): rows of zeros
         picked = state.new_zeros(idx.numel(), *state.shape[1:])
-    out = ps.selective_state_update(picked, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    with errors_as(fn, "parascan.selective_state_update"):
+        out = ps.selective_state_update(picked, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     state.index_copy_(0, rows, picked[valid])
     mask = valid.to(out.device).reshape((-1,) + (1,) * (out.dim() - 1))
     result: Tensor = torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -408,10 +413,11 @@ def mamba_chunk_scan_combined(
         x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Tensor | None, initial: Tensor | None,
         cu_seqlens: Tensor | None, finals: bool,
     ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        result = ps.ssd_scan(
-            x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-            dt_limit=dt_limit, initial=initial, return_final=finals, cu_seqlens=cu_seqlens,
-        )  # fmt: skip
+        with errors_as(fn, "parascan.ssd_scan"):
+            result = ps.ssd_scan(
+                x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                dt_limit=dt_limit, initial=initial, return_final=finals, cu_seqlens=cu_seqlens,
+            )  # fmt: skip
         if finals:  # only when asked: the scan then stores a state per sequence
             assert isinstance(result, tuple)
             return result
@@ -503,6 +509,12 @@ def _check_state_dtype(fn: str, state_dtype: object) -> None:
             f"{fn}: expected state_dtype to be None or a floating or complex torch.dtype, but got "
             f"{describe(state_dtype)}"
         )
+
+
+def _named_limit(fn: str, dt_limit: object) -> tuple[float, float]:
+    """ssd_scan's check of ``dt_limit``, its error under ``fn``'s name."""
+    with errors_as(fn, "parascan.ssd_scan"):
+        return _limit(dt_limit)
 
 
 def _state(state: Tensor, C: Tensor, state_dtype: torch.dtype | None) -> Tensor:
@@ -699,15 +711,16 @@ def mamba_split_conv1d_scan_combined(
             zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states,
             heads=nheads, headdim=headdim, groups=ngroups, nstate=dstate, offset=nonssm2,
             silu=activation is not None, eps=rmsnorm_eps, before_gate=norm_before_gate,
-            dt_limit=_limit(dt_limit),
+            dt_limit=_named_limit(fn, dt_limit),
         )  # fmt: skip
         final = _state(final, zxbcdt, state_dtype)
     else:
-        y, final = _split_conv_scan_unfused(
-            zxbcdt, z, xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
-            initial_states, seq_idx, dt_limit, activation, rmsnorm_weight, rmsnorm_eps,
-            nheads, headdim, ngroups, dstate, norm_before_gate, state_dtype,
-        )  # fmt: skip
+        with errors_as(fn, _CHUNK):
+            y, final = _split_conv_scan_unfused(
+                zxbcdt, z, xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                initial_states, seq_idx, dt_limit, activation, rmsnorm_weight, rmsnorm_eps,
+                nheads, headdim, ngroups, dstate, norm_before_gate, state_dtype,
+            )  # fmt: skip
     if d_nonssm:
         left, right = zx0.split([d_nonssm, d_nonssm], dim=-1)
         y = torch.cat([torch.nn.functional.silu(left) * right, y], dim=-1)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from parascan._core import describe
+from parascan.compat._checks import errors_as
 from parascan.generic import associative_reduce, associative_scan
 
 __all__ = ["prefix_scan", "reduce_scan"]
@@ -42,8 +43,10 @@ def prefix_scan(
         >>> prefix_scan(torch.tensor([[1.0, 2.0, 3.0]]), torch.add, dim=-1)
         tensor([[1., 3., 6.]])
     """
-    _check("parascan.compat.torch_parallel_scan.prefix_scan", x, prefix_func)
-    out: Tensor = associative_scan(prefix_func, x, dim)
+    fn = "parascan.compat.torch_parallel_scan.prefix_scan"
+    _check(fn, x, prefix_func)
+    with errors_as(fn, "parascan.associative_scan"):
+        out: Tensor = associative_scan(prefix_func, x, dim)
     return out
 
 
@@ -56,6 +59,8 @@ def reduce_scan(x: Tensor, reduce_func: Callable[[Tensor, Tensor], Tensor], dim:
         >>> reduce_scan(torch.tensor([[1.0, 2.0, 3.0]]), torch.mul, dim=1)
         tensor([6.])
     """
-    _check("parascan.compat.torch_parallel_scan.reduce_scan", x, reduce_func)
-    out: Tensor = associative_reduce(reduce_func, x, dim)
+    fn = "parascan.compat.torch_parallel_scan.reduce_scan"
+    _check(fn, x, reduce_func)
+    with errors_as(fn, "parascan.associative_reduce"):
+        out: Tensor = associative_reduce(reduce_func, x, dim)
     return out
