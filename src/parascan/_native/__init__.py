@@ -311,10 +311,14 @@ def pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def run_kernel(entry: str, dtype: torch.dtype, args: object, operands: str) -> None:
+def run_kernel(
+    entry: str, dtype: torch.dtype, args: object, *named: tuple[str, torch.Tensor]
+) -> None:
     """Call ``ps_<entry>_<dtype>`` on ``args``; its failure (operands it rejects, such as
-    bad cu_seqlens offsets, or out of memory) raises, naming ``operands``."""
+    bad cu_seqlens offsets, or out of memory) raises, naming the shapes of ``named``
+    (described only then: a decoding step's call is a few tens of microseconds)."""
     if kernel(entry, dtype)(args) != 0:
+        operands = ", ".join(f"{name} {tuple(t.shape)}" for name, t in named)
         raise RuntimeError(
             f"parascan: the {entry} CPU kernel failed (operands it rejects, such as bad "
             f"cu_seqlens offsets, or out of memory) on {operands}"

@@ -215,7 +215,8 @@ def _plain_inference(
         or not eager_no_grad(tensors)  # type: ignore[arg-type]
     ):
         return None
-    return 2 if qk_l2norm else 1, _scale(scale, dk)
+    # scale is None or a finite float or int (checked above): no second check
+    return 2 if qk_l2norm else 1, _scale(None, dk) if scale is None else float(scale)  # type: ignore[arg-type]
 
 
 @overload

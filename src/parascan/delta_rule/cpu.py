@@ -97,7 +97,7 @@ class _Operands(ChunkedOperands):
         return self.struct(plain, operands)
 
     def run(self, entry: str, args: object) -> None:
-        run_kernel(entry, self.dtype, args, f"q {tuple(self.q.shape)}, v {tuple(self.v.shape)}")
+        run_kernel(entry, self.dtype, args, ("q", self.q), ("v", self.v))
 
 
 def forward(
@@ -161,7 +161,7 @@ def infer(
             args[_AT[name]] = t.data_ptr()
     if want_final:
         args[_AT["final"]] = final.data_ptr()
-    run_kernel("delta_fwd", v.dtype, args, f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+    run_kernel("delta_fwd", v.dtype, args, ("q", q), ("v", v))
     return out, final
 
 

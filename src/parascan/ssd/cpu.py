@@ -74,7 +74,7 @@ class _Operands(ChunkedOperands):
         return self.struct(plain, operands)
 
     def run(self, entry: str, args: object) -> None:
-        run_kernel(entry, self.dtype, args, f"x {tuple(self.x.shape)}, B {tuple(self.B.shape)}")
+        run_kernel(entry, self.dtype, args, ("x", self.x), ("B", self.B))
 
 
 def forward(
