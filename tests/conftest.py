@@ -36,7 +36,11 @@ from parascan.cli.tolerance import TOLERANCE
 # A skipped test of installed code fails the run (skip_policy.py).
 pytest_plugins = ["skip_policy"]
 
-torch.use_deterministic_algorithms(True)
+# On CUDA, cuBLAS is deterministic only with a fixed workspace (torch raises without
+# one), and a few torch ops have no deterministic CUDA kernel: those warn there instead of
+# raising (the tests compare results with the oracles; the warnings show in the report).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
 torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
 
 DTYPES = [

@@ -10,17 +10,31 @@
 #   OUT/pytest.txt    the test suite's CUDA leg: every test case run on CUDA tensors
 #                     (conftest's `target` fixture adds one per CUDA backend, the
 #                     compiled Triton kernels among them)
+#   OUT/gpu_bench.txt tools/gpu/gpu_bench.py (and .json): first-order forward and backward
+#                     against the copy bandwidth, torch.add and torch.cumsum; the selective
+#                     scan against its exp limit and transformers' loop
+#   OUT/ssd_check.txt tools/gpu/ssd_check.py: the SSD kernels against the float64 loop and
+#                     the torch backend, timed against the HBM limit and transformers
+#   OUT/junit.xml     the CUDA leg's cases, one by one
 #   OUT/bench.json    parascan bench --device cuda --json: each case with the time of
-#                     torch.add over the same bytes, measured beside it
+#                     torch.add over the same bytes, measured beside it (GPU_CHECK_BENCH=0
+#                     leaves it out: its float64 references run on the CPU)
 #
 # Each step has a time limit, so that the whole command ends within 10 minutes on one
 # GPU; a step that fails or runs out of time is recorded and the next one still runs.
-# Exits non-zero when any step failed. Needs `pip install -e ".[test,triton]"`.
+# Exits non-zero when any step failed. Needs `pip install -e ".[test,triton]"` (the
+# C kernels are not used on CUDA tensors). The suite's CUDA leg runs on
+# max(1, cores - 2) pytest-xdist workers when pytest-xdist is installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-report}
 mkdir -p "$out"
 status=0
+# cuBLAS is deterministic (tests/conftest.py asks torch for deterministic algorithms)
+# only with a fixed workspace; torch raises without one.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-$(command -v python3 || command -v python)}
 
 step() {  # step NAME SECONDS FILE COMMAND...: its stdout to FILE, stderr to FILE.stderr
     local name=$1 seconds=$2 file=$3
@@ -35,7 +49,7 @@ step() {  # step NAME SECONDS FILE COMMAND...: its stdout to FILE, stderr to FIL
     fi
 }
 
-step "device and copy bandwidth" 60 "$out/device.json" python - <<'EOF'
+step "device and copy bandwidth" 60 "$out/device.json" "$py" - <<'EOF'
 import json, platform
 import torch
 import parascan
@@ -63,13 +77,28 @@ print(json.dumps({
     "python": platform.python_version(),
 }, indent=2))
 EOF
-step "parascan check --device cuda" 120 "$out/check.txt" \
-    python -m parascan check --device cuda
+step "parascan check --device cuda" 60 "$out/check.txt" \
+    "$py" -m parascan check --device cuda
+step "first-order and selective speed" 110 "$out/gpu_bench.txt" \
+    "$py" tools/gpu/gpu_bench.py --json "$out/gpu_bench.json"
+step "SSD check and speed" 90 "$out/ssd_check.txt" \
+    env PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}" "$py" tools/gpu/ssd_check.py
 # The compiled kernels, not the interpreter: conftest defaults TRITON_INTERPRET to 1.
-step "the suite's CUDA leg" 300 "$out/pytest.txt" \
-    env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider -k cuda
-step "parascan bench --device cuda" 180 "$out/bench.json" \
-    python -m parascan bench --device cuda --json
+workers=()
+if "$py" -c "import xdist" 2>/dev/null; then
+    workers=(-n "$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))")
+fi
+timeouts=()
+if "$py" -c "import pytest_timeout" 2>/dev/null; then
+    timeouts=(--timeout 120)
+fi
+step "the suite's CUDA leg" "${GPU_CHECK_PYTEST_S:-240}" "$out/pytest.txt" \
+    env TRITON_INTERPRET=0 "$py" -m pytest -q -ra -p no:cacheprovider -k cuda \
+    "${workers[@]}" "${timeouts[@]}" --junitxml "$out/junit.xml"
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
+    step "parascan bench --device cuda" 180 "$out/bench.json" \
+        "$py" -m parascan bench --device cuda --json
+fi
 
 echo "== written to $out/ ($([ "$status" -eq 0 ] && echo 'all steps passed' || echo 'some steps FAILED'))"
 exit "$status"

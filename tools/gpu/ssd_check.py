@@ -201,6 +201,47 @@ def benchmark() -> None:
                 f"forward+backward {both * 1e3:8.3f} ms "
                 f"({both / (3.5 * limit):6.1f}x its limit)"
             )
+        transformers_row(p)
+
+
+def transformers_row(p: dict[str, torch.Tensor]) -> None:
+    """transformers' torch fallback for Mamba-2's scan (``mamba2_chunk_scan``, chunk 128,
+    Mamba2Config's default) against the triton backend on the same arguments (D,
+    dt_bias, softplus; no z or initial state, which it does not take alike)."""
+    from parascan.cli.bench_ssd import _TRANSFORMERS_CHUNK, _transformers_scan
+
+    hf = _transformers_scan()
+    if hf is None:
+        print("  transformers' mamba2_chunk_scan: not in this transformers")
+        return
+    keys = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+    leaves = {k: p[k].detach().clone().requires_grad_() for k in keys}
+
+    def ours(q: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = ps.ssd_scan(q["x"], q["dt"], q["A"], q["B"], q["C"], D=q["D"],
+                          dt_bias=q["dt_bias"], dt_softplus=True, backend="triton")  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def theirs(q: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = hf(q["x"], q["dt"], q["A"], q["B"], q["C"], chunk_size=_TRANSFORMERS_CHUNK,
+                 D=q["D"], dt_bias=q["dt_bias"], dt_softplus=True)  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        want, got = ours(p).double(), theirs(p).double()
+    err = ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+    times = {}
+    for name, fn in (("triton", ours), ("transformers", theirs)):
+        forward = cuda_time(lambda fn=fn: fn(p))
+        both = cuda_time(lambda fn=fn: fn(leaves).sum().backward(), reps=10)
+        times[name] = (forward, both)
+    (f0, b0), (f1, b1) = times["triton"], times["transformers"]
+    print(
+        f"  vs transformers' mamba2_chunk_scan (difference {err:.1e}): forward {f1 * 1e3:.3f} ms "
+        f"= {f1 / f0:.1f}x triton's {f0 * 1e3:.3f} ms; forward+backward {b1 * 1e3:.3f} ms = "
+        f"{b1 / b0:.1f}x triton's {b0 * 1e3:.3f} ms"
+    )
 
 
 def main() -> None:
