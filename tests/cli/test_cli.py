@@ -45,6 +45,34 @@ def test_check_catches_a_wrong_imaginary_part(monkeypatch) -> None:
     assert results["matrix forward float64"] is True
 
 
+def test_log_checks_ask_each_backend_only_for_the_dtypes_it_takes(monkeypatch) -> None:
+    """`parascan check --device cuda` once crashed: the log-space checks ran complex
+    inputs on the triton backend, which takes real ones. Every backend of the log row
+    (triton too, not listed on a machine without CUDA) is asked only for its dtypes,
+    and the others are reported as not applicable, not as passed or failed."""
+    from parascan.cli import check
+    from parascan.first_order.ops import ROWS
+
+    asked: list[tuple[str, torch.dtype]] = []
+    real = check.log_linear_scan
+
+    def recording(a, b, dim, *, backend):  # type: ignore[no-untyped-def]
+        asked.append((backend, a.dtype))
+        return real(a, b, dim, backend="torch")  # the check's logic, not the kernel
+
+    monkeypatch.setattr(check, "log_linear_scan", recording)
+    monkeypatch.setattr(check, "_gradcheck", lambda fn, args: (True, "skipped here"))
+    for backend, entry in ROWS["log"].backends.items():
+        results = list(check._log_checks(backend, "cpu"))
+        skipped = {r.what for r in results if not r.ran}
+        expected = {f"log forward {str(d).removeprefix('torch.')}" for d in
+                    (torch.complex64, torch.complex128) if d not in entry.dtypes}  # fmt: skip
+        assert skipped == expected, backend
+        assert all(r.passed for r in results if r.ran), (backend, results)
+    assert asked and all(d in ROWS["log"].backends[b].dtypes for b, d in asked)
+    assert ("triton", torch.complex64) not in asked and ("torch", torch.complex64) in asked
+
+
 @pytest.mark.slow  # 30 s: every backend of every op; the checks' own logic is tested above
 def test_check_passes_on_this_machine() -> None:
     out = io.StringIO()

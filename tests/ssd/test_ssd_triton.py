@@ -179,13 +179,17 @@ CHUNKED = [
 ]
 
 
+@pytest.mark.parametrize("algorithm", ["chunked", "sequential"])
 @pytest.mark.parametrize("case", CHUNKED, ids=lambda c: str(c))
-def test_chunked_forward_matches_the_loop(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_forward_algorithm_matches_the_loop(
+    case: Case, algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
     """The forward by the dual form (blocks of 16 steps in the interpreter; headdim and
-    N padded to 16): out, final, checkpoints, and the backward from its checkpoints."""
-    monkeypatch.setenv("PARASCAN_SSD_TRITON_FORWARD", "chunked")
+    N padded to 16) and by the walk step by step: out, final, checkpoints, and the
+    backward from its checkpoints."""
+    monkeypatch.setenv("PARASCAN_SSD_TRITON_FORWARD", algorithm)
     launch, *_ = backend.forward_launch(*operands(case))
-    assert launch.constexprs["BLOCK_T"] == 16
+    assert ("BLOCK_T" in launch.constexprs) == (algorithm == "chunked")
     check(case, operands(case))
 
 
