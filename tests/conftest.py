@@ -145,6 +145,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("target", params, ids=[str(t) for t in chosen])
 
 
+@pytest.fixture(autouse=True)
+def _cuda_cases_run_on_the_gpu(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A case of a CUDA target that allocates nothing on the GPU ran on the CPU under a
+    CUDA name (the first GPU run found whole modules doing so): it fails."""
+    callspec = getattr(request.node, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    if not any(isinstance(v, Target) and v.device == "cuda" for v in params):
+        yield
+        return
+    before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    yield
+    after = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    assert after > before, f"{request.node.nodeid}: a CUDA case put no tensor on the GPU"
+
+
 @contextmanager
 def simd_path(on: bool) -> Iterator[None]:
     """The C kernels' vector paths (``on``) or their portable ones (PARASCAN_SIMD=0),

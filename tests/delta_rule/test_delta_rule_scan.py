@@ -12,7 +12,7 @@ import parascan as ps
 from parascan.delta_rule import autograd as delta_ops
 from parascan.delta_rule.canonical import CHECKPOINT_STEPS
 
-from conftest import assert_matches, targets
+from conftest import Target, assert_matches, targets
 from harness import forward_mode_checks
 from oracles import delta_rule_loop
 
@@ -61,24 +61,42 @@ def _cast(p: dict, dtype: torch.dtype) -> dict:
     return {k: None if v is None else v.to(wide if k == "initial" else dtype) for k, v in p.items()}
 
 
-def _run(p: dict, backend: str, cu: list[int] | None = None, **options: object):  # type: ignore[no-untyped-def]
-    q = dict(p)
+def _to(p: dict, device: str) -> dict:
+    """The problem's tensors on ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+
+
+def _run(
+    p: dict, backend: str, cu: list[int] | None = None, device: str | None = None,
+    **options: object,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The scan of ``p`` on ``backend``, run on ``device`` (the target's; the inputs'
+    own by default), its outputs handed back on the inputs' device: comparisons with
+    the CPU's float64 loop, gradients and tangents (through ``to``) work unchanged."""
+    home = p["v"].device
+    q = dict(p) if device is None else _to(p, device)
     args = [q.pop(k) for k in ("q", "k", "v", "beta")]
-    cu_seqlens = None if cu is None else torch.tensor(cu)
-    return ps.delta_rule_scan(
+    cu_seqlens = None if cu is None else torch.tensor(cu, device=args[2].device)
+    out, final = ps.delta_rule_scan(
         *args, **q, **options, return_final=True, cu_seqlens=cu_seqlens, backend=backend
     )
+    assert out.device == final.device == args[2].device
+    return out.to(home), final.to(home)
 
 
 def _oracle(p: dict, cu: list[int] | None = None, **options: object):  # type: ignore[no-untyped-def]
-    wide = {k: None if v is None else v.to(F64) for k, v in p.items()}
+    """The float64 loop, on the CPU."""
+    wide = {k: None if v is None else v.to("cpu", F64) for k, v in p.items()}
     return delta_rule_loop(**wide, **options, cu_seqlens=cu)  # type: ignore[arg-type]
 
 
-def _check(p: dict, backend: str, dtype: torch.dtype, cu=None, **options) -> None:  # type: ignore[no-untyped-def]
+def _check(
+    p: dict, where: Target, dtype: torch.dtype, cu: list[int] | None = None, **options: object
+) -> None:
+    """The scan on ``where`` (backend and device) against the loop, in ``dtype``."""
     q = _cast(p, dtype)
     want_out, want_final = _oracle(q, cu, **options)
-    out, final = _run(q, backend, cu, **options)
+    out, final = _run(q, where.backend, cu, where.device, **options)
     state = F64 if dtype == F64 else torch.float32
     assert out.dtype == dtype and final.dtype == state
     assert_matches(out, want_out, dtype)
@@ -89,14 +107,14 @@ def _check(p: dict, backend: str, dtype: torch.dtype, cu=None, **options) -> Non
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("length", LENGTHS)
 def test_lengths_against_loop(where, gen, gate, length):
-    _check(_problem(gen, length=length, gate=gate), where.backend, torch.float32)
+    _check(_problem(gen, length=length, gate=gate), where, torch.float32)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
 def test_dtypes_against_loop(where, gen, gate, dtype):
-    _check(_problem(gen, length=40, gate=gate), where.backend, dtype)
+    _check(_problem(gen, length=40, gate=gate), where, dtype)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -105,7 +123,7 @@ def test_dtypes_against_loop(where, gen, gate, dtype):
 )
 def test_sizes_and_groups(where, gen, dk, dv, hk, hv):
     p = _problem(gen, batch=1, length=70, hk=hk, hv=hv, dk=dk, dv=dv, gate="channel")
-    _check(p, where.backend, torch.float32, qk_l2norm=True)
+    _check(p, where, torch.float32, qk_l2norm=True)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -114,7 +132,7 @@ def test_sizes_and_groups(where, gen, dk, dv, hk, hv):
     "options", [{}, {"qk_l2norm": True}, {"scale": 0.3}, {"qk_l2norm": True, "scale": 2.0}]
 )
 def test_options_against_loop(where, gen, gate, options):
-    _check(_problem(gen, length=70, gate=gate, initial=False), where.backend, F64, **options)
+    _check(_problem(gen, length=70, gate=gate, initial=False), where, F64, **options)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -123,8 +141,8 @@ def test_strong_decays(where, gen, gate):
     """Log decays down to -50 a step (exp(-50) ~ 2e-22: the state forgets at once)
     and beta in [0, 2]: finite and equal to the loop."""
     p = _problem(gen, length=100, gate=gate, strength=50.0)
-    _check(p, where.backend, torch.float32, qk_l2norm=True)
-    _check(p, where.backend, F64)
+    _check(p, where, torch.float32, qk_l2norm=True)
+    _check(p, where, F64)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -136,9 +154,9 @@ def test_strong_then_weak_decays_float32(where, gen, gate):
     p = _problem(gen, batch=1, length=64, hk=1, hv=1, dk=8, dv=8, gate=gate)
     p["g"] = torch.full_like(p["g"], -0.001)
     p["g"][:, :40] = -200.0
-    _check(p, where.backend, torch.float32)
+    _check(p, where, torch.float32)
     leaves = _cast(p, torch.float32)
-    _gradients_match(where.backend, leaves, gen)
+    _gradients_match(where, leaves, gen)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -148,13 +166,15 @@ def test_a_minus_infinity_decay_resets_the_state(where, gen, gate):
     state, finite in the outputs and every gradient, as in the loop."""
     p = _problem(gen, batch=1, length=70, gate=gate)
     p["g"][:, 10] = -torch.inf
-    _check(p, where.backend, F64)
-    _gradients_match(where.backend, _cast(p, torch.float32), gen)
+    _check(p, where, F64)
+    _gradients_match(where, _cast(p, torch.float32), gen)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_non_contiguous_inputs(where, gen):
-    p = _problem(gen, batch=2, length=40, gate="channel")
+    """Views made on the target's device in float32: a copy (to a device or a dtype)
+    of the strided k would be contiguous."""
+    p = _to(_cast(_problem(gen, batch=2, length=40, gate="channel"), torch.float32), where.device)
     views = {
         "q": p["q"].transpose(0, 1).contiguous().transpose(0, 1),
         "k": torch.cat([p["k"], p["k"]], -1)[..., ::2],
@@ -163,14 +183,15 @@ def test_non_contiguous_inputs(where, gen):
     }
     views["k"].copy_(p["k"])
     assert not any(t.is_contiguous() for t in views.values())
-    _check({**p, **views}, where.backend, torch.float32, qk_l2norm=True)
+    _check({**p, **views}, where, torch.float32, qk_l2norm=True)
 
 
-def _gradients_match(backend: str, p: dict, gen: torch.Generator) -> None:
-    """Every input's gradient (finite) against autograd through the float64 loop."""
+def _gradients_match(where: Target, p: dict, gen: torch.Generator) -> None:
+    """Every input's gradient (finite), the scan run on ``where``, against autograd
+    through the float64 loop."""
     leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
     exact = {k: v.detach().to(F64).requires_grad_() for k, v in leaves.items()}
-    out, final = _run({**p, **leaves}, backend, qk_l2norm=True)
+    out, final = _run({**p, **leaves}, where.backend, device=where.device, qk_l2norm=True)
     want_out, want_final = delta_rule_loop(**{**p, **exact}, qk_l2norm=True)
     w_out = torch.randn(out.shape, generator=gen, dtype=F64)
     w_fin = torch.randn(final.shape, generator=gen, dtype=F64)
@@ -189,16 +210,16 @@ def _gradients_match(backend: str, p: dict, gen: torch.Generator) -> None:
 def test_packed_equals_each_sequence_alone(where, gen, gate):
     cu = [0, 0, 30, 31, 100, 100, 170]
     p = _problem(gen, batch=1, length=170, gate=gate, states=len(cu) - 1)
-    out, final = _run(p, where.backend, cu, qk_l2norm=True)
+    out, final = _run(p, where.backend, cu, where.device, qk_l2norm=True)
     for s in range(len(cu) - 1):
         lo, hi = cu[s], cu[s + 1]
         alone = {k: v[:, lo:hi] for k, v in p.items() if k != "initial" and v is not None}
         alone["g"] = None if p["g"] is None else alone["g"]
         alone["initial"] = p["initial"][s : s + 1]
-        o, f = _run(alone, where.backend, qk_l2norm=True)
+        o, f = _run(alone, where.backend, device=where.device, qk_l2norm=True)
         torch.testing.assert_close(out[:, lo:hi], o)
         torch.testing.assert_close(final[s : s + 1], f)
-    _check(p, where.backend, F64, cu, qk_l2norm=True)
+    _check(p, where, F64, cu, qk_l2norm=True)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -211,7 +232,8 @@ def test_gradcheck(where, gen, gate, packed):
     names = [k for k, v in p.items() if v is not None]
 
     def f(*ts):  # type: ignore[no-untyped-def]
-        return _run({**p, **dict(zip(names, ts, strict=True))}, where.backend, cu, qk_l2norm=True)
+        q = {**p, **dict(zip(names, ts, strict=True))}
+        return _run(q, where.backend, cu, where.device, qk_l2norm=True)
 
     leaves = tuple(p[k].clone().requires_grad_() for k in names)
     # The whole Jacobian for the C kernel's hand-written backward; the loop and torch
@@ -225,24 +247,24 @@ def test_gradcheck(where, gen, gate, packed):
 def test_gradients_against_loop_float32(where, gen, gate):
     """Every input's gradient in float32 against autograd through the float64 loop,
     over lengths that cross the checkpoints and blocks."""
-    _gradients_match(where.backend, _cast(_problem(gen, length=150, gate=gate), torch.float32), gen)
+    _gradients_match(where, _cast(_problem(gen, length=150, gate=gate), torch.float32), gen)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_forward_mode(where, gen):
     p = _problem(gen, length=20, gate="channel")
-    forward_mode_checks(lambda q: _run(q, where.backend), lambda q: _oracle(q), p, "v",
-                        "parascan.delta_rule_scan", gen)  # fmt: skip
+    forward_mode_checks(lambda q: _run(q, where.backend, device=where.device),
+                        lambda q: _oracle(q), p, "v", "parascan.delta_rule_scan", gen)  # fmt: skip
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_vmap_and_grad(where, gen):
-    p = _cast(_problem(gen, batch=1, length=70, initial=False), torch.float32)
-    vs = torch.randn(3, *p["v"].shape, generator=gen)
-    betas = torch.rand(3, *p["beta"].shape, generator=gen)
+    p = _to(_cast(_problem(gen, batch=1, length=70, initial=False), torch.float32), where.device)
+    vs = torch.randn(3, *p["v"].shape, generator=gen).to(where.device)
+    betas = torch.rand(3, *p["beta"].shape, generator=gen).to(where.device)
 
     def f(v, beta):  # type: ignore[no-untyped-def]
-        return _run({**p, "v": v, "beta": beta}, where.backend)[0]
+        return _run({**p, "v": v, "beta": beta}, where.backend, device=where.device)[0]
 
     got = torch.vmap(f)(vs, betas)
     torch.testing.assert_close(got, torch.stack([f(vs[i], betas[i]) for i in range(3)]))
@@ -258,8 +280,9 @@ def test_compile_fullgraph(where, gen, packed):
     cu = [0, 10, 10, 70] if packed else None
     p = _cast(_problem(gen, batch=1, length=70, gate="channel", states=3 if packed else None),
               torch.float32)  # fmt: skip
+    p = _to(p, where.device)
     leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
-    cu_t = None if cu is None else torch.tensor(cu)
+    cu_t = None if cu is None else torch.tensor(cu, device=where.device)
 
     def f(q, cu_seqlens):  # type: ignore[no-untyped-def]
         q = dict(q)
@@ -269,6 +292,7 @@ def test_compile_fullgraph(where, gen, packed):
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     out, final = compiled({**p, **leaves}, cu_t)
+    assert out.device == final.device == p["v"].device
     want_out, want_final = f(p, cu_t)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(final, want_final)
@@ -283,12 +307,13 @@ def test_compile_fullgraph(where, gen, packed):
 @pytest.mark.parametrize("gate", GATES)
 def test_decode_steps_equal_the_scan(where, gen, gate):
     """Calls of one step each, carrying the state, equal the scan."""
-    p = _cast(_problem(gen, length=9, gate=gate), torch.float32)
-    out, final = _run(p, where.backend, qk_l2norm=True)
+    p = _to(_cast(_problem(gen, length=9, gate=gate), torch.float32), where.device)  # the steps too
+    out, final = _run(p, where.backend, device=where.device, qk_l2norm=True)
     state = p["initial"]
     for t in range(9):
         step = {k: None if v is None else v[:, t : t + 1] for k, v in p.items() if k != "initial"}
-        o, state = _run({**step, "initial": state}, where.backend, qk_l2norm=True)
+        o, state = _run({**step, "initial": state}, where.backend, device=where.device,
+                        qk_l2norm=True)  # fmt: skip
         torch.testing.assert_close(o, out[:, t : t + 1])
     torch.testing.assert_close(state, final)
 
@@ -353,7 +378,7 @@ def test_matches_transformers_gated_delta_rule(where, gen, fallback):
     theirs = getattr(qwen, f"torch_{fallback}_gated_delta_rule")
     theirs = getattr(theirs, "__wrapped__", theirs)
     p = _problem(gen, batch=2, length=70, hk=3, hv=3, dk=8, dv=6, gate="head")
-    o, final = _run(p, where.backend, qk_l2norm=True)
+    o, final = _run(p, where.backend, device=where.device, qk_l2norm=True)
     want_o, want_final = theirs(
         p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=p["initial"],
         output_final_state=True, use_qk_l2norm_in_kernel=True,

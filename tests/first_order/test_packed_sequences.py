@@ -69,9 +69,19 @@ def _case(op: str, layout: str, steps: int, channels: int, dtype: torch.dtype, g
     return gates, tokens, dim
 
 
-def _run(op, gates, tokens, dim, cu, initial, reverse, backend):  # type: ignore[no-untyped-def]
+def _run(  # type: ignore[no-untyped-def]
+    op, gates, tokens, dim, cu, initial, reverse, backend, device=None
+):
+    """(out, final) of the packed scan on ``backend``, the operands moved to ``device``
+    (None: where they are; the offsets stay on the CPU); the outputs must come back on
+    that device, and are returned moved to the device of ``tokens`` (differentiably:
+    gradients, tangents and gradcheck pass through)."""
+    home = tokens.device
+    if device is not None:
+        gates, tokens = gates.to(device), tokens.to(device)
+        initial = None if initial is None else initial.to(device)
     scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
-    return scan(
+    out, final = scan(
         gates,
         tokens,
         dim,
@@ -81,6 +91,9 @@ def _run(op, gates, tokens, dim, cu, initial, reverse, backend):  # type: ignore
         backend=backend,
         cu_seqlens=torch.tensor(cu),
     )
+    there = tokens.device
+    assert out.device == there and final.device == there, (out.device, final.device, there)
+    return out.to(home), final.to(home)
 
 
 def _oracle(op, gates, tokens, dim, cu, initial, reverse):  # type: ignore[no-untyped-def]
@@ -130,11 +143,10 @@ def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
             continue  # the Triton log kernel is real (the backend table says so)
         for steps in lengths:
             gates, tokens, dim = _case(op, layout, steps, channels, dtype, gen)
-            gates, tokens = gates.to(target.device), tokens.to(target.device)
             for cu in boundaries(steps, rng):
                 nseq = len(cu) - 1
                 state = (nseq, channels)
-                initial = random_tokens(state, dtype, gen).to(target.device)
+                initial = random_tokens(state, dtype, gen)
                 if op == "log":
                     initial = initial.abs().log() if not dtype.is_complex else initial.log()
                 # the four (reverse, initial) pairs taken in turn over the cases (each
@@ -144,7 +156,10 @@ def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
                 runs = [runs[turn % 4]] if not target.interpreted else [runs[0], runs[3]]
                 turn += 1
                 for reverse, h in runs:
-                    out, final = _run(op, gates, tokens, dim, cu, h, reverse, target.backend)
+                    # on the target's device; the outputs back on the CPU, the oracle's
+                    out, final = _run(
+                        op, gates, tokens, dim, cu, h, reverse, target.backend, target.device
+                    )
                     want, want_final = _oracle(op, gates, tokens, dim, cu, h, reverse)
                     assert out.dtype == dtype and final.shape == state, (out.dtype, final.shape)
                     assert_matches(_comparable(op, out), want, dtype)
@@ -214,17 +229,20 @@ def test_a_non_finite_state_does_not_leak_into_the_next_sequence(target, layout,
 @pytest.mark.targets(backends=("cpu", "torch", "loop"))
 @pytest.mark.parametrize("op", ["linear", "log"])
 def test_gradcheck(target, op) -> None:
+    """gradcheck and gradgradcheck, the inputs on the target's device."""
     gen = torch.Generator().manual_seed(3)
-    cu = torch.tensor([0, 2, 2, 5, 6])
-    gates = (torch.rand(1, 6, 2, generator=gen, dtype=torch.float64) * 0.5 + 0.4).requires_grad_()
-    tokens = torch.rand(1, 6, 2, generator=gen, dtype=torch.float64).requires_grad_()
-    initial = torch.rand(4, 2, generator=gen, dtype=torch.float64).requires_grad_()
-    scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
+    cu = [0, 2, 2, 5, 6]
+    on = target.device
+    gates = (torch.rand(1, 6, 2, generator=gen, dtype=torch.float64) * 0.5 + 0.4).to(on)
+    tokens = torch.rand(1, 6, 2, generator=gen, dtype=torch.float64).to(on)
+    initial = torch.rand(4, 2, generator=gen, dtype=torch.float64).to(on)
+    for t in (gates, tokens, initial):
+        t.requires_grad_()
 
     def f(a, b, h):  # type: ignore[no-untyped-def]
         if op == "log":
             a, b, h = a.log(), b.log(), h.log()
-        return scan(a, b, 1, initial=h, return_final=True, cu_seqlens=cu, backend=target.backend)
+        return _run(op, a, b, 1, cu, h, False, target.backend)
 
     assert torch.autograd.gradcheck(f, (gates, tokens, initial))
     assert torch.autograd.gradgradcheck(f, (gates, tokens, initial))
@@ -235,7 +253,9 @@ def test_gradcheck(target, op) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_forward_mode_against_the_loop(target, op, layout, gen) -> None:
     """torch.func.jvp (every tangent at once) and jacfwd: the tangents of the outputs
-    and final states equal those of the float64 loop scanning each sequence alone."""
+    and final states equal those of the float64 loop scanning each sequence alone. The
+    primals and tangents stay on the CPU (the loop's); _run moves them to the target's
+    device and the outputs back."""
     steps = 70
     cu = [0, 0, 1, 4, 4, 17, steps - 1, steps]
     gates, tokens, dim = _case(op, layout, steps, 3, torch.float64, gen)
@@ -247,7 +267,7 @@ def test_forward_mode_against_the_loop(target, op, layout, gen) -> None:
     for reverse in (False, True):
 
         def mine(a, b, h, reverse=reverse):  # type: ignore[no-untyped-def]
-            return _run(op, a, b, dim, cu, h, reverse, target.backend)
+            return _run(op, a, b, dim, cu, h, reverse, target.backend, target.device)
 
         def loop(a, b, h, reverse=reverse):  # type: ignore[no-untyped-def]
             return _oracle(op, a, b, dim, cu, h, reverse)
@@ -261,7 +281,7 @@ def test_forward_mode_against_the_loop(target, op, layout, gen) -> None:
     cu_small = [0, 2, 2, 6]
 
     def out_only(a, b):  # type: ignore[no-untyped-def]
-        return _run(op, a, b, dim, cu_small, None, False, target.backend)[0]
+        return _run(op, a, b, dim, cu_small, None, False, target.backend, target.device)[0]
 
     def loop_only(a, b):  # type: ignore[no-untyped-def]
         return _oracle(op, a, b, dim, cu_small, None, False)[0]
@@ -550,6 +570,7 @@ def test_edge_shapes(target) -> None:
         backend=be,
     )
     assert out.shape == (1, 0, 3) and final.shape == (0, 3)
+    assert out.device.type == final.device.type == target.device, (out.device, final.device)
     # no channels, real cuts
     out, final = ps.linear_scan(
         torch.rand(1, 0, 5, **on),
@@ -561,6 +582,7 @@ def test_edge_shapes(target) -> None:
         backend=be,
     )
     assert out.shape == (1, 0, 5) and final.shape == (2, 0)
+    assert out.device.type == final.device.type == target.device, (out.device, final.device)
     # a 4-d layout along a middle dim, a number as initial, reverse
     gen = torch.Generator().manual_seed(9)
     a = random_gates((1, 2, 9, 3), torch.float64, gen).to(target.device)
@@ -576,8 +598,9 @@ def test_edge_shapes(target) -> None:
         cu_seqlens=torch.tensor(cu),
         backend=be,
     )
-    h = torch.full((3, 2, 3), 0.5, **on)
-    want, want_final = packed_loop(linear_loop, a, b, 2, cu, _split(h, 2), True)
+    assert out.device.type == final.device.type == target.device, (out.device, final.device)
+    h = torch.full((3, 2, 3), 0.5, dtype=torch.float64)  # the oracle's, on the CPU
+    want, want_final = packed_loop(linear_loop, a.cpu(), b.cpu(), 2, cu, _split(h, 2), True)
     assert final.shape == (3, 2, 3)
     assert_matches(out, want, torch.float64)
     assert_matches(final, _public(want_final, 2), torch.float64)

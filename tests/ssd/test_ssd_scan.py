@@ -19,7 +19,7 @@ from parascan.ssd import api as ssd_api
 from parascan.ssd import autograd as ssd_ops
 from parascan.ssd.canonical import CHECKPOINT_STEPS
 
-from conftest import DTYPES, assert_matches, targets
+from conftest import DTYPES, Target, assert_matches, targets
 from harness import forward_mode_checks
 from oracles import ssd_loop
 
@@ -71,17 +71,31 @@ def _cast(p: dict, dtype: torch.dtype) -> dict:
     }
 
 
-def _run(p: dict, backend: str, cu: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    q = dict(p)
+def _to(p: dict, device: str) -> dict:
+    """The problem's tensors on ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+
+
+def _run(
+    p: dict, backend: str, cu: list[int] | None = None, device: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The scan of ``p`` on ``backend``, run on ``device`` (the target's; the inputs'
+    own by default), its outputs handed back on the inputs' device: comparisons with
+    the CPU's float64 loop, gradients and tangents (through ``to``) work unchanged."""
+    home = p["x"].device
+    q = dict(p) if device is None else _to(p, device)
     args = [q.pop(k) for k in ("x", "dt", "A", "B", "C")]
-    cu_seqlens = None if cu is None else torch.tensor(cu)
-    return ps.ssd_scan(*args, **q, return_final=True, cu_seqlens=cu_seqlens, backend=backend)
+    cu_seqlens = None if cu is None else torch.tensor(cu, device=args[0].device)
+    out, final = ps.ssd_scan(*args, **q, return_final=True, cu_seqlens=cu_seqlens,
+                             backend=backend)  # fmt: skip
+    assert out.device == final.device == args[0].device
+    return out.to(home), final.to(home)
 
 
-def _check(p: dict, backend: str, dtype: torch.dtype = torch.float32, cu=None) -> None:
+def _check(p: dict, where: Target, dtype: torch.dtype = torch.float32, cu=None) -> None:
     q = _cast(p, dtype)
     want_out, want_final = ssd_loop(**_cast(q, F64), cu_seqlens=cu)
-    out, final = _run(q, backend, cu)
+    out, final = _run(q, where.backend, cu, where.device)
     state = F64 if dtype == F64 else torch.float32
     assert out.dtype == dtype and final.dtype == state
     assert_matches(out, want_out, dtype)
@@ -91,7 +105,7 @@ def _check(p: dict, backend: str, dtype: torch.dtype = torch.float32, cu=None) -
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("length", LENGTHS)
 def test_lengths_against_loop(where, gen, length):
-    _check(_problem(gen, length=length, heads=4, headdim=3, groups=2), where.backend)
+    _check(_problem(gen, length=length, heads=4, headdim=3, groups=2), where)
 
 
 OPTIONS = {
@@ -111,7 +125,7 @@ OPTIONS = {
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_options_against_loop(where, gen, option):
-    _check(_problem(gen, length=70, **OPTIONS[option]), where.backend)
+    _check(_problem(gen, length=70, **OPTIONS[option]), where)
 
 
 def test_dt_limit_beyond_the_dtype_is_no_limit(gen):
@@ -144,7 +158,7 @@ def test_dt_limit_default_lets_negative_steps_through(gen):
 def test_dtypes(where, gen, dtype):
     """Inputs of every float dtype; the state and sums in float32 (float64 for
     float64), the reference on the same rounded inputs."""
-    _check(_problem(gen, length=70), where.backend, dtype)
+    _check(_problem(gen, length=70), where, dtype)
 
 
 PACKINGS = {
@@ -162,7 +176,7 @@ PACKINGS = {
 def test_packed_against_loop(where, gen, packing, initial):
     cu = PACKINGS[packing]
     p = _problem(gen, batch=1, length=cu[-1], initial=initial, states=len(cu) - 1)
-    _check(p, where.backend, cu=cu)
+    _check(p, where, cu=cu)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -171,16 +185,16 @@ def test_packed_equals_each_alone(where, gen):
     of L is the unpacked scan."""
     cu = PACKINGS["with-empties"]
     p = _cast(_problem(gen, batch=1, length=cu[-1], states=len(cu) - 1), torch.float32)
-    out, final = _run(p, where.backend, cu)
+    out, final = _run(p, where.backend, cu, where.device)
     for s in range(len(cu) - 1):
         lo, hi = cu[s], cu[s + 1]
         alone = {k: v[:, lo:hi] if k in ("x", "dt", "B", "C", "z") else v for k, v in p.items()}
         alone["initial"] = p["initial"][s : s + 1]
-        o, f = _run(alone, where.backend)
+        o, f = _run(alone, where.backend, device=where.device)
         torch.testing.assert_close(out[:, lo:hi], o, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(final[s : s + 1], f, rtol=1e-5, atol=1e-5)
-    whole = _run({**p, "initial": p["initial"][:1]}, where.backend)
-    spanning = _run({**p, "initial": p["initial"][:1]}, where.backend, [0, cu[-1]])
+    whole = _run({**p, "initial": p["initial"][:1]}, where.backend, device=where.device)
+    spanning = _run({**p, "initial": p["initial"][:1]}, where.backend, [0, cu[-1]], where.device)
     torch.testing.assert_close(spanning, whole, rtol=0, atol=0)
 
 
@@ -195,7 +209,7 @@ def test_non_contiguous_inputs(where, gen):
     q["A"] = torch.stack([p["A"], p["A"]], 1)[:, 0]
     assert not q["x"].is_contiguous() and not q["B"].is_contiguous()
     want_out, want_final = ssd_loop(**_cast(p, F64))
-    out, final = _run(q, where.backend)
+    out, final = _run(q, where.backend, device=where.device)
     assert out.is_contiguous()
     assert_matches(out, want_out, torch.float32)
     assert_matches(final, want_final, torch.float32)
@@ -232,7 +246,7 @@ def test_gradients_against_loop(where, gen, case):
     length = 150 if cu is None else cu[-1]
     p = _problem(gen, length=length, **options)
     want = _grads(p, lambda q: ssd_loop(**q, cu_seqlens=cu))
-    got = _grads(_cast(p, torch.float32), lambda q: _run(q, where.backend, cu))
+    got = _grads(_cast(p, torch.float32), lambda q: _run(q, where.backend, cu, where.device))
     assert set(got) == set(want)
     for k in want:
         assert got[k] is not None, k
@@ -246,7 +260,9 @@ def test_gradients_of_one_output_alone(where, gen, use):
     arrives (no zeros are materialized for it) and the gradients still match the loop's."""
     p = _problem(gen, length=70)
     want = _grads(p, lambda q: ssd_loop(**q), (use,))
-    got = _grads(_cast(p, torch.float32), lambda q: _run(q, where.backend), (use,))
+    got = _grads(
+        _cast(p, torch.float32), lambda q: _run(q, where.backend, device=where.device), (use,)
+    )
     for k in want:
         assert_matches(got[k], want[k], torch.float32)
 
@@ -260,7 +276,7 @@ def test_gradcheck_float64(where, gen):
     inputs = tuple(p[k].requires_grad_() for k in names)
 
     def fn(*ts):
-        return _run({**p, **dict(zip(names, ts, strict=True))}, where.backend, cu)
+        return _run({**p, **dict(zip(names, ts, strict=True))}, where.backend, cu, where.device)
 
     assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
 
@@ -270,9 +286,9 @@ def test_gradcheck_float64(where, gen):
 def test_dual_tensors_of_an_empty_scan(where, gen, want_final):
     """L = 0 under torch.autograd.forward_ad (raised before: an output built from no
     dual had no tangent): the final state's tangent is the initial's."""
-    p = _problem(gen, length=0)
+    p = _to(_problem(gen, length=0), where.device)
     fwd = torch.autograd.forward_ad
-    t = torch.randn(p["x"].shape, generator=gen, dtype=F64)
+    t = torch.randn(p["x"].shape, generator=gen, dtype=F64).to(where.device)
     with fwd.dual_level():
         q = dict(p)
         args = [q.pop(k) for k in ("x", "dt", "A", "B", "C")]
@@ -297,8 +313,8 @@ def test_forward_mode_against_loop(where, gen, packed):
                  heads=2, headdim=2, groups=1, n=2, states=3 if packed else None,
                  limit=(0.05, 2.0))  # fmt: skip
     forward_mode_checks(
-        lambda q: _run(q, where.backend, cu), lambda q: ssd_loop(**q, cu_seqlens=cu), p, "x",
-        r"parascan\.ssd_scan", gen,
+        lambda q: _run(q, where.backend, cu, where.device),
+        lambda q: ssd_loop(**q, cu_seqlens=cu), p, "x", r"parascan\.ssd_scan", gen,
     )  # fmt: skip
 
 
@@ -425,10 +441,10 @@ def test_growing_state_against_loop(where, gen, case):
     want = _grads(_cast(p, F64), lambda q: ssd_loop(**q, cu_seqlens=cu))
     want_out, want_final = ssd_loop(**_cast(p, F64), cu_seqlens=cu)
     assert _fits(want_out, dtype).all() and _fits(want_final, state).all()
-    out, final = _run(p, where.backend, cu)
+    out, final = _run(p, where.backend, cu, where.device)
     _matches_where("out", out, want_out, _fits(want_out, dtype), dtype)
     _matches_where("final", final, want_final, _fits(want_final, state), state)
-    got = _grads(p, lambda q: _run(q, where.backend, cu))
+    got = _grads(p, lambda q: _run(q, where.backend, cu, where.device))
     owed = {k: _fits(w, state) for k, w in want.items()}
     if dtype != F64:
         loop = _grads(p, lambda q: _run(q, "loop", cu))
@@ -454,7 +470,8 @@ def test_growing_state_forward_mode(where, gen, case):
         return lambda *ts: f({**p, **dict(zip(names, ts, strict=True))})
 
     _, want = torch.func.jvp(at(lambda q: ssd_loop(**q, cu_seqlens=cu)), primals, tangents)
-    _, got = torch.func.jvp(at(lambda q: _run(q, where.backend, cu)), primals, tangents)
+    run = at(lambda q: _run(q, where.backend, cu, where.device))
+    _, got = torch.func.jvp(run, primals, tangents)
     for name, g, w in zip(("out", "final"), got, want, strict=True):
         assert w.isfinite().any(), name  # not where the inputs' zeros grew past the range
         _matches_where(name, g, w, w.isfinite(), F64)
@@ -462,12 +479,12 @@ def test_growing_state_forward_mode(where, gen, case):
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_vmap_and_grad(where, gen):
-    p = _cast(_problem(gen, batch=1, length=70, initial=False), torch.float32)
-    xs = torch.randn(3, *p["x"].shape, generator=gen)
-    As = -torch.rand(3, *p["A"].shape, generator=gen)
+    p = _to(_cast(_problem(gen, batch=1, length=70, initial=False), torch.float32), where.device)
+    xs = torch.randn(3, *p["x"].shape, generator=gen).to(where.device)
+    As = -torch.rand(3, *p["A"].shape, generator=gen).to(where.device)
 
     def f(x, A):
-        return _run({**p, "x": x, "A": A}, where.backend)[0]
+        return _run({**p, "x": x, "A": A}, where.backend, device=where.device)[0]
 
     got = torch.vmap(f)(xs, As)
     torch.testing.assert_close(got, torch.stack([f(xs[i], As[i]) for i in range(3)]))
@@ -482,11 +499,11 @@ def test_vmap_and_grad(where, gen):
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_vmap_packed(where, gen):
     cu = [0, 5, 5, 70]
-    p = _cast(_problem(gen, batch=1, length=70, states=3), torch.float32)
-    xs = torch.randn(2, *p["x"].shape, generator=gen)
-    got = torch.vmap(lambda x: _run({**p, "x": x}, where.backend, cu))(xs)
+    p = _to(_cast(_problem(gen, batch=1, length=70, states=3), torch.float32), where.device)
+    xs = torch.randn(2, *p["x"].shape, generator=gen).to(where.device)
+    got = torch.vmap(lambda x: _run({**p, "x": x}, where.backend, cu, where.device))(xs)
     for i in range(2):
-        want = _run({**p, "x": xs[i]}, where.backend, cu)
+        want = _run({**p, "x": xs[i]}, where.backend, cu, where.device)
         torch.testing.assert_close(got[0][i], want[0])
         torch.testing.assert_close(got[1][i], want[1])
 
@@ -496,9 +513,9 @@ def test_vmap_packed(where, gen):
 def test_compile_fullgraph(where, gen, packed):
     cu = [0, 10, 10, 70] if packed else None
     p = _problem(gen, batch=1, length=70, states=3 if packed else None, limit=(0.01, 5.0))
-    p = _cast(p, torch.float32)
+    p = _to(_cast(p, torch.float32), where.device)
     leaves = {k: v.clone().requires_grad_() for k, v in p.items() if isinstance(v, torch.Tensor)}
-    cu_t = None if cu is None else torch.tensor(cu)
+    cu_t = None if cu is None else torch.tensor(cu, device=where.device)
 
     def f(q, cu_seqlens):
         q = dict(q)
@@ -522,7 +539,7 @@ def test_compile_fullgraph(where, gen, packed):
 def test_decode_steps_equal_the_scan(where, gen):
     """ps.selective_state_update over L steps, one at a time, in the multi-head layout
     (dt, A, D, dt_bias expanded over headdim and N), equals the scan."""
-    p = _cast(_problem(gen, length=9), torch.float32)
+    p = _to(_cast(_problem(gen, length=9), torch.float32), where.device)  # the steps too
     out, final = _run(p, where.backend)
     batch, length, heads, headdim = p["x"].shape
     n = p["B"].shape[-1]
@@ -563,9 +580,11 @@ def test_opcheck(where, gen, packed, want_final):
     has grad_final (zeros)."""
     cu = [0, 10, 10, 70] if packed else None
     p = _cast(_problem(gen, batch=1, length=70, states=3 if packed else None), torch.float32)
+    p = _to(p, where.device)
     d = p["D"]
-    args = (p["x"], p["dt"], p["A"], p["B"], p["C"], d, p["z"], p["initial"],
-            None if cu is None else torch.tensor(cu), want_final, where.backend)  # fmt: skip
+    cu_t = None if cu is None else torch.tensor(cu, device=where.device)
+    args = (p["x"], p["dt"], p["A"], p["B"], p["C"], d, p["z"], p["initial"], cu_t,
+            want_final, where.backend)  # fmt: skip
     torch.library.opcheck(ssd_ops.apply.forward_op, args)
     out, final, checkpoints = ssd_ops.apply.forward_op(*args)
     assert final.shape[0] == ((3 if packed else 1) if want_final else 0)

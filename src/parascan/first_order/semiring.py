@@ -59,9 +59,16 @@ def logaddexp(u: Tensor, v: Tensor) -> Tensor:
 
 def _log1p_unit_disk(w: Tensor) -> Tensor:
     """log(1 + w) for complex |w| <= 1, from real functions: torch's vectorized
-    complex log1p returns NaN for subnormal inputs (torch 2.13, CPU)."""
+    complex log1p returns NaN for subnormal inputs (torch 2.13, CPU). Its real part,
+    log |1 + w|, is log1p(2 re + |w|^2) / 2 near w = 0, and log hypot(1 + re, im) for
+    re <= -1/2 (1 + re is exact there, where the first form cancels: two nearly
+    opposite terms lost up to 30x float32's precision on a GPU)."""
     re, im = w.real, w.imag
-    return torch.complex(0.5 * torch.log1p(re * (2 + re) + im * im), torch.atan2(im, 1 + re))
+    near = re > -0.5
+    zero = torch.zeros_like(re)
+    small = 0.5 * torch.log1p(torch.where(near, re * (2 + re) + im * im, zero))
+    large = torch.log(torch.hypot(torch.where(near, zero + 1, 1 + re), torch.where(near, zero, im)))
+    return torch.complex(torch.where(near, small, large), torch.atan2(im, 1 + re))
 
 
 def log_weight(x: Tensor, h: Tensor) -> Tensor:

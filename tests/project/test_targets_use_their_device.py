@@ -1,0 +1,75 @@
+"""Every test that takes a backend/device target (conftest's ``target`` fixture, named
+``target`` or ``where``) runs on the target's device: its body reads ``<name>.device``
+or hands the whole target to a helper that does. The first run on a GPU found the SSD,
+selective, delta-rule and packed-sequence modules building their problems on the CPU
+and passing only ``where.backend``: their CUDA cases ran on the CPU (or failed, for the
+Triton backend) without anyone knowing. This check fails such a test on any machine;
+on a machine with CUDA, conftest's ``_cuda_cases_run_on_the_gpu`` fails a CUDA case
+that allocates nothing on the GPU."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+NAMES = ("target", "where")
+
+
+def _cpu_only(fn: ast.FunctionDef) -> bool:
+    """``@pytest.mark.targets(backends=("cpu",))``: the cpu backend only, no device."""
+    for deco in fn.decorator_list:
+        if isinstance(deco, ast.Call) and ast.unparse(deco.func).endswith("mark.targets"):
+            for kw in deco.keywords:
+                if kw.arg == "backends" and isinstance(kw.value, (ast.Tuple, ast.List)):
+                    values = [ast.literal_eval(e) for e in kw.value.elts]
+                    return values == ["cpu"]
+    return False
+
+
+def _uses_device(fn: ast.FunctionDef, name: str) -> bool:
+    for node in ast.walk(fn):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "device"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == name
+        ):
+            return True
+        if isinstance(node, ast.Call):
+            passed = [*node.args, *(kw.value for kw in node.keywords)]
+            if any(isinstance(a, ast.Name) and a.id == name for a in passed):
+                return True
+    return False
+
+
+def offenders(source: str) -> list[str]:
+    """The test functions of ``source`` that take a target and never use its device."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+            continue
+        for name in (a.arg for a in node.args.args if a.arg in NAMES):
+            if not _cpu_only(node) and not _uses_device(node, name):
+                found.append(f"{node.name} ({name})")
+    return found
+
+
+def test_the_check_finds_a_test_that_ignores_the_device() -> None:
+    bad = "def test_a(where, gen):\n    run(p, where.backend)\n"
+    good = "def test_b(where):\n    run(p.to(where.device), where.backend)\n"
+    handed = "def test_c(target):\n    _check(p, target)\n"
+    cpu = (
+        "@pytest.mark.targets(backends=('cpu',))\n"
+        "def test_d(target):\n    run(p, target.backend)\n"
+    )  # fmt: skip
+    assert offenders(bad + good + handed + cpu) == ["test_a (where)"]
+
+
+def test_every_target_test_runs_on_its_device() -> None:
+    found = {
+        str(path.relative_to(TESTS)): bad
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if (bad := offenders(path.read_text()))
+    }
+    assert not found, found
