@@ -179,6 +179,24 @@ def test_complex_logaddexp_of_nearly_opposite_terms_keeps_its_precision() -> Non
         assert error < 16 * eps / d, (d, error)
 
 
+@pytest.mark.targets(backends=("cpu", "torch", "loop"))
+def test_complex128_steps_of_nearly_opposite_terms_keep_their_precision(target) -> None:
+    """The same cancellation through a scan's step, in complex128, on every backend with
+    complex log-space states: the C kernel's step had the same formula (6.7e-5 off at
+    d = 1e-6, where eps / d is 2e-10)."""
+    eps = torch.finfo(torch.float64).eps
+    for d in (1e-3, 1e-6):
+        u = torch.tensor([0j, 0.3 + 2j], dtype=torch.complex128)
+        v = u + torch.tensor(complex(math.log(1 - d), math.pi), dtype=torch.complex128)
+        zero = torch.zeros(2, 1, dtype=torch.complex128)
+        on = {"device": target.device}
+        out = ps.log_linear_scan(zero.to(**on), v[:, None].to(**on), 1, initial=u.to(**on),
+                                 backend=target.backend)  # fmt: skip
+        want = u.exp() + v.exp()
+        error = ((out[:, 0].cpu().exp() - want).abs() / want.abs()).max().item()
+        assert error < 16 * eps / d, (d, error)
+
+
 @pytest.mark.targets(backends=("torch", "loop"))
 def test_complex64_sums_in_log_space_keep_float32_precision(target) -> None:
     """`parascan check`'s complex64 log-space case (complex tokens: sums with

@@ -118,7 +118,7 @@ def validate() -> bool:
         os.environ["PARASCAN_SSD_TRITON_FORWARD"] = algorithm
         print(f"triton, forward {algorithm}:")
         ok &= _validate()
-    os.environ["PARASCAN_SSD_TRITON_FORWARD"] = "sequential"
+    os.environ.pop("PARASCAN_SSD_TRITON_FORWARD")  # the default again
     return ok
 
 
@@ -201,13 +201,15 @@ def benchmark() -> None:
                 f"forward+backward {both * 1e3:8.3f} ms "
                 f"({both / (3.5 * limit):6.1f}x its limit)"
             )
+        os.environ.pop("PARASCAN_SSD_TRITON_FORWARD")  # the default forward from here
         transformers_row(p)
 
 
 def transformers_row(p: dict[str, torch.Tensor]) -> None:
     """transformers' torch fallback for Mamba-2's scan (``mamba2_chunk_scan``, chunk 128,
-    Mamba2Config's default) against the triton backend on the same arguments (D,
-    dt_bias, softplus; no z or initial state, which it does not take alike)."""
+    Mamba2Config's default) against the triton backend's default forward on the same
+    arguments (D, dt_bias, softplus; no z or initial state, which it does not take
+    alike)."""
     from parascan.cli.bench_ssd import _TRANSFORMERS_CHUNK, _transformers_scan
 
     hf = _transformers_scan()

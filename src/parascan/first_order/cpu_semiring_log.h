@@ -110,9 +110,12 @@ static inline void ps_clogaddexp(double ur, double ui, double vr, double vi,
     }
     double r = ur, i = ui;
     if (isfinite(ur) && vr != -INFINITY) {
-        /* log(1 + w), w = exp(v - u), |w| <= 1 */
+        /* log(1 + w), w = exp(v - u), |w| <= 1. log |1 + w| is log1p(2 wr + |w|^2) / 2
+         * near w = 0 and log hypot(1 + wr, wi) for wr <= -1/2, where 1 + wr is exact and
+         * the first form cancels (terms of nearly opposite sign: semiring.py's
+         * _log1p_unit_disk, the same choice). */
         const double m = exp(vr - ur), wr = m * cos(vi - ui), wi = m * sin(vi - ui);
-        r += 0.5 * log1p(wr * (2.0 + wr) + wi * wi);
+        r += wr > -0.5 ? 0.5 * log1p(wr * (2.0 + wr) + wi * wi) : log(hypot(1.0 + wr, wi));
         i += atan2(wi, 1.0 + wr);
     }
     if (r == -INFINITY) i = 0.0; /* log 0 */

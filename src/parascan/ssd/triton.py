@@ -25,9 +25,13 @@ forwards, both with the same checkpoints (so one backward serves both):
 
 On an H200 (tools/gpu/ssd_check.py, BENCHMARKS.md) the dual form's forward took 0.683
 against 0.722 ms at (1, 512, 24, 64, N 64), 1.47 against 2.43 ms at 4096 steps, and
-2.24 against 3.38 ms at a Mamba-2 2.7B layer's (2, 2048, 80, 64, N 128): it is the
-default. ``PARASCAN_SSD_TRITON_FORWARD`` (the environment) picks; packed sequences
-always walk step by step (their boundaries would cut the blocks). The backward walks
+2.24 against 3.38 ms at a Mamba-2 2.7B layer's (2, 2048, 80, 64, N 128); forward +
+backward about the same at 512 steps, 9% and 4% less at the others. It stays opt-in:
+it must first learn whether the state grows too fast for its blocks
+(``chunked.dual_form_steps``), a host synchronization per call that the walk does not
+need (and that CUDA-graph capture refuses), until that test runs on the device.
+``PARASCAN_SSD_TRITON_FORWARD`` (the environment) picks; packed sequences always walk
+step by step (their boundaries would cut the blocks). The backward walks
 step by step. Packed sequences: the kernels read ``cu_seqlens`` and, per step, the
 sequence holding it (``_sequence_of_steps``, computed here on the device).
 
@@ -72,9 +76,10 @@ __all__ = [
 
 _FN = "parascan.ssd_scan"
 # The forward's algorithm when not packed, from the environment's
-# PARASCAN_SSD_TRITON_FORWARD: "chunked" (the state-space dual form in blocks of steps,
-# matrix products; the default, faster on an H200 at every shape ssd_check.py times) or
-# "sequential" (the walk step by step).
+# PARASCAN_SSD_TRITON_FORWARD: "sequential" (the walk step by step, the default: no host
+# synchronization) or "chunked" (the state-space dual form in blocks of steps, matrix
+# products: its forward was faster on an H200 at every shape ssd_check.py times, but it
+# synchronizes with the host to check for a growing state; see the module docstring).
 _FORWARD_VARIABLE = "PARASCAN_SSD_TRITON_FORWARD"
 
 
@@ -232,9 +237,9 @@ def _launch(
 def _chunked(algorithm: str | None, cu_seqlens: Tensor | None) -> bool:
     """Whether the forward runs the dual form: ``algorithm`` ("sequential",
     "chunked", or None for the environment's ``PARASCAN_SSD_TRITON_FORWARD``, by
-    default "chunked"); packed sequences always walk step by step."""
+    default "sequential"); packed sequences always walk step by step."""
     if algorithm is None:
-        algorithm = os.environ.get(_FORWARD_VARIABLE, "chunked")
+        algorithm = os.environ.get(_FORWARD_VARIABLE, "sequential")
     if algorithm not in ("sequential", "chunked"):
         raise ValueError(
             f"{_FN}: expected algorithm 'sequential' or 'chunked', but got {algorithm!r}"
