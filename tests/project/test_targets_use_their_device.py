@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+pytest_plugins = ["pytester"]
+
 TESTS = Path(__file__).resolve().parents[1]
 NAMES = ("target", "where")
 
@@ -77,3 +79,24 @@ def test_every_target_test_runs_on_its_device() -> None:
         if (bad := offenders(path.read_text()))
     }
     assert not found, found
+
+
+def test_a_cuda_case_that_allocates_nothing_on_the_gpu_fails(pytester, monkeypatch) -> None:
+    """conftest's ``_cuda_cases_run_on_the_gpu``, on a machine without CUDA (where no
+    case allocates on a GPU): a case of a CUDA target fails in its teardown, unless it
+    was skipped (an optional peer missing); a CPU target's case is not checked."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    pytester.makepyfile(
+        "import pytest\n"
+        "from conftest import Target\n\n\n"
+        "@pytest.mark.parametrize('where', [Target('torch', 'cuda'), Target('torch', 'cpu')],\n"
+        "                         ids=['cuda', 'cpu'])\n"
+        "def test_a(where):\n"
+        "    pass\n\n\n"
+        "@pytest.mark.parametrize('where', [Target('torch', 'cuda')], ids=['cuda'])\n"
+        "def test_b(where):\n"
+        "    pytest.importorskip('surely_not_installed_pkg')\n"
+    )  # fmt: skip
+    result = pytester.runpytest_subprocess("-p", "conftest", "-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(passed=2, errors=1, skipped=1)
+    result.stdout.fnmatch_lines(["*test_a[[]cuda[]]*a CUDA case put no tensor on the GPU*"])
