@@ -216,6 +216,30 @@ def test_bad_arguments_are_named() -> None:
             )  # fmt: skip
 
 
+def test_integer_arguments_may_be_any_integers_but_bools() -> None:
+    """headdim, ngroups and chunk_size taken from a numpy config (numpy.int64) or a 0-d
+    integer tensor work as Python ints do (they raised "expected a positive int");
+    numpy's bool is refused as Python's is."""
+    np = pytest.importorskip("numpy")
+    ops = operands(1, 5)
+    d1 = ops["D"][:, 0] if ops["D"].dim() == 2 else ops["D"]
+
+    def run(headdim, ngroups, chunk):  # type: ignore[no-untyped-def]
+        return mamba_split_conv1d_scan_combined(
+            ops["zxbcdt"], ops["weight"], ops["bias"], ops["dt_bias"], ops["A"], d1, chunk,
+            headdim=headdim, ngroups=ngroups,
+        )  # fmt: skip
+
+    want = run(HEADDIM, GROUPS, 64)
+    for kind in (np.int64, np.int32, torch.tensor):
+        got = run(kind(HEADDIM), kind(GROUPS), kind(64))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="expected headdim to be a positive int"):
+        run(np.True_, GROUPS, 64)
+    with pytest.raises(ValueError, match="expected ngroups to be a positive int"):
+        run(HEADDIM, np.int64(0), 64)
+
+
 def _bad_operands():  # type: ignore[no-untyped-def]
     """name -> (keywords changed in a valid call on the fused path (float32, a norm), the
     error type, what its message says): each operand the layer reads itself, checked by

@@ -52,6 +52,7 @@ by :func:`parascan.ssd_scan`; its conventions are in its own docstring.
 from __future__ import annotations
 
 import math
+import operator
 from bisect import bisect_right
 from itertools import pairwise
 
@@ -294,9 +295,21 @@ def _real(fn: str, name: str, value: object) -> Tensor:
     return check_tensor(fn, name, value)
 
 
+def _positive_index(value: object) -> int | None:
+    """``value`` as an int when it is a positive whole number: a Python int or any
+    integer with ``__index__`` (numpy's, a model config's), not a bool; else None."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy 2, 1
+        return None
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return number if number >= 1 else None
+
+
 def _check_chunk_size(fn: str, chunk_size: object) -> None:
     """mamba_ssm's block length: not used here, but a positive int as there."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if _positive_index(chunk_size) is None:
         raise ValueError(
             f"{fn}: expected chunk_size to be a positive int, but got {describe(chunk_size)}"
         )
@@ -641,17 +654,19 @@ def mamba_split_conv1d_scan_combined(
         nheads, headdim = D.shape
     elif headdim is None:
         raise ValueError(f"{fn}: D is (nheads,), so headdim must be given, but got None")
-    elif isinstance(headdim, bool) or not isinstance(headdim, int) or headdim < 1:
+    elif _positive_index(headdim) is None:
         raise ValueError(
             f"{fn}: expected headdim to be a positive int, but got {describe(headdim)}"
         )
     else:
-        nheads = D.shape[0]
-    if isinstance(ngroups, bool) or not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:
+        nheads, headdim = D.shape[0], operator.index(headdim)
+    groups = _positive_index(ngroups)
+    if groups is None or nheads % groups:
         raise ValueError(
             f"{fn}: expected ngroups to be a positive int dividing nheads = {nheads}, but got "
             f"{describe(ngroups)}"
         )
+    ngroups = groups
     if _real(fn, "conv1d_weight", conv1d_weight).dim() != 2 or conv1d_weight.shape[1] < 1:
         raise ValueError(
             f"{fn}: expected conv1d_weight of shape (conv_dim, width), but got "
