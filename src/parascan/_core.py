@@ -296,13 +296,19 @@ def check_in_place(fn: str, name: str, tensor: torch.Tensor) -> None:
     """A ValueError naming ``fn`` unless ``tensor``, which ``fn`` writes in place, has
     no two elements sharing memory: each write must land in an element of its own
     (torch's own in-place ops let such aliased writes through unless a stride is 0),
-    and is no leaf that requires grad while grad mode is on (autograd would refuse the
-    write with a message that names no function)."""
-    if tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+    and is no leaf that requires grad, nor a view of one, while grad mode is on
+    (autograd would refuse the write with a message that names no function)."""
+    # (the view test only where it matters: torch.compile does not trace _is_view)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        base = tensor._base if tensor._is_view() and tensor._base is not None else tensor
+    else:
+        base = None
+    if base is not None and base.is_leaf:
+        what = "a leaf requiring grad" if base is tensor else "a view of a leaf requiring grad"
         raise ValueError(
-            f"{fn}: expected {name} that is not a leaf requiring grad (it is updated in place, "
-            f"which autograd refuses on such a tensor), but got {describe(tensor)} with "
-            "requires_grad=True; pass it detached or call under torch.no_grad()"
+            f"{fn}: expected {name} that is not a leaf requiring grad nor a view of one (it is "
+            f"updated in place, which autograd refuses on such a tensor), but got "
+            f"{describe(tensor)}, {what}; pass it detached or call under torch.no_grad()"
         )
     if has_internal_overlap(tensor):
         raise ValueError(

@@ -169,6 +169,15 @@ def test_state_update_refuses_a_leaf_that_requires_grad(gen):
     with torch.no_grad():
         ps.selective_state_update(state, *args)
     assert state.any()
+    # a view of such a leaf: autograd's "a view of a leaf Variable ..." before
+    leaf = torch.zeros(2, 3, 6, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"parascan.selective_state_update: .*view of a leaf"):
+        ps.selective_state_update(leaf[1], *args)
+    assert not leaf.any()
+    # a state computed from one (not a leaf, not a view of one) is written as before
+    computed = leaf[1] * 1.0
+    ps.selective_state_update(computed, *args)
+    assert computed.any() and not leaf.any()
 
 
 @pytest.mark.parametrize("heads_layout", [False, True])
