@@ -95,3 +95,15 @@ def test_a_users_own_error_passes_unchanged() -> None:
     with pytest.raises(ValueError, match=re.escape("my own message")) as info:
         torch_parallel_scan.prefix_scan(_x(2, 3), combine, 1)
     assert str(info.value) == "my own message"
+
+
+def test_a_drop_ins_errors_name_its_own_arguments() -> None:
+    """heinsen_sequence's operands are log_coeffs and log_values: the checker's names
+    (log_gates, log_tokens) would point its user at arguments they never passed."""
+    bad_dtype = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"expected log_coeffs to have a floating") as info:
+        heinsen_sequence.compute_in_parallel(bad_dtype, _x(2, 4))
+    assert "log_gates" not in str(info.value)
+    shapes = re.escape("log_coeffs (5, 3), log_values[..., 1:] (2, 3)")
+    with pytest.raises(ValueError, match=shapes):
+        heinsen_sequence.compute_in_parallel(_x(5, 3), _x(2, 4))

@@ -5,7 +5,8 @@ follow it check it, and word its errors, alike."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from typing import TypeGuard
 
 import torch
@@ -17,12 +18,13 @@ __all__ = ["check_same_3d", "errors_as", "is_integer_tensor"]
 
 
 @contextlib.contextmanager
-def errors_as(fn: str, checker: str) -> Iterator[None]:
+def errors_as(fn: str, checker: str, names: Mapping[str, str] | None = None) -> Iterator[None]:
     """Inside, the bad-input errors of ``checker``, the parascan function a drop-in
     calls (their messages start with its name: ``parascan.ssd_scan: ...``), are raised
     again, the same exception, under the drop-in's name ``fn``, the function its user
-    called, with ``checker`` named at the end. Other errors (a user's combine
-    function's, an internal one) pass as they are."""
+    called, with ``checker`` named at the end; ``names`` maps the checker's argument
+    names (whole words) to what the user passed (``log_gates`` -> ``log_coeffs``).
+    Other errors (a user's combine function's, an internal one) pass as they are."""
     try:
         yield
     except (TypeError, ValueError, IndexError, RuntimeError) as error:
@@ -30,6 +32,9 @@ def errors_as(fn: str, checker: str) -> Iterator[None]:
         prefix = f"{checker}: "
         if isinstance(message, str) and message.startswith(prefix):
             rest = message[len(prefix) :]
+            if names:
+                pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b"
+                rest = re.sub(pattern, lambda m: names[m.group(1)], rest)
             # a drop-in calling a drop-in: the function that checked it is named already
             named = rest.endswith(" checked it)")
             error.args = (f"{fn}: {rest}" + ("" if named else f" ({checker} checked it)"),)

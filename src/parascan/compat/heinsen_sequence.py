@@ -41,7 +41,9 @@ def _log_x(fn: str, log_coeffs: Tensor, log_values: Tensor) -> Tensor:
             f"({n + 1}: log x0 first), but got {describe(log_values)} and {describe(log_coeffs)}"
         )
     log_x0 = log_values[..., :1]
-    with errors_as(fn, "parascan.log_linear_scan"):
+    names = {"log_gates": "log_coeffs", "log_tokens": "log_values[..., 1:]",
+             "initial": "log_values[..., 0]"}  # fmt: skip
+    with errors_as(fn, "parascan.log_linear_scan", names):
         log_x = log_linear_scan(log_coeffs, log_values[..., 1:], -1, initial=log_x0.squeeze(-1))
     return torch.cat([log_x0.to(log_x.dtype).expand(*log_x.shape[:-1], 1), log_x], -1)
 
