@@ -107,3 +107,13 @@ def test_a_drop_ins_errors_name_its_own_arguments() -> None:
     shapes = re.escape("log_coeffs (5, 3), log_values[..., 1:] (2, 3)")
     with pytest.raises(ValueError, match=shapes):
         heinsen_sequence.compute_in_parallel(_x(5, 3), _x(2, 4))
+
+
+def test_mamba_chunk_scan_combined_names_initial_states() -> None:
+    """ssd_scan calls it initial; the drop-in's user passed initial_states."""
+    from parascan.compat.mamba_ssm import mamba_chunk_scan_combined
+
+    x, dt, B = torch.randn(1, 8, 2, 3), torch.rand(1, 8, 2), torch.randn(1, 8, 1, 4)
+    bad = torch.zeros(1, 2, 3, 4, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"expected initial_states to have a real floating"):
+        mamba_chunk_scan_combined(x, dt, -torch.rand(2), B, B, 4, initial_states=bad)

@@ -426,7 +426,7 @@ def mamba_chunk_scan_combined(
         x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Tensor | None, initial: Tensor | None,
         cu_seqlens: Tensor | None, finals: bool,
     ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        with errors_as(fn, "parascan.ssd_scan"):
+        with errors_as(fn, "parascan.ssd_scan", {"initial": "initial_states"}):
             result = ps.ssd_scan(
                 x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                 dt_limit=dt_limit, initial=initial, return_final=finals, cu_seqlens=cu_seqlens,
