@@ -298,13 +298,16 @@ def check_in_place(fn: str, name: str, tensor: torch.Tensor) -> None:
     (torch's own in-place ops let such aliased writes through unless a stride is 0),
     and is no leaf that requires grad, nor a view of one, while grad mode is on
     (autograd would refuse the write with a message that names no function)."""
-    # (the view test only where it matters: torch.compile does not trace _is_view)
+    what = None
     if tensor.requires_grad and torch.is_grad_enabled():
-        base = tensor._base if tensor._is_view() and tensor._base is not None else tensor
-    else:
-        base = None
-    if base is not None and base.is_leaf:
-        what = "a leaf requiring grad" if base is tensor else "a view of a leaf requiring grad"
+        if tensor.is_leaf:
+            what = "a leaf requiring grad"
+        # (not while compiling: dynamo does not trace _is_view; autograd still refuses)
+        elif not torch.compiler.is_compiling() and tensor._is_view():
+            base = tensor._base
+            if base is not None and base.is_leaf and base.requires_grad:
+                what = "a view of a leaf requiring grad"
+    if what is not None:
         raise ValueError(
             f"{fn}: expected {name} that is not a leaf requiring grad nor a view of one (it is "
             f"updated in place, which autograd refuses on such a tensor), but got "

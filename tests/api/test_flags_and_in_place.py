@@ -274,6 +274,26 @@ def test_the_step_kernel_reads_operands_that_alias_the_state() -> None:
     torch.testing.assert_close(state, want_state)
 
 
+def test_a_differentiable_step_compiles_with_the_in_place_checks() -> None:
+    """torch.compile(fullgraph=True) of a step whose state is computed from a tensor
+    requiring grad, under grad mode: the leaf/view check traces (its view test, which
+    dynamo cannot trace, was once reached there), and the gradient matches eager's."""
+    torch._dynamo.reset()
+    _, x, dt, A, B, C = _step(False, False)
+
+    def step(w: torch.Tensor) -> torch.Tensor:
+        state = w * 1.0  # not a leaf: written in place, differentiably
+        y = ps.selective_state_update(state, x, dt, A, B, C, dt_softplus=True)
+        return y.sum() + state.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    w, w_eager = torch.rand(2, 4, 3, requires_grad=True), None
+    w_eager = w.detach().clone().requires_grad_()
+    compiled(w).backward()
+    step(w_eager).backward()
+    torch.testing.assert_close(w.grad, w_eager.grad)
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 0), (2, 0, 3), (0, 4, 3)])
 def test_an_empty_state_is_not_overlapping(shape) -> None:
     """A state with no element shares no memory: the step runs (and returns its empty

@@ -117,3 +117,12 @@ def test_mamba_chunk_scan_combined_names_initial_states() -> None:
     bad = torch.zeros(1, 2, 3, 4, dtype=torch.int64)
     with pytest.raises(TypeError, match=r"expected initial_states to have a real floating"):
         mamba_chunk_scan_combined(x, dt, -torch.rand(2), B, B, 4, initial_states=bad)
+
+
+def test_torch_parallel_scan_names_its_function_argument() -> None:
+    """Its users pass prefix_func and reduce_func; associative_scan calls it combine_fn."""
+    with pytest.raises(ValueError, match=r"expected reduce_func to return") as info:
+        torch_parallel_scan.reduce_scan(_x(2, 3), lambda a, b: 3, 1)
+    assert "combine_fn" not in str(info.value)
+    with pytest.raises(ValueError, match=r"expected prefix_func to return"):
+        torch_parallel_scan.prefix_scan(_x(2, 3), lambda a, b: 3, 1)

@@ -217,9 +217,9 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_integer_arguments_may_be_any_integers_but_bools() -> None:
-    """headdim, ngroups and chunk_size taken from a numpy config (numpy.int64) or a 0-d
-    integer tensor work as Python ints do (they raised "expected a positive int");
-    numpy's bool is refused as Python's is."""
+    """headdim, ngroups and chunk_size taken from a numpy config (numpy.int64) work as
+    Python ints do (they raised "expected a positive int"); numpy's bool is refused as
+    Python's is, and so is a tensor (torch.tensor(True) would read as 1)."""
     np = pytest.importorskip("numpy")
     ops = operands(1, 5)
     d1 = ops["D"][:, 0] if ops["D"].dim() == 2 else ops["D"]
@@ -231,11 +231,12 @@ def test_integer_arguments_may_be_any_integers_but_bools() -> None:
         )  # fmt: skip
 
     want = run(HEADDIM, GROUPS, 64)
-    for kind in (np.int64, np.int32, torch.tensor):
+    for kind in (np.int64, np.int32, np.uint8):
         got = run(kind(HEADDIM), kind(GROUPS), kind(64))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="expected headdim to be a positive int"):
-        run(np.True_, GROUPS, 64)
+    for bad in (np.True_, torch.tensor(HEADDIM), torch.tensor(True)):
+        with pytest.raises(ValueError, match="expected headdim to be a positive int"):
+            run(bad, GROUPS, 64)
     with pytest.raises(ValueError, match="expected ngroups to be a positive int"):
         run(HEADDIM, np.int64(0), 64)
 

@@ -585,6 +585,14 @@ def test_chunk_scan_checks_its_conventions() -> None:
     for initial in ("garbage", [1.0], 0.5):
         with pytest.raises(TypeError, match=f"{fn}: expected initial_states to be a strided"):
             mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=seq, initial_states=initial)
+    # with seq_idx, a wrong dstate was reported in the packed shape the scan sees,
+    # (num_seqs, ...), which the user never passed
+    good = torch.zeros(1, *args["x"].shape[2:], args["B"].shape[-1])
+    for initial in (good[..., :-1], good[:, :, :1], good[0]):
+        with pytest.raises(ValueError, match=rf"{fn}: expected initial_states of shape "
+                           rf"\(batch, nheads, headdim, dstate\) = \(1, "):  # fmt: skip
+            mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=seq, initial_states=initial)
+    mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=seq, initial_states=good)
     # an integer state_dtype rounded the returned states
     for state_dtype in (torch.int64, torch.bool, "float32"):
         with pytest.raises(TypeError, match=f"{fn}: expected state_dtype"):

@@ -11,6 +11,7 @@ that allocates nothing on the GPU."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
@@ -85,7 +86,9 @@ def test_a_cuda_case_that_allocates_nothing_on_the_gpu_fails(pytester, monkeypat
     """conftest's ``_cuda_cases_run_on_the_gpu``, on a machine without CUDA (where no
     case allocates on a GPU): a case of a CUDA target fails in its teardown, unless it
     was skipped (an optional peer missing); a CPU target's case is not checked."""
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    # conftest first; parascan wherever this run found it (an install, or src on the path)
+    found = str(Path(__import__("parascan").__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), found]))
     pytester.makepyfile(
         "import pytest\n"
         "from conftest import Target\n\n\n"

@@ -296,9 +296,11 @@ def _real(fn: str, name: str, value: object) -> Tensor:
 
 
 def _positive_index(value: object) -> int | None:
-    """``value`` as an int when it is a positive whole number: a Python int or any
-    integer with ``__index__`` (numpy's, a model config's), not a bool; else None."""
-    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy 2, 1
+    """``value`` as an int when it is a positive whole number: a Python int or another
+    integer with ``__index__`` (numpy's, a model config's); not a bool (Python's or
+    numpy's) nor a tensor (a bool or meta one would pass or fail as no int does); else
+    None."""
+    if isinstance(value, (bool, Tensor)) or type(value).__name__ in ("bool", "bool_"):
         return None
     try:
         number = operator.index(value)  # type: ignore[arg-type]
@@ -454,11 +456,17 @@ def mamba_chunk_scan_combined(
     starts = _sequence_starts(fn, seq_idx, batch, length)
     if initial_states is not None:
         _real(fn, "initial_states", initial_states)
-    if isinstance(initial_states, Tensor) and tuple(initial_states.shape[:1]) != (batch,):
-        raise ValueError(
-            f"{fn}: expected initial_states of shape (batch, nheads, headdim, dstate) with "
-            f"batch = {batch}, but got {describe(initial_states)}"
-        )
+    if isinstance(initial_states, Tensor):
+        # the whole shape here: the scan sees it packed, one state per sequence
+        n = B.shape[3] if isinstance(B, Tensor) and B.dim() == 4 else None
+        want = (batch, heads, headdim, n)
+        got = tuple(initial_states.shape)
+        if len(got) != 4 or got[:3] != want[:3] or (n is not None and got[3] != n):
+            raise ValueError(
+                f"{fn}: expected initial_states of shape (batch, nheads, headdim, dstate) = "
+                f"{want if n is not None else (*want[:3], 'dstate')}, but got "
+                f"{describe(initial_states)}"
+            )
     # The rows laid end to end as one packed row: sequence i covers steps
     # starts[i] .. starts[i + 1] - 1, and row b's first sequence is firsts[b].
     total = batch * length

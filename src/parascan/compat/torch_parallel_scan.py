@@ -45,7 +45,7 @@ def prefix_scan(
     """
     fn = "parascan.compat.torch_parallel_scan.prefix_scan"
     _check(fn, x, prefix_func)
-    with errors_as(fn, "parascan.associative_scan"):
+    with errors_as(fn, "parascan.associative_scan", {"combine_fn": "prefix_func", "elems": "x"}):
         out: Tensor = associative_scan(prefix_func, x, dim)
     return out
 
@@ -61,6 +61,6 @@ def reduce_scan(x: Tensor, reduce_func: Callable[[Tensor, Tensor], Tensor], dim:
     """
     fn = "parascan.compat.torch_parallel_scan.reduce_scan"
     _check(fn, x, reduce_func)
-    with errors_as(fn, "parascan.associative_reduce"):
+    with errors_as(fn, "parascan.associative_reduce", {"combine_fn": "reduce_func", "elems": "x"}):
         out: Tensor = associative_reduce(reduce_func, x, dim)
     return out
