@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import torch
 
 import parascan as ps
 from parascan.cli.bench_selective import reference_loop
+from parascan.cli.timing import event_median
 from parascan.cli.tolerance import relative_error
 
 DRY = "--dry" in sys.argv
@@ -58,23 +58,14 @@ if DRY:
 
 
 def cuda_time(fn: Callable[[], object], reps: int = 15) -> float:
-    """Median seconds of ``fn`` (CUDA events), after a warm-up call."""
+    """Median seconds of ``fn`` (CUDA events), after a warm-up call; with --dry, one
+    call's wall time on the CPU."""
     if DRY:
         fn()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
+    return event_median(fn, reps)
 
 
 def copy_seconds(like: torch.Tensor, tensors: int) -> float:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import parascan as ps
+from parascan.cli.timing import event_median as cuda_time
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
@@ -153,21 +152,6 @@ def _validate() -> bool:
             gradients(p, "triton", cu), gradients(p, "torch", cu), f"torch {shape} packed", 2e-3
         )
     return ok
-
-
-def cuda_time(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median seconds of ``fn`` (CUDA events), after a warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
 
 
 def hbm_seconds(nbytes: int) -> float:

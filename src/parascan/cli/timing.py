@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["elapsed", "median_time"]
+__all__ = ["elapsed", "event_median", "median_time"]
 
 
 def elapsed(fn: Callable[[], object], calls: int = 1, device: str = "cpu") -> float:
@@ -30,3 +30,19 @@ def median_time(fn: Callable[[], object], repeat: int) -> float:
     """The median of ``repeat`` single calls, after one call to warm up."""
     fn()
     return statistics.median(elapsed(fn) for _ in range(repeat))
+
+
+def event_median(fn: Callable[[], object], reps: int = 20) -> float:
+    """The median seconds of ``reps`` calls of ``fn`` on the current CUDA device, each
+    timed by CUDA events, after a warm-up call (tools/gpu's scripts)."""
+    fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
