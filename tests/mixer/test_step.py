@@ -181,6 +181,37 @@ def test_state_update_refuses_a_leaf_that_requires_grad(gen):
 
 
 @pytest.mark.parametrize("heads_layout", [False, True])
+@pytest.mark.parametrize("shared", ["B", "C", "x", "D"])
+def test_operands_that_share_the_states_memory(gen, heads_layout, shared):
+    """An operand that is a view into the state itself (B = state[:, 0], say) reads the
+    state as it was before the step, as the torch ops do: the C kernel (float32, no
+    grad) wrote the state while still reading B and C from it (0.02 off here)."""
+    lead = (2, 3) if heads_layout else (4,)
+    state = torch.randn(2, *lead, 5, generator=gen)
+    x, dt = torch.randn(2, *lead, generator=gen), torch.rand(2, *lead, generator=gen)
+    A = -torch.rand(*lead, 5, generator=gen)
+    B, C = torch.randn(2, 1, 5, generator=gen), torch.randn(2, 1, 5, generator=gen)
+    D = torch.randn(lead, generator=gen)
+    views = {  # the same values, as views into the state
+        "B": lambda s: s.reshape(2, -1, 5)[:, :1], "C": lambda s: s.reshape(2, -1, 5)[:, 1:2],
+        "x": lambda s: s[..., 0], "D": lambda s: s[0, ..., 1],
+    }  # fmt: skip
+    operands = {"x": x, "B": B, "C": C, "D": D}
+    operands[shared] = views[shared](state).clone()
+    want_state = state.clone()
+    want = ps.selective_state_update(want_state, operands["x"], dt, A, operands["B"],
+                                     operands["C"], operands["D"])  # fmt: skip
+    operands[shared] = views[shared](state)  # the live view
+    before = operands[shared].clone()
+    with torch.no_grad():
+        got = ps.selective_state_update(state, operands["x"], dt, A, operands["B"],
+                                        operands["C"], operands["D"])  # fmt: skip
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(state, want_state.detach())
+    assert not torch.equal(views[shared](state), before)  # the view did change: a real case
+
+
+@pytest.mark.parametrize("heads_layout", [False, True])
 def test_state_update_gradcheck(gen, heads_layout):
     """The differentiable step (every operand but the cache needing gradients, the
     cache a plain tensor as in decoding) in float64: its output and the new state.

@@ -119,6 +119,16 @@ def selective_state_update(
         and not state.is_neg()  # written in place: never through a copy
         and state.numel() > 0  # an empty state: the torch ops (the kernel takes N >= 1)
     ):
+        # the kernel writes the state while it reads the other operands: one that shares
+        # the state's memory (B a view into it, say) is read from a copy, as the torch
+        # ops read everything before writing (it read half-updated values before)
+        def apart(t: Tensor) -> Tensor:
+            same = t.untyped_storage().data_ptr() == state.untyped_storage().data_ptr()
+            return t.clone() if same else t
+
+        x, dt, A = apart(x), apart(dt), apart(A)
+        mats = [apart(m) for m in mats]
+        extras = {name: apart(t) for name, t in extras.items()}
         return _step_kernel(state, x, dt, A, mats, extras, dt_softplus, heads_layout)
     step = dt.to(cd)
     if "dt_bias" in extras:
