@@ -241,6 +241,17 @@ def test_integer_arguments_may_be_any_integers_but_bools() -> None:
         run(HEADDIM, np.int64(0), 64)
 
 
+def test_a_projection_of_another_dtype_is_taken_like_the_other_operands() -> None:
+    """outproj_weight (and its bias) in float64 with a float32 zxbcdt: the projection in
+    the output's dtype, as the convolution's and the norm's weights are taken (it was
+    torch's "expected m1 and m2 to have the same dtype", naming no function)."""
+    ops = {k: v.float() for k, v in operands(1, 9, extra=2).items()}
+    want = call(ops, outproj_weight=ops["proj"], outproj_bias=ops["proj_bias"])
+    got = call(ops, outproj_weight=ops["proj"].double(), outproj_bias=ops["proj_bias"].double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _bad_operands():  # type: ignore[no-untyped-def]
     """name -> (keywords changed in a valid call on the fused path (float32, a norm), the
     error type, what its message says): each operand the layer reads itself, checked by

@@ -593,6 +593,21 @@ def test_chunk_scan_checks_its_conventions() -> None:
                            rf"\(batch, nheads, headdim, dstate\) = \(1, "):  # fmt: skip
             mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=seq, initial_states=initial)
     mamba_chunk_scan_combined(**args, chunk_size=4, seq_idx=seq, initial_states=good)
+    # ... and so were the other operands' (B as (1, 20, ...) for two rows of 10, say)
+    two = {k: torch.cat([v, v]) if k in ("x", "dt", "B", "C") else v for k, v in args.items()}
+    seq2 = torch.cat([seq, seq])
+    for name, shape in (("B", r"\(batch, seqlen, ngroups, dstate\) = \(2, "),
+                        ("C", r"\(batch, seqlen, ngroups, dstate\) like B = \(2, "),
+                        ("dt", r"\(batch, seqlen, nheads\) = \(2, ")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{fn}: expected {name} of shape {shape}"):
+            mamba_chunk_scan_combined(**(two | {name: two[name][:1]}), chunk_size=4,
+                                      seq_idx=seq2)  # fmt: skip
+    # batch 0 with seq_idx and initial_states: an empty result (was torch's index_copy_
+    # error: the rows' index list was empty, so float)
+    empty = {k: v[:0] if k in ("x", "dt", "B", "C") else v for k, v in args.items()}
+    out = mamba_chunk_scan_combined(**empty, chunk_size=4, seq_idx=seq[:0],
+                                    initial_states=good[:0])  # fmt: skip
+    assert out.shape == (0, *args["x"].shape[1:])
     # an integer state_dtype rounded the returned states
     for state_dtype in (torch.int64, torch.bool, "float32"):
         with pytest.raises(TypeError, match=f"{fn}: expected state_dtype"):

@@ -467,6 +467,18 @@ def mamba_chunk_scan_combined(
                 f"{want if n is not None else (*want[:3], 'dstate')}, but got "
                 f"{describe(initial_states)}"
             )
+    # the operands' shapes here, as the user passed them: the scan sees them packed
+    for name, t, want_shape, dims in (
+        ("dt", dt, (batch, length, heads), "(batch, seqlen, nheads)"),
+        ("B", B, (batch, length, *(B.shape[2:] if isinstance(B, Tensor) else ())),
+         "(batch, seqlen, ngroups, dstate)"),
+        ("C", C, tuple(B.shape) if isinstance(B, Tensor) else None,
+         "(batch, seqlen, ngroups, dstate) like B"),
+        ("z", z, tuple(x.shape), "(batch, seqlen, nheads, headdim) like x"),
+    ):  # fmt: skip
+        if isinstance(t, Tensor) and want_shape is not None and tuple(t.shape) != want_shape:
+            raise ValueError(f"{fn}: expected {name} of shape {dims} = {want_shape}, but got "
+                             f"{describe(t)}")  # fmt: skip
     # The rows laid end to end as one packed row: sequence i covers steps
     # starts[i] .. starts[i + 1] - 1, and row b's first sequence is firsts[b].
     total = batch * length
@@ -483,7 +495,8 @@ def mamba_chunk_scan_combined(
     initial = None
     if isinstance(initial_states, Tensor):
         initial = initial_states.new_zeros(len(starts), *initial_states.shape[1:])
-        initial = initial.index_copy(0, torch.tensor(firsts, device=initial.device), initial_states)
+        rows = torch.tensor(firsts, dtype=torch.int64, device=initial.device)  # [] for batch 0
+        initial = initial.index_copy(0, rows, initial_states)
     out, finals = scan(flat(x), flat(dt), flat(B), flat(C), None if z is None else flat(z),
                        initial, cu, return_final_states or return_varlen_states)  # fmt: skip
     out = out.reshape(batch, length, heads, headdim)
@@ -747,8 +760,9 @@ def mamba_split_conv1d_scan_combined(
     if d_nonssm:
         left, right = zx0.split([d_nonssm, d_nonssm], dim=-1)
         y = torch.cat([torch.nn.functional.silu(left) * right, y], dim=-1)
-    if outproj_weight is not None:
-        y = torch.nn.functional.linear(y, outproj_weight, outproj_bias)
+    if outproj_weight is not None:  # in y's dtype, as every other operand is taken
+        bias = None if outproj_bias is None else outproj_bias.to(y.dtype)
+        y = torch.nn.functional.linear(y, outproj_weight.to(y.dtype), bias)
     return (y, final) if return_final_states else y
 
 
