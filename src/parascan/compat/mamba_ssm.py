@@ -675,12 +675,12 @@ def mamba_split_conv1d_scan_combined(
         nheads, headdim = D.shape
     elif headdim is None:
         raise ValueError(f"{fn}: D is (nheads,), so headdim must be given, but got None")
-    elif _positive_index(headdim) is None:
+    elif (index := _positive_index(headdim)) is None:
         raise ValueError(
             f"{fn}: expected headdim to be a positive int, but got {describe(headdim)}"
         )
     else:
-        nheads, headdim = D.shape[0], operator.index(headdim)
+        nheads, headdim = D.shape[0], index
     groups = _positive_index(ngroups)
     if groups is None or nheads % groups:
         raise ValueError(
