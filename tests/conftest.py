@@ -172,6 +172,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     return report
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With PARASCAN_TEST_LOG set, each failed or skipped phase is appended to that file as
+    it happens, traceback included: a run cut off at its time limit (the GPU check's CUDA
+    leg) keeps what it found, where pytest's own summary comes only at the end. Under
+    pytest-xdist the controller sees every worker's reports."""
+    path = os.environ.get("PARASCAN_TEST_LOG")
+    if not path or report.passed or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    outcome = "FAILED" if report.failed else "SKIPPED"
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"== {outcome} {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @contextmanager
 def simd_path(on: bool) -> Iterator[None]:
     """The C kernels' vector paths (``on``) or their portable ones (PARASCAN_SIMD=0),

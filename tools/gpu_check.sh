@@ -16,6 +16,8 @@
 #   OUT/ssd_check.txt tools/gpu/ssd_check.py: the SSD kernels against the float64 loop and
 #                     the torch backend, timed against the HBM limit and transformers
 #   OUT/junit.xml     the CUDA leg's cases, one by one
+#   OUT/failures.txt  the CUDA leg's failures and skips with their tracebacks, written as
+#                     they happen (kept when the leg runs out of time)
 #   OUT/bench.json    with GPU_CHECK_BENCH=1: parascan bench --device cuda --json, each
 #                     case with the time of torch.add over the same bytes (3 more minutes:
 #                     its float64 references run on the CPU)
@@ -98,7 +100,7 @@ if "$py" -c "import pytest_timeout" 2>/dev/null; then
     timeouts=(--timeout 120)
 fi
 step pytest "the suite's CUDA leg" "${GPU_CHECK_PYTEST_S:-300}" "$out/pytest.txt" \
-    env TRITON_INTERPRET=0 "$py" -m pytest -v -rfE --tb=short --durations=25 \
+    env TRITON_INTERPRET=0 PARASCAN_TEST_LOG="$out/failures.txt" "$py" -m pytest -v -rfE --tb=short --durations=25 \
     -p no:cacheprovider -k cuda \
     "${workers[@]}" "${timeouts[@]}" --junitxml "$out/junit.xml"
 if [ "${GPU_CHECK_BENCH:-0}" != 0 ]; then
