@@ -73,6 +73,25 @@ def test_log_checks_ask_each_backend_only_for_the_dtypes_it_takes(monkeypatch) -
     assert ("triton", torch.complex64) not in asked and ("torch", torch.complex64) in asked
 
 
+def test_check_prints_each_row_as_it_is_found(monkeypatch) -> None:
+    """On a GPU with a cold kernel cache the check outran its limit in the GPU check,
+    which then had its header and nothing else: the rows came only once every check
+    had run. Each row is now written as soon as it is known."""
+    from parascan.cli import check
+
+    def interrupted(backend, device):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt  # what `timeout -s INT` does to a check in progress
+
+    monkeypatch.setattr(check, "_gradchecks", interrupted)
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        run_check(["cpu"], out=out)
+    rows = out.getvalue().splitlines()[1:]
+    assert [r.split()[:2] for r in rows] == [["forward", d] for d in
+            ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")]  # fmt: skip
+    assert all(" ok " in r for r in rows), rows
+
+
 @pytest.mark.slow  # 30 s: every backend of every op; the checks' own logic is tested above
 def test_check_passes_on_this_machine() -> None:
     out = io.StringIO()

@@ -3,6 +3,7 @@ gradcheck, on this machine. Exit status 1 when anything fails."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -190,13 +191,16 @@ def run_check(devices: list[str] | None = None, out=sys.stdout) -> int:  # type:
     failures = 0
     print(f"{'check':<32}{'device':<8}{'backend':<9}{'result':<8}detail", file=out)
     for device in devices:
-        results = [
-            r
-            for backend in backends(device)
-            for check in (_forward_checks, _gradchecks, _log_checks, _matrix_checks)
-            for r in check(backend, device)
-        ]
-        for r in [*results, *_generic_checks(device)]:
+        results = itertools.chain(
+            (
+                r
+                for backend in backends(device)
+                for check in (_forward_checks, _gradchecks, _log_checks, _matrix_checks)
+                for r in check(backend, device)
+            ),
+            _generic_checks(device),
+        )
+        for r in results:  # each row as it is found: a run cut off at a limit keeps them
             failures += not r.passed
             status = "n/a" if not r.ran else "ok" if r.passed else "FAILED"
             print(f"{r.what:<32}{device:<8}{r.backend:<9}{status:<8}{r.detail}", file=out)
