@@ -37,6 +37,7 @@ breaks ``torch.func.grad`` and makes ``torch.func.jvp`` return zeros silently.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -45,7 +46,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -86,6 +87,7 @@ __all__ = [
     "loop_vmap",
     "nested_forward_mode",
     "normalize_dim",
+    "on_their_device",
     "plain_eager",
     "refuse_second_derivatives",
     "register",
@@ -464,6 +466,26 @@ _triton_importable: Callable[[], bool] = torch.compiler.assume_constant_result(_
 
 def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def on_their_device(fn: _F) -> _F:
+    """``fn`` (a Triton backend's entry) run with the current CUDA device set to its
+    first tensor argument's. Triton launches on the current device, so tensors on
+    cuda:1 while cuda:0 is current would be read from the wrong GPU."""
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        first = next((a for a in args if isinstance(a, Tensor)), None)
+        if first is None or first.device.type != "cuda":
+            return fn(*args, **kwargs)
+        with torch.cuda.device(first.device):
+            return fn(*args, **kwargs)
+
+    guarded.on_their_device = True  # type: ignore[attr-defined]
+    return cast(_F, guarded)
 
 
 def _device(device: str | torch.device) -> torch.device:

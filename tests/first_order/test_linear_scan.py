@@ -191,13 +191,13 @@ def test_calls_needing_the_op_machinery_take_the_general_path(gen, monkeypatch) 
     from parascan.first_order.semiring import LINEAR
 
     def fast(a, b, dim, initial, reverse, backend, return_final=False):
-        return api.cpu_fast_path(LINEAR, a, b, dim, initial, reverse, return_final, backend)
+        return api.fast_path(LINEAR, a, b, dim, initial, reverse, return_final, backend)
 
     calls = []
     linear = ROWS["linear"].backends
     real = linear["torch"].forward
     spy = replace(linear["torch"], forward=lambda *a: calls.append("op") or real(*a))
-    monkeypatch.setattr(api, "cpu_fast_path", lambda *a: calls.append("fast"))
+    monkeypatch.setattr(api, "fast_path", lambda *a: calls.append("fast"))
     monkeypatch.setitem(linear, "torch", spy)
     x = random_tokens((3, 20), torch.float32, gen)
     ps.linear_scan(x, x, 1, backend="torch")

@@ -131,7 +131,7 @@ def scan_forward(
     """The first-order scan of ``semiring`` (``"linear"``: linear_scan, ``"log"``:
     log_linear_scan) by its C forward: CPU tensors of one shape and dtype,
     ``initial`` of that shape without ``dim``. ``verified``: the caller (the eager
-    fast path, first_order.api.cpu_fast_path) has checked exactly what check_operands
+    fast path, first_order.api.fast_path) has checked exactly what check_operands
     checks, a few microseconds not spent twice. ``cu_seqlens`` (an int64 CPU vector of
     offsets along ``dim``, 0 first, the length last, non-decreasing): packed sequences,
     each scanned from its own state; ``initial`` then has ``dim`` of size num_seqs."""

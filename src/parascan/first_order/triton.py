@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._core import conj, state_shape
+from parascan._core import conj, on_their_device, state_shape
 from parascan.first_order.semiring import LOG, Semiring
 
 __all__ = ["backward", "forward"]
@@ -23,6 +23,7 @@ def _sequence_ids(cu_seqlens: Tensor | None, steps: int, device: torch.device) -
     return torch.repeat_interleave(ids, cu[1:] - cu[:-1], output_size=steps)
 
 
+@on_their_device
 def forward(
     ring: Semiring, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int,
     reverse: bool, cu_seqlens: Tensor | None = None,
@@ -37,6 +38,7 @@ def forward(
     return out
 
 
+@on_their_device
 def backward(
     ring: Semiring, gates: Tensor, tokens: Tensor | None, out: Tensor, grad_out: Tensor,
     initial: Tensor | None, dim: int, reverse: bool, cu_seqlens: Tensor | None = None,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._core import on_their_device
 from parascan.selective.canonical import CHECKPOINT_STEPS, EMPTY
 
 __all__ = [
@@ -236,6 +237,7 @@ def forward_launch(
     return launch, out, final, checkpoints
 
 
+@on_their_device
 def forward(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
     initial: Opt, softplus: bool, *, chunk: int | None = None,
@@ -313,6 +315,7 @@ def backward_launch(
     return _launch(p, u, delta, A, B, C, D, z, delta_bias, softplus, own), g, p
 
 
+@on_their_device
 def backward(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
     initial: Opt, softplus: bool, checkpoints: Tensor, grad_out: Tensor, grad_final: Tensor,

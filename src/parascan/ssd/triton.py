@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._core import on_their_device
 from parascan.selective.triton import Launch
 from parascan.ssd.canonical import (
     CHECKPOINT_STEPS,
@@ -275,6 +276,7 @@ def _empty_sequences(cu_seqlens: Tensor, device: torch.device) -> Tensor:
 
 
 @drops_final
+@on_their_device
 def forward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None, *,
@@ -361,6 +363,7 @@ def backward_launch(
 
 
 @zero_rows_as_zeros
+@on_their_device
 def backward(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, initial: Tensor | None, cu_seqlens: Tensor | None,
