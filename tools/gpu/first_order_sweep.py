@@ -53,11 +53,9 @@ AWKWARD = {-1: (3, 77, 1000), 1: (3, 1000, 333)}
 B = kernels.Blocks
 VARIANTS: dict[int, list[tuple[Any, int]]] = {  # dim -> [(tile, program target)]
     -1: [(kernels.TIME_CONTIGUOUS, 2048), (B(4, 64, 64), 2048), (B(16, 64, 64), 2048),
-         (B(8, 128, 128), 2048), (B(4, 128, 128), 2048), (B(8, 32, 64), 2048),
-         (kernels.TIME_CONTIGUOUS, 4096), (kernels.TIME_CONTIGUOUS, 8192)],
-    1: [(kernels.TIME_MAJOR, 2048), (kernels.TIME_MAJOR, 4096), (kernels.TIME_MAJOR, 8192),
-        (B(128, 4, 16), 2048), (B(128, 8, 32), 2048), (B(128, 4, 16), 8192),
-        (B(256, 1, 16), 2048), (B(64, 1, 16), 4096), (B(32, 4, 16), 8192)],
+         (B(8, 128, 128), 2048), (B(4, 128, 128), 2048)],
+    1: [(kernels.TIME_MAJOR, 2048), (B(256, 1, 16), 2048), (B(64, 1, 16), 4096),
+        (B(128, 8, 32), 2048), (B(256, 1, 16), 4096)],
 }  # fmt: skip
 if DRY:
     SHAPES = [("dry time last", (2, 5, 300), -1), ("dry time-major", (2, 300, 5), 1)]
@@ -122,7 +120,8 @@ def main() -> None:
         oracles[dim] = (a, b, ps.linear_scan(a.double(), b.double(), dim, backend="torch"))
     for name, shape, dim in SHAPES:
         a, b = inputs(shape)
-        copy = torch.empty(3 * a.numel(), dtype=torch.float32, device=DEVICE)
+        # read + written: three tensors' bytes, as the one-chunk forward moves (a, b, out)
+        copy = torch.empty(3 * a.numel() // 2, dtype=torch.float32, device=DEVICE)
         dst = torch.empty_like(copy)
         copy_s = timings(lambda copy=copy, dst=dst: dst.copy_(copy))["b2b"] if not DRY else 1.0
         del copy, dst
