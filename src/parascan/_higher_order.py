@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from parascan._core import nested_forward_mode, refuse_second_derivatives
+from parascan._core import Function, nested_forward_mode, refuse_second_derivatives
 
 __all__ = ["once_differentiable", "tangent_mode"]
 
@@ -82,7 +82,7 @@ def tangent_mode(saved: tuple[Any, ...], public: str) -> Iterator[tuple[Any, ...
         yield stripped
 
 
-class _Refused(torch.autograd.Function):
+class _Refused(Function):
     """The first-order gradients ``results`` (computed without grad) as a function of
     the ``operands`` they were computed from: the identity forward, parascan's
     second-derivative error backward."""

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._core import FLOAT_DTYPES, check_flag, conj
+from parascan._core import FLOAT_DTYPES, Function, check_flag, conj
 from parascan._higher_order import once_differentiable
 from parascan.first_order import linear_scan as local_linear_scan
 from parascan.first_order import log_linear_scan as local_log_linear_scan
@@ -284,7 +284,7 @@ def _compose(ring: Semiring, maps: Tensor, upto: int, start: Tensor) -> Tensor:
     return h
 
 
-class _ShardScan(torch.autograd.Function):
+class _ShardScan(Function):
     @staticmethod
     def forward(
         ctx: Any, sharded: _Sharded, gates: Tensor, tokens: Tensor, initial: Tensor | None,

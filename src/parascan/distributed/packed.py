@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._core import check_cu_seqlens, state_shape
+from parascan._core import Function, check_cu_seqlens, state_shape
 from parascan._higher_order import once_differentiable
 from parascan.distributed.api import (
     _LENGTH,
@@ -187,7 +187,7 @@ def _scan_order(shards: list[_Shard], reverse: bool) -> list[int]:
     return [r for r in (reversed(ranks) if reverse else ranks) if shards[r].length]
 
 
-class _PackedShardScan(torch.autograd.Function):
+class _PackedShardScan(Function):
     """This rank's shard of the packed scan, and the finals in the internal layout
     (every sequence's, on every rank; an empty tensor without ``return_final``)."""
 

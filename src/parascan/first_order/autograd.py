@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._core import Function
 from parascan._higher_order import tangent_mode
 from parascan.first_order import packed
 from parascan.first_order.ops import ScanFn, backward_from_partials, backward_op, forward_op
@@ -21,7 +22,7 @@ from parascan.first_order.semiring import LINEAR, SEMIRINGS
 __all__ = ["apply", "linear_scan_fn"]
 
 
-class _FirstOrderScan(torch.autograd.Function):
+class _FirstOrderScan(Function):
     """x[t] = a[t] (x) x[t-1] (+) b[t] in the semiring named ``ring``; each packed
     sequence of ``cu_seqlens`` (when not None) scanned alone."""
 

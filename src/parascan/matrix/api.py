@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from parascan._core import (
+    Function,
     accumulate_dtype,
     broadcast_shape,
     check_dtype,
@@ -90,7 +91,7 @@ def _gradients(
     return grad_w, g.sum_to_size(biases_shape), grad_initial
 
 
-class _MatrixScan(torch.autograd.Function):
+class _MatrixScan(Function):
     """Autograd around the raw op; ``generate_vmap_rule`` gives vmap(grad), jacrev."""
 
     generate_vmap_rule = True

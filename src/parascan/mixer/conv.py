@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._core import Function
 from parascan.ssd import layer
 
 __all__ = ["causal_conv1d"]
@@ -57,7 +58,7 @@ def _pre_activation(
     return pre if bias is None else pre + bias.to(x.dtype)
 
 
-class _CausalConv1d(torch.autograd.Function):
+class _CausalConv1d(Function):
     """Depthwise causal convolution (+ bias, + silu) along dim 1 of ``(batch, L, c)``:
     ``(out, pre)``, ``pre`` the pre-activation the backward reads (not differentiable;
     empty without silu).
@@ -124,7 +125,7 @@ class _CausalConv1d(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-class _NativeCausalConv1d(torch.autograd.Function):
+class _NativeCausalConv1d(Function):
     """:class:`_CausalConv1d` without ``seq_idx`` by the C kernels of Mamba-2's layer
     (ssd/layer.py, one piece of the split): one pass each way over ``x`` read
     through its strides (the mixers pass a slice of a projection), where the torch

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parascan._core import plain_eager, refuse_second_derivatives
+from parascan._core import Function, plain_eager, refuse_second_derivatives
 from parascan._native import (
     arg_struct,
     check_operands,
@@ -246,7 +246,7 @@ def usable(zxbcdt: Tensor, *tensors: Opt, width: int) -> bool:
     )
 
 
-class _FirstDerivativesOnly(torch.autograd.Function):
+class _FirstDerivativesOnly(Function):
     """The gradients of :class:`_SplitConvScan` under ``create_graph``: passed on as
     they are, and a clear error if anything differentiates through them."""
 
@@ -264,7 +264,7 @@ class _FirstDerivativesOnly(torch.autograd.Function):
         refuse_second_derivatives("parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined")
 
 
-class _SplitConvScan(torch.autograd.Function):
+class _SplitConvScan(Function):
     """The fused layer (module docstring); ``meta`` holds the sizes and flags."""
 
     @staticmethod
