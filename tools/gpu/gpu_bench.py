@@ -18,7 +18,10 @@ run: ``python tools/gpu/gpu_bench.py [--quick] [--json FILE]`` on a machine with
   the loop transformers' Mamba runs without CUDA kernels (bench_selective's
   ``reference_loop``, the same math), forward and forward + backward.
 
-Times are CUDA-event medians after a warm-up call. ``--dry`` runs the script on the
+Times are per call over back-to-back calls timed by CUDA events (the median of 3
+rounds, after a warm-up call), and for the first-order rows also per single call after
+a synchronization (``ms_sync``: the host's time per call included, the first GPU run's
+method). ``--dry`` runs the script on the
 CPU on tiny shapes (the Triton kernels in its interpreter: TRITON_INTERPRET=1), to prove
 the script itself before a GPU's time is spent on it.
 """
@@ -36,7 +39,7 @@ import torch
 
 import parascan as ps
 from parascan.cli.bench_selective import reference_loop
-from parascan.cli.timing import event_median
+from parascan.cli.timing import event_back_to_back, event_median
 from parascan.cli.tolerance import relative_error
 
 DRY = "--dry" in sys.argv
@@ -57,15 +60,18 @@ if DRY:
     SELECTIVE = [(1, 3, 20, 2)]
 
 
-def cuda_time(fn: Callable[[], object], reps: int = 15) -> float:
-    """Median seconds of ``fn`` (CUDA events), after a warm-up call; with --dry, one
-    call's wall time on the CPU."""
+def cuda_time(fn: Callable[[], object], reps: int = 15, sync: bool = False) -> float:
+    """Seconds per call of ``fn`` (CUDA events) after a warm-up call: over ``reps``
+    back-to-back calls, the median of 3 rounds (the host's time hidden where the GPU is
+    the slower side); with ``sync``, the median of ``reps`` single calls each after a
+    synchronization (the host's time included: the first GPU run's method). With
+    --dry, one call's wall time on the CPU."""
     if DRY:
         fn()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-    return event_median(fn, reps)
+    return event_median(fn, reps) if sync else event_back_to_back(fn, reps)
 
 
 def copy_seconds(like: torch.Tensor, tensors: int) -> float:
@@ -131,6 +137,7 @@ def first_order(name: str, shape: tuple[int, ...], dim: int, op: str, dtype: tor
                     return torch.autograd.grad(out, (ar, br), g, retain_graph=True)
 
             times[direction] = cuda_time(fn)
+            times[direction + " sync"] = cuda_time(fn, sync=True)
         for direction in ("forward", "backward"):
             t = times[direction]
             scale = 1.0 if direction == "forward" else 5 / 3
@@ -138,6 +145,7 @@ def first_order(name: str, shape: tuple[int, ...], dim: int, op: str, dtype: tor
                 "kind": "first_order", "case": name, "op": op, "shape": list(shape), "dim": dim,
                 "dtype": str(dtype).removeprefix("torch."), "backend": backend,
                 "direction": direction, "ms": None if t is None else t * 1e3,
+                "ms_sync": None if t is None else times[direction + " sync"] * 1e3,
                 "error": errors[backend][direction], "add_ms": add * scale * 1e3,
                 "copy_ms": copy * scale * 1e3, "cumsum_ms": cumsum * 1e3,
                 "x_add": None if t is None else t / (add * scale),
@@ -150,7 +158,8 @@ def first_order(name: str, shape: tuple[int, ...], dim: int, op: str, dtype: tor
                 f"{name:20s} {op:6s} {row['dtype']:9s} {backend:6s} {direction:8s} "
                 + ("WRONG" if t is None else f"{t * 1e3:9.3f} ms  x add {row['x_add']:5.2f}  "
                    f"x copy {row['x_copy']:5.2f} ({100 * row['copy_fraction']:5.1f}% of copy "
-                   f"bandwidth)  x cumsum {row['x_cumsum']:5.2f}")
+                   f"bandwidth)  x cumsum {row['x_cumsum']:5.2f}  per call after a sync "
+                   f"{row['ms_sync']:9.3f} ms")
                 + f"  err {errors[backend][direction]:.1e}",
                 flush=True,
             )  # fmt: skip
