@@ -180,7 +180,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get("PARASCAN_TEST_LOG")
     if not path or report.passed or "PYTEST_XDIST_WORKER" in os.environ:
         return
-    outcome = "FAILED" if report.failed else "SKIPPED"
+    outcome = "FAILED" if report.failed else "XFAIL" if hasattr(report, "wasxfail") else "SKIPPED"
     with open(path, "a", encoding="utf-8") as log:
         log.write(f"== {outcome} {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 

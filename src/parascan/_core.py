@@ -688,14 +688,18 @@ def batch_first_vmap(tensors: int, outputs: int) -> Callable[[Any], Callable[...
 
 
 def plain_eager() -> bool:
-    """True when the call runs eagerly: no torch.compile, no torch.func transform, no
-    dispatch mode, no forward-mode AD level open (dual tensors carry their tangents
-    invisibly: a kernel called directly would drop them). Tensor subclasses, fake or
-    functional, are ruled out by the caller's exact type checks."""
+    """True when the call runs eagerly: no torch.compile, no torch.jit.trace (a kernel
+    called directly is not recorded, and the trace would replay without it), no
+    torch.func transform, no dispatch or torch-function mode (a mode sees the op), no
+    forward-mode AD level open (dual tensors carry their tangents invisibly: a kernel
+    called directly would drop them). Tensor subclasses, fake or functional, are ruled
+    out by the caller's exact type checks."""
     return (
         not torch.compiler.is_compiling()
+        and torch._C._get_tracing_state() is None
         and not torch._C._are_functorch_transforms_active()
         and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
         and forward_ad._current_level < 0
     )
 

@@ -284,3 +284,35 @@ def test_python_number_keeps_the_precision_of_the_result_dtype() -> None:
     rounding of it (0.1 differs in the 9th digit)."""
     out = ps.linear_scan(0.1, torch.ones(2, dtype=torch.float64), 0, initial=0.1)
     assert out.tolist() == [0.1 * 0.1 + 1.0, 0.1 * (0.1 * 0.1 + 1.0) + 1.0]
+
+
+def test_a_jit_trace_records_the_scan(gen) -> None:
+    """torch.jit.trace records ops, not kernels: a call that went straight to the C
+    kernel (the eager fast path) was missing from the trace, which then returned the
+    traced inputs' scan for any new inputs. Traced calls take the op; a
+    torch-function mode sees it too."""
+    import warnings
+
+    from torch.overrides import TorchFunctionMode
+
+    a, b = random_gates((2, 9), torch.float32, gen), random_tokens((2, 9), torch.float32, gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values
+        traced = torch.jit.trace(lambda x, y: ps.linear_scan(x, y, -1), (a, b), check_trace=False)
+    a2, b2 = random_gates((2, 9), torch.float32, gen), random_tokens((2, 9), torch.float32, gen)
+    want, _ = linear_loop(a2.double(), b2.double(), -1, None, False)
+    assert_matches(traced(a2, b2), want, torch.float32)
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.funcs: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.funcs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        out = ps.linear_scan(a2, b2, -1)
+    assert any("parascan.linear_scan" in f for f in mode.funcs), mode.funcs
+    assert_matches(out, want, torch.float32)
