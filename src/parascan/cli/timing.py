@@ -32,20 +32,26 @@ def median_time(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(elapsed(fn) for _ in range(repeat))
 
 
+def _events(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``, timed by CUDA events
+    from an idle device."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    seconds: float = start.elapsed_time(stop) / 1e3
+    return seconds / calls
+
+
 def event_median(fn: Callable[[], object], reps: int = 20) -> float:
     """The median seconds of ``reps`` calls of ``fn`` on the current CUDA device, each
-    timed by CUDA events, after a warm-up call (tools/gpu's scripts)."""
+    timed by CUDA events from an idle device (the host's time per call included), after
+    a warm-up call (tools/gpu's scripts)."""
     fn()
     torch.cuda.synchronize()
-    times: list[float] = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
+    return statistics.median(_events(fn, 1) for _ in range(reps))
 
 
 def event_back_to_back(fn: Callable[[], object], calls: int = 20, rounds: int = 3) -> float:
@@ -57,13 +63,4 @@ def event_back_to_back(fn: Callable[[], object], calls: int = 20, rounds: int = 
     (8, 1536, 4096))."""
     fn()
     torch.cuda.synchronize()
-    times: list[float] = []
-    for _ in range(rounds):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(_events(fn, calls) for _ in range(rounds))
