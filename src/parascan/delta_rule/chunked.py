@@ -160,8 +160,10 @@ def bind(
             _FN, piece, k_steps, (v, q, k, beta, g), (), initial, cu_seqlens, checkpoints,
             grad_out, grad_final, zero(k, v),
         )  # fmt: skip
-        empty = _checkpointed.EMPTY(v)
-        return tuple(empty if t is None else t for t in (gq, gk, gv, gb, gg, gi))
+        # a new empty tensor per absent operand: a custom op's returns may not alias
+        # one another (one shared placeholder for g's and initial's made the backward
+        # fail whenever both were absent)
+        return tuple(_checkpointed.EMPTY(v) if t is None else t for t in (gq, gk, gv, gb, gg, gi))
 
     return drops_final(forward), zero_rows_as_zeros(backward)
 
