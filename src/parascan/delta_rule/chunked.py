@@ -94,11 +94,24 @@ def _block(
         k_in, q_in = k * into, q * into
         k_out = k * w[..., -1, :, :]
         through = into[..., -1, :, None]
+    # (a's entries on and above the diagonal are never read: the solve takes the
+    # strictly lower triangle, a unit diagonal)
     a = beta[..., None] * kk * strict
     rhs = beta[..., None] * (v - k_in @ h)
     eye = torch.eye(c, dtype=v.dtype, device=v.device)
     u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
-    out = q_in @ h + (qk * lower.to(v.dtype)) @ u
+    # Causality under NaN and inf. A non-finite input at step t makes u[t] non-finite
+    # and, through the solve, every later u in its value channels: the loop's state
+    # from t on. The products over the block's steps must not carry it into earlier
+    # rows (0 * NaN = NaN): they read qk and u with their non-finite entries zeroed,
+    # and NaN is added from each channel's first non-finite u on (u - u is 0, or NaN
+    # where u is not finite; its running sum stays NaN). A non-finite entry of qk at
+    # or below the diagonal is a non-finite q[t] (then q_in @ h makes row t
+    # non-finite) or k[j] or decay (then u is non-finite from j on). Arithmetic, not
+    # masked_fill: the selects cost several times more on CPU.
+    spoilt = (u - u).cumsum(-2)
+    qk = torch.nan_to_num(qk * lower.to(v.dtype), 0.0, 0.0, 0.0)
+    out = q_in @ h + qk @ torch.nan_to_num(u, 0.0, 0.0, 0.0) + spoilt
     h = (h if through is None else through * h) + k_out.transpose(-1, -2) @ u
     return out, h
 

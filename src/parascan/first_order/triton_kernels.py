@@ -113,10 +113,14 @@ def blocks(time_contiguous: bool, interpreted: bool | None = None) -> Blocks:
 
 @triton.jit
 def _logaddexp(u, v):
-    big = tl.maximum(u, v)
-    small = tl.minimum(u, v)
-    safe = tl.where(big == float("-inf"), 0.0, big)
-    return tl.where(big == float("-inf"), big, safe + tl.log(1.0 + tl.exp(small - safe)))
+    # a NaN operand gives NaN (tl.maximum and tl.minimum drop a NaN operand by default:
+    # a NaN input vanished from the scan), and an infinite larger one is the result
+    # (inf - inf inside would be NaN where the loop has inf)
+    big = tl.maximum(u, v, propagate_nan=tl.PropagateNan.ALL)
+    small = tl.minimum(u, v, propagate_nan=tl.PropagateNan.ALL)
+    infinite = (big == float("-inf")) | (big == float("inf"))
+    safe = tl.where(infinite, 0.0, big)
+    return tl.where(infinite, big, safe + tl.log(1.0 + tl.exp(small - safe)))
 
 
 @triton.jit

@@ -148,7 +148,9 @@ def _dt(
         x = x + bias
     dt = x
     if SOFTPLUS:
-        y = tl.exp(tl.minimum(x, 20.0))
+        # (a NaN x stays NaN: tl.minimum drops a NaN operand by default, which made
+        # a NaN delta a dt of 20)
+        y = tl.exp(tl.minimum(x, 20.0, propagate_nan=tl.PropagateNan.ALL))
         w = 1.0 + y
         log1p = tl.where(w == 1.0, y, tl.log(w) * (y / tl.where(w == 1.0, 1.0, w - 1.0)))
         dt = tl.where(x > 20.0, x, log1p)

@@ -166,8 +166,18 @@ def _dual_piece(
     x_dt = x_h * dt_h.view(m, groups, r, size, 1)
     # within each block: C B^T (shared by the group, masked to j <= i) * decay, times dt x
     i = torch.arange(size, device=x.device)
-    cb = (c_g @ b_g.transpose(-1, -2)) * (i[:, None] >= i).to(x.dtype)
-    y = (decay.view(m, groups, r, size, size) * cb[:, :, None]) @ x_dt  # (m, G, r, size, P)
+    # Causality under NaN and inf: a later step's non-finite input must not reach an
+    # earlier row through the products over the block's steps (0 * NaN = NaN). The
+    # mask of C B^T selects (a later B's NaN times 0 would be NaN; per group, cheap);
+    # the decays above the diagonal are non-finite only in rows from a non-finite
+    # dt on. A non-finite dt x[j, p] makes the loop's state row p, and channel p of
+    # every output from step j on, non-finite: the product reads dt x with its
+    # non-finite entries zeroed, and NaN is added from each channel's first one on
+    # (dt x - dt x is 0, or NaN where it is not finite; its running sum stays NaN).
+    cb = torch.where(i[:, None] >= i, c_g @ b_g.transpose(-1, -2), 0.0)
+    spoilt = (x_dt - x_dt).cumsum(-2)
+    xs = torch.nan_to_num(x_dt, 0.0, 0.0, 0.0)
+    y = (decay.view(m, groups, r, size, size) * cb[:, :, None]) @ xs + spoilt  # (m, G, r, size, P)
     # each block's own input to the state at its end (from a zero state); the last
     # row of the decays has no entry above the diagonal
     w = decay[..., -1, :].reshape(m, groups, r, size, 1)

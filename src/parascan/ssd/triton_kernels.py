@@ -322,7 +322,15 @@ def _chunked_forward_kernel(
         decay = tl.where(causal, tl.exp(seg), 0.0)
         cb = tl.dot(Ct, tl.trans(Bt), input_precision=PRECISION)  # [i, j] = C[i] . B[j]
         xdt = x * dt[:, None]
-        y = tl.dot(cb * decay, xdt, input_precision=PRECISION)
+        # causality under NaN and inf: the mask selects (a later B's NaN times 0 would
+        # reach an earlier row), and a non-finite dt x[j, p] (which makes the state's
+        # row p, and channel p of every output from step j on, non-finite) is zeroed in
+        # the product over the block's steps from j on, those entries made NaN
+        bad = (xdt != xdt) | (tl.abs(xdt) == float("inf"))
+        spoilt = tl.cumsum(bad.to(tl.int32), 0) > 0
+        w = tl.where(causal, cb * decay, 0.0)
+        y = tl.dot(w, tl.where(spoilt, 0.0, xdt), input_precision=PRECISION)
+        y = tl.where(spoilt, float("nan"), y)
         y += tl.exp(cum)[:, None] * tl.dot(Ct, tl.trans(h), input_precision=PRECISION)
         if HAS_D:
             y += Dv[None, :] * x
