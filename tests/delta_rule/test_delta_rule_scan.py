@@ -386,3 +386,29 @@ def test_matches_transformers_gated_delta_rule(where, gen, fallback):
     # they compute in float32 whatever the inputs' dtype
     assert_matches(o, want_o.to(F64), torch.float32)
     assert_matches(final, want_final.to(F64), torch.float32)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("grad", [False, True])
+def test_l2norm_of_vectors_whose_squares_overflow(where, gen, dtype, grad):
+    """qk_l2norm on q and k whose sum of squares overflows the dtype (|x| ~ 1e24 in
+    float32, 1e180 in float64): the norm is still defined, the outputs those of the
+    same directions at ordinary magnitudes (sum(x * x) once made every row 0). Without
+    gradients the C kernel normalizes (the inference path, and a decoding step's)."""
+    huge = 2.0**80 if dtype == torch.float32 else 2.0**600
+    p = _problem(gen, batch=2, length=40, gate="head")
+    ordinary = {**p, "q": p["q"] * 2.0**80, "k": p["k"] * 2.0**80}  # float64 squares fit
+    want_out, want_final = _oracle(ordinary, qk_l2norm=True)
+    q = _cast({**p, "q": p["q"] * huge, "k": p["k"] * huge}, dtype)
+    assert not torch.isfinite((q["q"] * q["q"]).sum(-1)).all()  # the plain sum overflows
+    if grad:
+        q["v"].requires_grad_()
+    out, final = _run(q, where.backend, device=where.device, qk_l2norm=True)
+    assert_matches(out, want_out, dtype)
+    assert_matches(final, want_final, dtype)
+    # one decoding step from the state, as a generation loop makes it
+    step = {k: v[:, :1] if k != "initial" else final for k, v in q.items() if v is not None}
+    o1, _ = _run({**step, "g": q["g"][:, :1]}, where.backend, device=where.device, qk_l2norm=True)
+    cont = {k: v[:, :1] if k != "initial" else want_final for k, v in ordinary.items()}
+    assert_matches(o1, _oracle({**cont, "g": ordinary["g"][:, :1]}, qk_l2norm=True)[0], dtype)

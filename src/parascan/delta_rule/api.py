@@ -30,9 +30,16 @@ Opt = Tensor | None
 
 
 def _l2norm(x: Tensor, factor: float = 1.0) -> Tensor:
-    """x * rsqrt(sum(x * x) + 1e-6) times ``factor``, the factor on the (.., 1) norms:
-    one tensor the size of x made, not two."""
-    return x * (torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) * factor)
+    """x * rsqrt(sum(x * x) + 1e-6) times ``factor``, for every finite x: the sum of
+    squares would overflow for |x| past about 1e19 in float32 (every row then 0), so
+    each row's largest magnitude m, where it is above 1, is scaled out before squaring,
+    (x / m) * rsqrt(sum((x / m)^2) + 1e-6 / m^2) (m a constant to autograd: the value
+    and its derivative are the unscaled formula's). Rows of magnitude at most 1 take
+    the plain formula's exact operations. A NaN or inf in a row makes it NaN, as the
+    plain formula's inf / inf does."""
+    m = x.detach().abs().amax(-1, keepdim=True).clamp(min=1.0)
+    y = x / m
+    return y * (torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6 / (m * m)) * factor)
 
 
 def _scale(scale: object, dk: int) -> float:

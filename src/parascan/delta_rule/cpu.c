@@ -72,6 +72,7 @@
 #include <immintrin.h> /* the decoding step's non-temporal stores (cpu_kernel.h) */
 #endif
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

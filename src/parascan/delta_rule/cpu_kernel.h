@@ -181,19 +181,43 @@ PS_DELTA_INLINE void F(ps_delta_dots)(const T *kk, const T *qq, int64_t K, T *kk
     F(ps_lane_sums_n)(acc, 3, kk_qq_kq);
 }
 
+/* The factor that normalizes a row x of K whose sum of squares overflowed (|x| past
+ * about 1e19 in float32, 1e154 in float64), times ``factor``, with x divided in place
+ * by its largest magnitude m (> 1 there) first: x / sqrt(sum x^2 + 1e-6) is
+ * (x / m) / sqrt(sum (x / m)^2 + 1e-6 / m^2), whose sum stays below K. A NaN or an
+ * infinity in x gives NaN, as the plain formula's inf / inf does. */
+ATTR static T F(ps_delta_rescaled_norm)(T *x, int64_t K, T factor) {
+    T m = 0;
+    for (int64_t i = 0; i < K; ++i) {
+        const T e = x[i] < 0 ? -x[i] : x[i];
+        m = e > m || e != e ? e : m; /* a NaN stays */
+    }
+    T sum = 0;
+    for (int64_t i = 0; i < K; ++i) {
+        x[i] /= m;
+        sum += x[i] * x[i];
+    }
+    return factor / SQRT(sum + (T)1e-6 / (m * m));
+}
+
 /* The forward's raw q and k rows brought to the canonical form as the public function
  * does in torch (ps_delta_args.qk_form, scale_bits): normalized, x * (1 / sqrt(sum x^2
  * + 1e-6)), when qk_form is 2; q times the scale. (The sums are in lanes, so the result
- * may differ from torch's in the last bits.) */
+ * may differ from torch's in the last bits.) A sum of squares that overflows (not
+ * <= its type's largest value; NaN too) is taken again with the row scaled first: an
+ * l2 norm is defined for every finite vector. */
 ATTR static void F(ps_delta_normalize)(const ps_delta_args *a, T *kk, T *qq, int64_t K) {
     double scale;
     memcpy(&scale, &a->scale_bits, sizeof scale);
     T rk = 1, rq = (T)scale;
     if (a->qk_form == 2) {
+        const T most = sizeof(T) == 4 ? (T)FLT_MAX : (T)DBL_MAX;
         T dots[3];
         F(ps_delta_dots)(kk, qq, K, dots);
-        rk = (T)1 / SQRT(dots[0] + (T)1e-6);
-        rq = (T)1 / SQRT(dots[1] + (T)1e-6) * (T)scale;
+        rk = dots[0] <= most ? (T)1 / SQRT(dots[0] + (T)1e-6)
+                             : F(ps_delta_rescaled_norm)(kk, K, (T)1);
+        rq = dots[1] <= most ? (T)1 / SQRT(dots[1] + (T)1e-6) * (T)scale
+                             : F(ps_delta_rescaled_norm)(qq, K, (T)scale);
     }
     for (int64_t i = 0; i < K; ++i) {
         kk[i] *= rk;
