@@ -163,6 +163,8 @@ DELTA = [chunk_delta_rule, fused_recurrent_delta_rule]
 GATED = [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule]
 KDA = [chunk_kda, fused_recurrent_kda]
 FUNCTIONS = DELTA + GATED + KDA
+# all but chunk_delta_rule, whose original asserts q, k and v of one dtype (as the drop-in)
+MIXED_DTYPES = FUNCTIONS[1:]
 Q_DTYPE = {chunk_delta_rule, fused_recurrent_delta_rule, chunk_gated_delta_rule, chunk_kda}
 
 
@@ -172,7 +174,7 @@ def name(fn) -> str:  # type: ignore[no-untyped-def]
 
 # --- signatures -------------------------------------------------------------------------
 
-# fla-org/flash-linear-attention main (after v0.5.2): fla/ops/delta_rule/chunk.py,
+# flash-linear-attention 0.6.0 (fla-core): fla/ops/delta_rule/chunk.py,
 # fla/ops/delta_rule/fused_recurrent.py, fla/ops/gated_delta_rule/chunk.py,
 # fla/ops/gated_delta_rule/fused_recurrent.py, fla/ops/kda/chunk.py,
 # fla/ops/kda/fused_recurrent.py
@@ -212,7 +214,7 @@ FLA_SIGNATURES = {
         ("safe_gate", False), ("lower_bound", None), ("disable_recompute", False),
         ("return_intermediate_states", False), ("state_v_first", False),
         ("cu_seqlens", None), ("cu_seqlens_cpu", None), ("cp_context", None),
-        ("kwargs", "**"),
+        ("use_graph", False), ("max_num_seqs", None), ("kwargs", "**"),
     ],
     fused_recurrent_kda: [
         ("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("A_log", None),
@@ -277,7 +279,7 @@ def test_matches_fla_s_recurrence(fn, dtype, cu) -> None:
     assert none is None and o.shape == x["v"].shape
 
 
-@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", MIXED_DTYPES, ids=lambda f: f.__name__)
 def test_output_dtype_is_q_s_or_v_s_as_in_fla(fn) -> None:
     x = inputs(4, dtype=torch.bfloat16, v_dtype=torch.float32)
     (o, final), decay = call(fn, x, h0=x["h0"].float(), output_final_state=True)
@@ -736,6 +738,70 @@ def test_bad_input_raises_naming_the_function(fn) -> None:
             call(fn, x, return_intermediate_states=True)
         with torch.inference_mode(), pytest.raises(ValueError, match=f"{fname}: expected return_"):
             call(fn, x, return_intermediate_states=True, disable_recompute=True)
+
+
+def test_refused_as_the_original_asserts() -> None:
+    """Issue 52: where fla 0.6 asserts, the drop-in raises a ValueError or TypeError
+    naming itself (it accepted these): fused_recurrent_delta_rule's scale <= 0,
+    chunk_delta_rule's q, k and v of different dtypes, chunk_kda's use_graph with a
+    max_num_seqs other than cu_seqlens' count."""
+    x = inputs(30, group=1)
+    fname = name(fused_recurrent_delta_rule)
+    for scale in (0, 0.0, -0.0, -0.5):
+        with pytest.raises(ValueError, match=rf"{fname}: expected scale > 0 \(or None: K \*\* "
+                           rf"-0.5\), as the original asserts, but got {scale!r}"):  # fmt: skip
+            call(fused_recurrent_delta_rule, x, scale=scale)
+    fname = name(chunk_delta_rule)
+    for other in ("q", "k", "v"):
+        d = {n: "float32" if n == other else "float64" for n in ("q", "k", "v")}
+        with pytest.raises(TypeError, match=rf"{fname}: expected q, k and v of one dtype, as the "
+                           rf"original asserts, but got q torch.{d['q']}, k torch.{d['k']} and "
+                           rf"v torch.{d['v']}$"):  # fmt: skip
+            call(chunk_delta_rule, {**x, other: x[other].float()})
+    fname, packed = name(chunk_kda), {n: t[:1] for n, t in inputs(31, group=2).items()}
+    cu = torch.tensor([0, 5, 12])
+    with pytest.raises(ValueError, match=rf"{fname}: use_graph=True .* expected 3 sequences, but "
+                       "got cu_seqlens with 2"):  # fmt: skip
+        call(chunk_kda, packed, cu_seqlens=cu, use_graph=True, max_num_seqs=3)
+    with pytest.raises(TypeError, match=f"{fname}: expected use_graph to be a bool"):
+        call(chunk_kda, packed, use_graph=None)
+    with pytest.raises(TypeError, match=f"{fname}: expected max_num_seqs to be an int or None"):
+        call(chunk_kda, packed, max_num_seqs=2.0)
+
+
+def test_accepted_where_the_original_does_not_check() -> None:
+    """The other side of each choice: only fused_recurrent_delta_rule's original asserts
+    scale > 0 and only chunk_delta_rule's one dtype, so the others take both (the
+    float64 loop's results); chunk_kda's use_graph, with a matching max_num_seqs or
+    none, and a max_num_seqs without use_graph change nothing, as in the original."""
+    x = inputs(32, group=1)
+    (o, _), _ = call(chunk_delta_rule, x, scale=-0.5)
+    assert_matches(o, fla_loop(x["q"], x["k"], x["v"], x["beta"], scale=-0.5)[0], F64)
+    for fn in MIXED_DTYPES:
+        x = inputs(32, group=1 if fn in DELTA else 2)
+        (o, _), decay = call(fn, {**x, "k": x["k"].float()})
+        want = fla_loop(x["q"], x["k"].float(), x["v"], x["beta"], **decay)[0]
+        assert_matches(o, want, torch.float32)
+    x = {n: t[:1] for n, t in inputs(33, group=2).items()}
+    cu = torch.tensor([0, 5, 12])
+    want = call(chunk_kda, x, cu_seqlens=cu, output_final_state=True)[0]
+    for options in ({"use_graph": True}, {"use_graph": True, "max_num_seqs": 2},
+                    {"max_num_seqs": 7}):  # fmt: skip
+        got = call(chunk_kda, x, cu_seqlens=cu, output_final_state=True, **options)[0]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+def test_errors_of_delta_rule_scan_name_the_drop_in(fn) -> None:
+    """K = 0, which parascan.delta_rule_scan refuses after the drop-in's own checks,
+    came out under that function's name; now under the drop-in's, ending with it."""
+    x = inputs(34, dk=0, group=1 if fn in DELTA else 2)
+    with pytest.raises(ValueError) as info:
+        call(fn, x)
+    message = str(info.value)
+    assert message.startswith(f"{name(fn)}: expected q with at least one head"), message
+    assert message.endswith("(parascan.delta_rule_scan checked it)"), message
 
 
 def test_inputs_are_not_modified() -> None:

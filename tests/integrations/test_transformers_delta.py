@@ -2,7 +2,7 @@
 initialized Qwen3.5 text model computes the same logits, gradients and greedy generations
 patched as unpatched (float32, to rounding); patch() names the new functions and
 unpatch() restores the very same ones; a packed batch (cu_seq_lens_q), which the torch
-fallback refuses, equals its sequences run alone."""
+fallback refuses, equals its sequences run alone, and with a cache raises at the prefill."""
 
 from __future__ import annotations
 
@@ -232,3 +232,70 @@ def test_packed_sequences_are_refused_unpatched() -> None:
     with pytest.raises(ValueError), torch.no_grad():
         model(inputs(1, 19), position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
               max_length_q=12, max_length_k=12)  # fmt: skip
+
+
+def packed_keywords(lengths: list[int]) -> dict[str, Any]:
+    """The flash-attention keywords of a padding-free batch of sequences of ``lengths``
+    (as transformers' DataCollatorWithFlattening passes them), with position_ids that
+    restart per sequence."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return {
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+        "max_length_q": max(lengths), "max_length_k": max(lengths),
+    }  # fmt: skip
+
+
+REFUSED = (
+    r"{fn}: parascan's replacement got 2 packed sequences \(the model's cu_seq_lens_q\) in "
+    r"a batch of one together with {what}.*one state per batch row.*Pass use_cache=False "
+    r"to train on or prefill packed sequences.*a batch row of its own"
+)
+
+
+def test_a_packed_prefill_with_a_cache_is_refused_at_once() -> None:
+    """Issue 52: with a cache (use_cache=True, or the config's default), the layers
+    stored one state per packed sequence in the cache's one batch row, and the next
+    decoding step failed on the state's shape. The prefill itself raises now, naming the
+    function, what it got and what to do; with use_cache=False the same call runs, equal
+    to its sequences alone (a model of linear-attention layers only: the sdpa attention
+    of this CPU build does not read cu_seq_lens_q, and transformers' cache needs an
+    attention layer)."""
+    lengths = [7, 12]
+    seqs = [inputs(1, n)[0] for n in lengths]
+    packed, keywords = torch.cat(seqs)[None], packed_keywords(lengths)
+    integration.patch()
+    refused = REFUSED.format(fn="torch_chunk_gated_delta_rule", what="output_final_state=True")
+    hybrid = build().eval()  # a linear-attention layer first, then a full-attention one
+    for cache in ({"use_cache": True}, {}):  # the config's use_cache is True
+        with torch.no_grad(), pytest.raises(ValueError, match=refused):
+            hybrid(packed, **cache, **keywords)
+    model = build("linear_attention", "linear_attention").eval()
+    with torch.no_grad():
+        alone = torch.cat([model(s[None], use_cache=False).logits[0] for s in seqs])
+        got = model(packed, use_cache=False, **keywords).logits[0]
+    close(got, alone, "packed logits without a cache")
+
+
+def test_packed_sequences_with_a_state_are_refused_but_one_sequence_is_a_row() -> None:
+    """Called as the layers call them: a packed prefill with a final state or a decoding
+    step from the cache's state (initial_state) raises, in both functions; a single
+    sequence given as cu_seqlens is one batch row and keeps its state."""
+    integration.patch()
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 9, 2, 8, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(1, 9, 2, generator=gen), torch.rand(1, 9, 2, generator=gen)
+    h0 = torch.randn(1, 2, 8, 8, generator=gen)
+    two, one = torch.tensor([0, 4, 9]), torch.tensor([0, 9])
+    for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        f = getattr(mod, fn)
+        with pytest.raises(ValueError, match=REFUSED.format(fn=fn, what="output_final_state=True")):
+            f(q, k, v, g, beta, output_final_state=True, cu_seqlens=two)
+        with pytest.raises(ValueError, match=REFUSED.format(fn=fn, what="an initial_state")):
+            f(q, k, v, g, beta, initial_state=h0, cu_seqlens=two)
+        out, final = f(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=one)
+        want, want_final = f(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        close(out, want, f"{fn}: one packed sequence")
+        close(final, want_final, f"{fn}: its final state")
+        assert f(q, k, v, g, beta, cu_seqlens=two)[1] is None  # no state: packed as before

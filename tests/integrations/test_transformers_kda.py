@@ -3,8 +3,9 @@ initialized Kimi Linear and Bailing-Hybrid models compute the same logits, gradi
 greedy generations patched as unpatched (float32, to rounding), and a GLM-5-Next text
 model the same hidden states and gradients; patch() names the new functions in all three
 KDA families and unpatch() restores the very same ones; a packed batch (cu_seq_lens_q),
-which the torch fallback runs as one sequence, equals its sequences run alone. The
-helpers (and the autouse fixture ``restored``) are test_transformers_delta's."""
+which the torch fallback runs as one sequence, equals its sequences run alone, and with a
+cache raises at the prefill. The helpers (and the autouse fixture ``restored``) are
+test_transformers_delta's."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 # restored: the autouse fixture that unpatches around every test
-from test_transformers_delta import VOCAB, both, close, inputs, restored  # noqa: E402, F401
+from test_transformers_delta import (  # noqa: E402, F401
+    REFUSED,
+    VOCAB,
+    both,
+    close,
+    inputs,
+    packed_keywords,
+    restored,
+)
 
 import parascan.integrations.transformers as integration  # noqa: E402
 
@@ -155,10 +164,11 @@ def test_a_packed_batch_equals_its_sequences_alone(family: str) -> None:
     assert not torch.allclose(unpatched[lengths[0] :], alone[lengths[0] :], atol=1e-3)
 
 
-def test_a_packed_prefill_returns_each_sequences_final_state() -> None:
+def test_a_packed_call_as_the_layers_make_it() -> None:
     """Called as the layers call it, with cu_seq_lens_q among the keywords: the outputs
-    and the final states (num_seqs, H, K, V), float32, equal each sequence's alone, with
-    the log decays of kimi_linear's own gate (its softplus form)."""
+    equal each sequence's alone, with the log decays of kimi_linear's own gate (its
+    softplus form); with a final state (what the layers ask for with a cache) it raises
+    at once (issue 52): a cache keeps one state per batch row, not one per sequence."""
     layer = build("kimi_linear", "linear_attention").model.layers[0].self_attn
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 14, 2, 16, generator=gen) for _ in range(3))
@@ -167,18 +177,46 @@ def test_a_packed_prefill_returns_each_sequences_final_state() -> None:
         g, beta = layer.forget_gate(x), torch.sigmoid(layer.b_proj(x))
     integration.patch()
     mod = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
     out, final = mod.chunk_kimi_delta_attention(
-        q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seq_lens_q=torch.tensor([0, 5, 14], dtype=torch.int32), position_ids=None,
+        q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seq_lens_q=cu,
+        position_ids=None,
     )  # fmt: skip
-    assert final.shape == (2, 2, 16, 16) and final.dtype == torch.float32
+    assert final is None
     for i, part in enumerate([slice(0, 5), slice(5, 14)]):
-        want, want_final = mod.chunk_kimi_delta_attention(
+        want, _ = mod.chunk_kimi_delta_attention(
             q[:, part], k[:, part], v[:, part], g=g[:, part], beta=beta[:, part],
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         close(out[:, part], want, f"sequence {i}")
-        close(final[i : i + 1], want_final, f"final state {i}")
+    for fn in KDA_FUNCTIONS:
+        refused = REFUSED.format(fn=fn, what="output_final_state=True")
+        with pytest.raises(ValueError, match=refused):
+            getattr(mod, fn)(
+                q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, cu_seq_lens_q=cu,
+            )  # fmt: skip
+
+
+def test_a_packed_prefill_with_a_cache_is_refused_at_once(family: str) -> None:
+    """Issue 52, as for the gated delta rule: the prefill of a packed batch with a cache
+    (use_cache=True, or the config's default) raises, where it stored one state per
+    sequence in the cache's one row for the next decoding step to fail on; with
+    use_cache=False it runs, equal to its sequences alone (KDA layers only there)."""
+    lengths = [7, 12]
+    seqs = [inputs(1, n)[0] for n in lengths]
+    packed, keywords = torch.cat(seqs)[None], packed_keywords(lengths)
+    integration.patch()
+    refused = REFUSED.format(fn="chunk_kimi_delta_attention", what="output_final_state=True")
+    hybrid = build(family).eval()  # a KDA layer first, then a full-attention one
+    for cache in ({"use_cache": True}, {}):
+        with torch.no_grad(), pytest.raises(ValueError, match=refused):
+            hybrid(packed, **cache, **keywords)
+    model = build(family, "linear_attention", "linear_attention").eval()
+    with torch.no_grad():
+        alone = torch.cat([model(s[None], use_cache=False).logits[0] for s in seqs])
+        got = model(packed, use_cache=False, **keywords).logits[0]
+    close(got, alone, "packed logits without a cache")
 
 
 NAMES = ("out", "final", "step", "step final")

@@ -3,8 +3,8 @@ initialized MiniMax model computes the same logits, gradients and greedy generat
 (cached: the token-by-token branch of the original) patched as unpatched, the recurrence
 through parascan.ssd_scan (counted); the patched layer keeps packed sequences
 (cu_seq_lens_q) apart, equal to each sequence alone, where the original runs them as
-one; unpatch() restores the very same forward. The helpers (and the autouse fixture
-``restored``) are test_transformers_delta's."""
+one, and refuses them with a cache; unpatch() restores the very same forward. The
+helpers (and the autouse fixture ``restored``) are test_transformers_delta's."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ transformers = pytest.importorskip("transformers")
 
 # restored: the autouse fixture that unpatches around every test
 from test_transformers_delta import (  # noqa: E402, F401
+    REFUSED,
     VOCAB,
     assert_left_padded_generation_equal,
     assert_same_results,
     both,
     close,
     inputs,
+    packed_keywords,
     restored,
     scan_lengths,
     train_and_generate,
@@ -157,3 +159,30 @@ def test_a_one_token_step_is_the_original_forwards(monkeypatch: pytest.MonkeyPat
     finally:  # before monkeypatch puts the real forward back: unpatch() restores the fake
         integration.unpatch()
     assert modeling.MiniMaxLightningAttention.forward is forward
+
+
+def test_packed_sequences_with_a_cache_are_refused_at_once() -> None:
+    """Issue 52, as for the delta-rule families: a packed prefill with a cache
+    (use_cache=True, or the config's default) raises in the lightning layer, before it
+    stores anything, where it stored the last sequence's state in the cache's one row
+    for the decoding steps to continue, while the attention layers' cache holds every
+    sequence; one sequence with a cache is a batch row and runs as without cu_seq_lens_q."""
+    integration.patch()
+    model = build().eval()  # a lightning layer first, then a full-attention one
+    seqs = [inputs(1, n)[0] for n in (7, 12)]
+    refused = REFUSED.format(fn=r"MiniMaxLightningAttention\.forward", what="a cache")
+    for cache in ({"use_cache": True}, {}):
+        with torch.no_grad(), pytest.raises(ValueError, match=refused):
+            model(torch.cat(seqs)[None], **cache, **packed_keywords([7, 12]))
+    layer = model.model.layers[0].self_attn
+    hidden = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(6))
+    rope = (torch.ones(1, 9, 16), torch.zeros(1, 9, 16))
+    stored, one, plain = _Cache(), _Cache(), _Cache()
+    with torch.no_grad(), pytest.raises(ValueError, match=refused):
+        layer(hidden, rope, None, cache=stored, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert not stored.states
+    with torch.no_grad():
+        got = layer(hidden, rope, None, cache=one, cu_seq_lens_q=torch.tensor([0, 9]))[0]
+        want = layer(hidden, rope, None, cache=plain)[0]
+    close(got, want, "one packed sequence with a cache")
+    close(one.states[0], plain.states[0], "its cached state")

@@ -20,7 +20,7 @@ only ``fused_recurrent_hgrn`` does. Differentiable in ``x``, ``g`` and ``initial
 ``fused_recurrent_delta_rule``, ``chunk_gated_delta_rule``,
 ``fused_recurrent_gated_delta_rule``, ``chunk_kda`` and ``fused_recurrent_kda`` with the
 signatures (parameter names, order, defaults, the options read from ``**kwargs``),
-layouts and results of flash-linear-attention's (main after 0.5.2), computed by
+layouts and results of flash-linear-attention 0.6's, computed by
 :func:`parascan.delta_rule_scan` on any device. ``q``, ``k``: ``(B, T, H, K)``; ``v``:
 ``(B, T, HV, V)`` with HV a multiple of H (value head ``i`` reads q/k head
 ``i // (HV // H)``); the state of each sequence and value head is a ``(K, V)`` matrix::
@@ -53,15 +53,28 @@ How they differ from the originals:
 - All six are differentiable in every tensor argument (``A_log``, ``dt_bias`` and the
   initial state included), and through the final state; the originals'
   ``fused_recurrent_gated_delta_rule`` and ``fused_recurrent_kda`` have no backward.
-- Any real float dtype and device, any T (0 included), any K >= 1 (not only the
-  originals' kernel sizes; K = 0 raises, as ``ps.delta_rule_scan`` does); grouped value
-  heads and a float32 ``chunk_delta_rule`` (the original has neither); ``initial_state``
-  of any float dtype (``chunk_kda``'s original asserts float32). An empty packed sequence's final
-  state is its initial state (``fused_recurrent_kda``'s original leaves it unwritten).
+- Accepted where the originals assert or fail: any real float dtype and device, any T
+  (0 included), any K >= 1 (the chunked originals assert K <= 256; K = 0 raises, as
+  ``ps.delta_rule_scan`` does); a float32 ``chunk_delta_rule`` (its original asserts q is
+  not float32); grouped value heads in the DeltaNet pair (their originals have none), and
+  a default ``beta`` of one per value head (``fused_recurrent_gated_delta_rule``'s
+  original makes one per q/k head); ``initial_state`` of any float dtype (``chunk_kda``'s
+  original asserts float32). q, k and v of different dtypes are taken by all but
+  ``chunk_delta_rule``, as by their originals, which do not check them. An empty packed
+  sequence's final state is its initial state (``fused_recurrent_kda``'s original leaves
+  it unwritten).
 - Options that only steer the originals' kernels are checked as the originals check them
   and otherwise ignored, since the results do not depend on them: ``chunk_size``,
   ``cu_seqlens_cpu`` (it must hold ``cu_seqlens``' offsets), ``chunk_indices``,
-  ``safe_gate``, ``disable_recompute``; ``head_first=False`` is accepted.
+  ``safe_gate``, ``disable_recompute``, ``use_graph`` (``chunk_kda``'s; with it a
+  ``max_num_seqs`` must be ``cu_seqlens``' count); ``head_first=False`` is accepted.
+- Refused as the originals assert, with an error naming the function (a ValueError or
+  TypeError, where the original's is an AssertionError): ``fused_recurrent_delta_rule``'s
+  ``scale <= 0``, ``chunk_delta_rule``'s q, k and v of different dtypes, a beta other
+  than ``(B, T, HV)`` where the original takes no per-channel beta, KDA's g and beta
+  shapes, ``return_intermediate_states`` outside inference mode or with
+  ``disable_recompute``, ``use_gate_in_kernel`` without ``A_log`` in
+  ``chunk_gated_delta_rule``.
 - Refused, with an error naming the function: ``head_first=True`` (the originals raise
   too), ``cp_context`` (context parallelism), keyword arguments the original does not
   read (it ignores them silently), ``use_gate_in_kernel`` without ``A_log`` and without
@@ -92,7 +105,7 @@ from parascan._core import (
     describe,
     finite_float,
 )
-from parascan.compat._checks import check_same_3d, is_integer_tensor
+from parascan.compat._checks import check_same_3d, errors_as, is_integer_tensor
 from parascan.delta_rule import delta_rule_scan
 from parascan.first_order import linear_scan
 
@@ -409,17 +422,20 @@ def _kda_gate(
 
 
 def _scan(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, scale: float,
+    fn: str, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, scale: float,
     qk_l2norm: bool, initial: Tensor | None, final: bool, cu_seqlens: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    result = delta_rule_scan(
-        q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial=initial,
-        return_final=final, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+    """ps.delta_rule_scan, its errors (K = 0) under the drop-in's name ``fn``."""
+    with errors_as(fn, "parascan.delta_rule_scan", {"initial": "initial_state"}):
+        result = delta_rule_scan(
+            q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial=initial,
+            return_final=final, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
     return result if isinstance(result, tuple) else (result, None)
 
 
 def _delta(
+    fn: str,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -444,7 +460,7 @@ def _delta(
     if beta.dim() == 3 and gv is None:
         decay = gk if g is None else (g if gk is None else gk + g.unsqueeze(-1))
         o, final = _scan(
-            q, k, v, beta, decay, scale, qk_l2norm, initial, output_final_state, cu_seqlens
+            fn, q, k, v, beta, decay, scale, qk_l2norm, initial, output_final_state, cu_seqlens
         )
     else:
         # A per-channel beta or decay: the V columns of each state are independent
@@ -471,7 +487,7 @@ def _delta(
         if initial is not None:
             initial = initial.transpose(-1, -2).reshape(initial.shape[0], rows, dk, 1)
         o, final = _scan(
-            q, k, v.reshape(batch, steps, rows, 1), beta.reshape(batch, steps, rows), decay,
+            fn, q, k, v.reshape(batch, steps, rows, 1), beta.reshape(batch, steps, rows), decay,
             scale, qk_l2norm, initial, output_final_state, cu_seqlens,
         )  # fmt: skip
         o = o.reshape(v.shape)
@@ -500,7 +516,8 @@ def chunk_delta_rule(
     ``u = beta * (v - S^T k)``, ``S = S + k u^T``, ``o = scale * S^T q``.
 
     Args:
-        q, k: ``(B, T, H, K)``.
+        q, k: ``(B, T, H, K)``; q, k and v of one dtype, as the original asserts, which
+            may be float32 or float64 here (the original asserts q is not float32).
         v: ``(B, T, HV, V)`` (the original: HV == H).
         beta: ``(B, T, HV)``.
         scale: the factor of ``q``; ``K ** -0.5`` by default.
@@ -523,7 +540,7 @@ def chunk_delta_rule(
     _chunk_size(fn, kwargs, (16, 32, 64))
     return _plain_delta(
         fn, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-        cu_seqlens, cu_seqlens_cpu, per_channel=False, beta_default=False,
+        cu_seqlens, cu_seqlens_cpu, fused=False,
     )  # fmt: skip
 
 
@@ -540,7 +557,9 @@ def fused_recurrent_delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """DeltaNet (``fla.ops.delta_rule.fused_recurrent_delta_rule``): the recurrence of
     :func:`chunk_delta_rule`, with ``beta`` optional (ones) and per head ``(B, T, HV)``
-    or per value channel ``(B, T, HV, V)``. ``o`` has q's dtype.
+    or per value channel ``(B, T, HV, V)``, ``scale`` > 0 or None (the original asserts
+    it) and q, k, v of any float dtypes (as the original, which does not check them).
+    ``o`` has q's dtype.
 
     Example:
         >>> import torch
@@ -555,27 +574,40 @@ def fused_recurrent_delta_rule(
     fn = _PREFIX + "fused_recurrent_delta_rule"
     return _plain_delta(
         fn, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-        cu_seqlens, None, per_channel=True, beta_default=True,
+        cu_seqlens, None, fused=True,
     )  # fmt: skip
 
 
 def _plain_delta(
     fn: str, q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, scale: object,
     initial_state: object, output_final_state: object, use_qk_l2norm_in_kernel: object,
-    cu_seqlens: object, cu_seqlens_cpu: object, *, per_channel: bool, beta_default: bool,
+    cu_seqlens: object, cu_seqlens_cpu: object, *, fused: bool,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """DeltaNet's two drop-ins, each checking what its original asserts: ``fused`` is
+    fused_recurrent_delta_rule (beta optional, per head or per value channel; a given
+    scale > 0), else chunk_delta_rule (beta per head; q, k and v of one dtype)."""
     q, k, v = _check_qkv(fn, q, k, v)
-    if beta is None and beta_default:
+    if not fused and not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"{fn}: expected q, k and v of one dtype, as the original asserts, but got q "
+            f"{q.dtype}, k {k.dtype} and v {v.dtype}"
+        )
+    if beta is None and fused:
         beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
-    beta = _check_beta(fn, beta, v, per_channel)
+    beta = _check_beta(fn, beta, v, fused)
     factor = _scale(fn, scale, q.shape[-1])
+    if fused and scale is not None and not factor > 0:
+        raise ValueError(
+            f"{fn}: expected scale > 0 (or None: K ** -0.5), as the original asserts, but "
+            f"got {scale!r}"
+        )
     final = check_flag(fn, "output_final_state", output_final_state)
     l2norm = check_flag(fn, "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     cu, n = _check_varlen(fn, q, cu_seqlens, cu_seqlens_cpu)
     h0 = _check_initial(fn, initial_state, n, v, q.shape[-1], False, cu is not None)
     _same_device(fn, [("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", h0)])
     return _delta(
-        q, k, v, beta, scale=factor, initial_state=h0, output_final_state=final,
+        fn, q, k, v, beta, scale=factor, initial_state=h0, output_final_state=final,
         qk_l2norm=l2norm, cu_seqlens=cu, v_first=False, out_dtype=q.dtype,
     )  # fmt: skip
 
@@ -765,7 +797,7 @@ def _gated(
     if sigmoid:
         beta = _beta_sigmoid(beta, neg, cd)
     return _delta(
-        q, k, v, beta, g=g, gk=gk, gv=gv, scale=factor, initial_state=h0,
+        fn, q, k, v, beta, g=g, gk=gk, gv=gv, scale=factor, initial_state=h0,
         output_final_state=final, qk_l2norm=l2norm, cu_seqlens=cu, v_first=v_first,
         out_dtype=q.dtype if out == "q" else v.dtype,
     )  # fmt: skip
@@ -792,6 +824,8 @@ def chunk_kda(
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
     cp_context: object = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """Kimi Delta Attention (``fla.ops.kda.chunk_kda``): per step and value head,
@@ -828,6 +862,11 @@ def chunk_kda(
         cu_seqlens: ``(N + 1,)`` integer offsets of packed sequences along T (B == 1).
         cu_seqlens_cpu: a CPU copy of ``cu_seqlens`` (checked against it).
         cp_context: context parallelism: only None.
+        use_graph: the original's static tiling for graph capture (Ascend NPUs):
+            checked and otherwise ignored.
+        max_num_seqs: with ``use_graph`` and ``cu_seqlens``, the number of sequences
+            that ``cu_seqlens`` must hold (padded with empty ones), as the original
+            asserts; None: any.
         **kwargs: ``A_log`` (HV elements) and ``dt_bias`` (HV * K elements), read
             with ``use_gate_in_kernel`` as the original reads them; ``chunk_size`` (32
             or 64); the deprecated ``transpose_state_layout``; ``head_first=False``.
@@ -852,6 +891,7 @@ def chunk_kda(
     v_first = _state_v_first(fn, state_v_first, kwargs)
     chunk = _chunk_size(fn, kwargs, (32, 64))
     _no_cp(fn, cp_context)
+    _graph(fn, use_graph, max_num_seqs, cu_seqlens)
     use_gate = check_flag(fn, "use_gate_in_kernel", use_gate_in_kernel)
     safe = check_flag(fn, "safe_gate", safe_gate)
     check_flag(fn, "disable_recompute", disable_recompute)
@@ -880,6 +920,27 @@ def chunk_kda(
         bound, v_first, cu_seqlens, cu_seqlens_cpu, per_channel=False, out="q",
         states=chunk if states else None,
     )  # fmt: skip
+
+
+def _graph(fn: str, use_graph: object, max_num_seqs: object, cu_seqlens: object) -> None:
+    """chunk_kda's ``use_graph`` (its static tiling: the results do not depend on it)
+    and ``max_num_seqs``, the number of sequences its ``cu_seqlens`` must then hold."""
+    graph = check_flag(fn, "use_graph", use_graph)
+    if max_num_seqs is not None and (
+        not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool)
+    ):
+        raise TypeError(
+            f"{fn}: expected max_num_seqs to be an int or None, but got {describe(max_num_seqs)}"
+        )
+    if not graph or max_num_seqs is None or not isinstance(cu_seqlens, Tensor):
+        return
+    count = cu_seqlens.numel() - 1  # a malformed cu_seqlens: checked with the operands
+    if cu_seqlens.dim() == 1 and count != max_num_seqs:
+        raise ValueError(
+            f"{fn}: use_graph=True takes cu_seqlens padded with empty sequences to "
+            f"max_num_seqs + 1 offsets, as the original asserts: expected {max_num_seqs} "
+            f"sequences, but got cu_seqlens with {count}"
+        )
 
 
 def fused_recurrent_kda(
@@ -965,16 +1026,16 @@ def _kda(
     out_dtype = q.dtype if out == "q" else v.dtype
     if states is not None:
         return _chunk_states(
-            q, k, v, beta_t, g_t, factor, h0, final, l2norm, cu, v_first, out_dtype, states
+            fn, q, k, v, beta_t, g_t, factor, h0, final, l2norm, cu, v_first, out_dtype, states
         )
     return _delta(
-        q, k, v, beta_t, gk=g_t, scale=factor, initial_state=h0, output_final_state=final,
+        fn, q, k, v, beta_t, gk=g_t, scale=factor, initial_state=h0, output_final_state=final,
         qk_l2norm=l2norm, cu_seqlens=cu, v_first=v_first, out_dtype=out_dtype,
     )  # fmt: skip
 
 
 def _chunk_states(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, scale: float,
+    fn: str, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, scale: float,
     initial_state: Tensor | None, output_final_state: bool, qk_l2norm: bool,
     cu_seqlens: Tensor | None, v_first: bool, out_dtype: torch.dtype, chunk: int,
 ) -> tuple[Tensor, Tensor | None, Tensor]:  # fmt: skip
@@ -1001,7 +1062,7 @@ def _chunk_states(
             part = slice(t, min(t + chunk, hi))
             entering.append(state)
             o, last = _scan(
-                q[:, part], k[:, part], v[:, part], beta[:, part], g[:, part], scale,
+                fn, q[:, part], k[:, part], v[:, part], beta[:, part], g[:, part], scale,
                 qk_l2norm, state, True, None,
             )  # fmt: skip
             assert last is not None

@@ -56,7 +56,9 @@ The gated delta rule (the modules that define ``torch_chunk_gated_delta_rule``:
   fallbacks used without flash-linear-attention): :func:`chunk_gated_delta_rule` and
   :func:`recurrent_gated_delta_rule`, by :func:`parascan.delta_rule_scan`; they keep
   packed sequences (``cu_seq_lens_q``, passed down as ``cu_seqlens``) apart, which the
-  fallbacks refuse.
+  fallbacks refuse; packed sequences with a cache (``use_cache=True``) raise at once, as
+  the cache keeps one state per batch row (pass ``use_cache=False`` to train or prefill
+  packed, or give each sequence its own row to decode).
 - ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`, which also reads the packed
   sequences from ``cu_seq_lens_q``; ``causal_conv1d_update`` as below.
 
@@ -67,7 +69,8 @@ Kimi Delta Attention (the modules that define ``chunk_kimi_delta_attention``:
   fallbacks used without flash-linear-attention): :func:`chunk_kimi_delta_attention` and
   :func:`recurrent_kimi_delta_attention`, by :func:`parascan.delta_rule_scan` with the
   per-key-channel decay; they keep packed sequences (``cu_seq_lens_q``, which these
-  layers pass down under that name) apart, which the fallbacks silently do not.
+  layers pass down under that name) apart, which the fallbacks silently do not; with
+  a cache they raise, as above.
 - ``causal_conv1d_fn``: :func:`causal_conv1d_packed_q`; ``causal_conv1d_update`` as below.
 
 Short convolutions (the modules that define ``causal_conv1d_fn`` and none of the
@@ -102,7 +105,8 @@ MiniMax's lightning attention (``minimax``, tested with transformers 5.23 and 5.
   tokens with a cache: :func:`lightning_attention_forward`, the same layer with the
   recurrence by :func:`parascan.ssd_scan` (a step of 1, ``A = -slope_rate``, ``B`` the
   keys, ``C`` the queries). Without a cache it keeps packed sequences
-  (``cu_seq_lens_q``, batch 1) apart, which the original silently does not.
+  (``cu_seq_lens_q``, batch 1) apart, which the original silently does not; with a
+  cache they raise, as above.
 
 All families, where their modules define them:
 
@@ -355,6 +359,30 @@ def _packed_ids(fn: str, kwargs: dict[str, Any], x: Tensor) -> Tensor | None:
     return torch.repeat_interleave(ids, lengths)[None]
 
 
+def _refuse_packed_cache(fn: str, cu_seqlens: object, what: str) -> None:
+    """Refuses packed sequences (``cu_seqlens``, num_seqs + 1 offsets along L of a batch
+    of one) that come with a cache (``what``), before the layer stores anything: a cache
+    keeps one state per batch row, so the delta-rule layers would store num_seqs states
+    in a cache of one row, for the next decoding step to fail on, and the lightning
+    layer the last sequence's, while the model's attention layers cache the keys of
+    every packed sequence in that row: no decoding step could continue the sequences.
+    One sequence is a batch row of its own: allowed. Only the offsets' count is read
+    (no device sync)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:
+        return  # the scan's own check names what it expected
+    count = cu_seqlens.numel() - 1
+    if count != 1:
+        raise ValueError(
+            f"{fn}: parascan's replacement got {count} packed sequences (the model's "
+            f"cu_seq_lens_q) in a batch of one together with {what}: a cache keeps one state "
+            "per batch row, not one per packed sequence, so decoding could not continue "
+            "them. Pass use_cache=False to train on or prefill packed sequences (a config's "
+            "use_cache=True makes a cache by default, in training too), or give each "
+            "sequence a batch row of its own (padded, with an attention mask) to decode "
+            "with a cache"
+        )
+
+
 def multihead_state_update(
     state: Tensor,
     hidden_states: Tensor,
@@ -554,6 +582,10 @@ def _gated_delta(
             f"of a batch of one, but got cu_seqlens {describe(cu_seqlens)} with a query of "
             f"shape {tuple(query.shape)}"
         )
+    if cu_seqlens is not None and (output_final_state or initial_state is not None):
+        # The layers read and write their cache's state through these two arguments.
+        state = "output_final_state=True" if output_final_state else "an initial_state"
+        _refuse_packed_cache(fn, cu_seqlens, f"{state}, which the layers pass with a cache")
     out, final = ps_delta_rule_scan(
         query, key, value, beta, g=g, qk_l2norm=bool(use_qk_l2norm_in_kernel),
         initial=None if initial_state is None else initial_state.float(),
@@ -579,9 +611,18 @@ def chunk_gated_delta_rule(
     (batch, Hv, K, V) in float32 or None): the gated delta rule by
     :func:`parascan.delta_rule_scan`, scale K ** -0.5. ``chunk_size`` changes nothing.
     ``cu_seqlens`` among the keywords (the layers pass ``cu_seq_lens_q`` under that
-    name) packs sequences along L of a batch of one, each restarting from a zero state
-    (the final state is then (num_seqs, Hv, K, V)), which the torch fallback refuses;
-    the other keywords (the model's attention keywords) are dropped."""
+    name) packs sequences along L of a batch of one, each restarting from a zero state,
+    which the torch fallback refuses; the other keywords (the model's attention
+    keywords) are dropped.
+
+    Packed sequences (more than one) with a state, ``initial_state`` or
+    ``output_final_state=True`` (the layers pass them when the model runs with a cache:
+    ``use_cache=True``, ``generate``), raise at once: the cache keeps one state per
+    batch row, and this function's final state is (batch, Hv, K, V), so the next
+    decoding step could not continue num_seqs sequences from it. Packed training and
+    prefill run with ``use_cache=False``; :func:`parascan.delta_rule_scan` (or
+    :func:`parascan.compat.fla.chunk_gated_delta_rule`) returns one state per packed
+    sequence."""
     return _gated_delta(
         "torch_chunk_gated_delta_rule", query, key, value, g, beta, initial_state,
         output_final_state, use_qk_l2norm_in_kernel, kwargs,
@@ -741,10 +782,13 @@ def lightning_attention_forward(
     q[t] S[t]`` per head by :func:`parascan.ssd_scan` (the state transposed: transformers
     keeps ``K^T V``, the scan ``V^T K``). The original's blocks compute the same sums,
     within a block as a masked (block, block) product. Packed sequences
-    (``cu_seq_lens_q`` among the keywords, batch 1, no cached state) restart their state
-    at each boundary; the returned state is then the last sequence's. A step of one
-    token (not packed) is the original forward's (with a cached state, a single step,
-    which no scan makes faster: the scan's dispatch costs more)."""
+    (``cu_seq_lens_q`` among the keywords, batch 1, no cache) restart their state at
+    each boundary; the returned state is then the last sequence's. With a cache, more
+    than one packed sequence raises at once, as in :func:`chunk_gated_delta_rule` (the
+    cache's one state per batch row cannot hold them; the original runs them as one
+    sequence). A step of one token (not packed) is the original forward's (with a
+    cached state, a single step, which no scan makes faster: the scan's dispatch costs
+    more)."""
     if hidden_states.shape[1] == 1 and kwargs.get("cu_seq_lens_q") is None:
         forward = _original("MiniMaxLightningAttention.forward", self)
         given = () if cache is None else (cache,)  # past_key_values, if so, is in kwargs
@@ -755,6 +799,9 @@ def lightning_attention_forward(
     if cache is None:  # its name before transformers 5.24 (an alias until 5.40)
         cache = kwargs.get("past_key_values")
     batch, length, _ = hidden_states.shape
+    packed = kwargs.get("cu_seq_lens_q")
+    if cache is not None and packed is not None and batch == 1:
+        _refuse_packed_cache("MiniMaxLightningAttention.forward", packed, "a cache")
     heads, dim = self.num_attention_heads, self.head_dim
     # the modeling module of the patched class (self may be of a subclass defined elsewhere)
     own = next(
@@ -810,9 +857,11 @@ def chunk_kimi_delta_attention(
     ``g`` (batch, L, H, K) a log decay per key channel, by
     :func:`parascan.delta_rule_scan`, scale K ** -0.5. ``chunk_size`` changes nothing.
     ``cu_seq_lens_q`` (or ``cu_seqlens``) among the keywords packs sequences along L
-    of a batch of one, each restarting from a zero state (the final state is then
-    (num_seqs, H, K, V)): the layers pass it down unchanged, and the torch fallback
-    runs the packed sequences as one; the other keywords are dropped."""
+    of a batch of one, each restarting from a zero state: the layers pass it down
+    unchanged, and the torch fallback runs the packed sequences as one; the other
+    keywords are dropped. Packed sequences (more than one) with a state (a cache)
+    raise at once, as in :func:`chunk_gated_delta_rule` (:func:`parascan.compat.fla.chunk_kda`
+    returns one state per packed sequence)."""
     return _gated_delta(
         "chunk_kimi_delta_attention", query, key, value, g, beta, initial_state,
         output_final_state, use_qk_l2norm_in_kernel, _kda_cu_seqlens(kwargs),
