@@ -20,6 +20,7 @@ from parascan._core import (
     finite_float,
     resolve,
 )
+from parascan._native import kernel_library_error
 from parascan.delta_rule import autograd as delta_ops
 from parascan.delta_rule import cpu as delta_cpu
 
@@ -186,6 +187,7 @@ def _plain_inference(
         cu_seqlens is not None
         or type(backend) is not str
         or backend not in ("auto", "cpu")
+        or kernel_library_error() is not None  # no C kernel: the general path picks another
         or type(qk_l2norm) is not bool
         or type(return_final) is not bool
         or not (scale is None or (type(scale) in (float, int) and finite_float(scale) is not None))

@@ -15,7 +15,7 @@ from parascan._core import (
     describe,
     eager_no_grad,
 )
-from parascan._native import arg_struct, kernel
+from parascan._native import arg_struct, kernel, kernel_library_error
 from parascan.selective.api import _complex_of
 
 __all__ = ["selective_state_update"]
@@ -118,6 +118,7 @@ def selective_state_update(
         and eager_no_grad(tensors)
         and not state.is_neg()  # written in place: never through a copy
         and state.numel() > 0  # an empty state: the torch ops (the kernel takes N >= 1)
+        and kernel_library_error() is None  # built without the C kernels: the torch ops
     ):
         # the kernel writes the state while it reads the other operands: one that shares
         # the state's memory (B a view into it, say) is read from a copy, as the torch
