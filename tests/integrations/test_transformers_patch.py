@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parascan.integrations.transformers as integration  # noqa: E402
+from parascan._native import kernel_library_error  # noqa: E402
 from parascan.integrations.transformers import UnsupportedVersionError  # noqa: E402
 
 VOCAB = 100
@@ -452,7 +453,10 @@ def test_the_patched_mamba2_paths_run_parascan(monkeypatch) -> None:
     assert calls == {"scan": 2, "step": 2 * 2}  # 2 layers: one prefill, two decoding steps
     model.train()
     model(ids, labels=ids).loss.backward()
-    assert calls == {"scan": 2, "step": 4, "layer": 2}
+    if kernel_library_error() is None:
+        assert calls == {"scan": 2, "step": 4, "layer": 2}
+    else:  # built without the C kernels: the fused layer's path is the scan's
+        assert calls == {"scan": 4, "step": 4}
 
 
 @pytest.mark.parametrize("name", ["mamba2", "falcon_h1", "zamba2"])

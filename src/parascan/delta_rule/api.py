@@ -184,14 +184,16 @@ def _plain_inference(
     general path's validation, backend resolution and casts cost about 40 us a call,
     a fifth of a decoding step at Qwen3.5's shape."""
     if (
-        cu_seqlens is not None
+        # first: torch.compile traces none of the rest (kernel_library_error reads the
+        # file system, a graph break under fullgraph=True)
+        torch.compiler.is_compiling()
+        or cu_seqlens is not None
         or type(backend) is not str
         or backend not in ("auto", "cpu")
         or kernel_library_error() is not None  # no C kernel: the general path picks another
         or type(qk_l2norm) is not bool
         or type(return_final) is not bool
         or not (scale is None or (type(scale) in (float, int) and finite_float(scale) is not None))
-        or torch.compiler.is_compiling()
     ):
         return None
     tensors = [q, k, v, beta] + [t for t in (g, initial) if t is not None]
