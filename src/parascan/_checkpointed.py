@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan._core import short_repr
+
 __all__ = ["EMPTY", "Piece", "backward", "drops_final", "forward", "states", "zero_rows_as_zeros"]
 
 Opt = Tensor | None
@@ -117,7 +119,7 @@ def _plan(name: str, cu_seqlens: Opt, length: int, k: int) -> tuple[list[int], l
     if not cu or cu[0] != 0 or cu[-1] != length or any(b < a for a, b in pairwise(cu)):
         raise ValueError(
             f"{name}: expected cu_seqlens to be non-decreasing offsets from 0 to L = {length}, "
-            f"but got {cu}"
+            f"but got {short_repr(cu)}"
         )
     seqs = [(s, lo, hi) for s, (lo, hi) in enumerate(pairwise(cu)) if hi > lo]
     chunks, first = [], 0

@@ -28,6 +28,9 @@ run raises RuntimeError naming the op, the backend and the reason.
 - ``checkpointed_scan``: the ops and autograd.Functions of a scan that keeps states
   every K steps for its backward (the state-space scans), from a family's declaration
   (``CheckpointedScan``);
+- ``opaque_to_dynamo``: the call that applies a family's Functions, one call in
+  torch.compile's graph, so that the Functions' own vmap rules and ``jvp`` run under
+  the transforms around it;
 - helpers: lazy views resolved before a kernel reads them, vmap rules, the eager
   check, forward mode through a ``torch`` backend, the second-derivative error.
 
@@ -37,13 +40,15 @@ breaks ``torch.func.grad`` and makes ``torch.func.jvp`` return zeros silently.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
 import math
 import numbers
 import os
-from collections.abc import Callable, Sequence
+import reprlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NoReturn, TypeVar, cast
@@ -89,6 +94,7 @@ __all__ = [
     "nested_forward_mode",
     "normalize_dim",
     "on_their_device",
+    "opaque_to_dynamo",
     "plain_eager",
     "refuse_second_derivatives",
     "register",
@@ -96,8 +102,10 @@ __all__ = [
     "resolved",
     "resolved_optional",
     "result_dtype",
+    "short_repr",
     "state_shape",
     "table",
+    "tensor_hint",
     "unavailable_reason",
 ]
 
@@ -141,10 +149,39 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def describe(value: object) -> str:
-    """A short description of a received value for error messages."""
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return f"numpy.{type(value).__name__} {value!r}"
+class _ShortRepr(reprlib.Repr):
+    """reprlib's repr, bounded in every dimension, with tensors and arrays inside a
+    container described by type, shape and dtype rather than printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 6
+        self.maxdeque = self.maxarray = self.maxdict = 6
+        self.maxstring = 60
+        self.maxlong = 40
+        self.maxother = 60
+
+    def repr1(self, x: object, level: int) -> str:
+        array = _describe_array(x)
+        return array if array is not None else super().repr1(x, level)
+
+
+_SHORT_REPR = _ShortRepr()
+_DESCRIBE_LIMIT = 200  # characters of a received value in a message, at most
+
+
+def _is_numpy_array(value: object) -> bool:
+    """Whether ``value`` is a numpy ndarray (or a subclass's instance), without importing
+    numpy (parascan does not use it)."""
+    return any(c.__name__ == "ndarray" and c.__module__ == "numpy" for c in type(value).__mro__)
+
+
+def _describe_array(value: object) -> str | None:
+    """``value`` described by type, shape and dtype when it is a tensor or an array
+    (numpy's, or any object with a shape and a dtype that converts to one: jax, cupy):
+    never its elements. None for anything else, and for numpy's scalars and 0-d arrays,
+    whose value is short and worth showing."""
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"
@@ -153,9 +190,81 @@ def describe(value: object) -> str:
             f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}"
             f"{layout})"
         )
+    kind = type(value)
+    if not any(
+        hasattr(kind, a) for a in ("__array__", "__array_interface__", "__dlpack__")
+    ) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        return None
+    if kind.__module__.split(".")[0] == "numpy" and getattr(value, "ndim", None) == 0:
+        return None
+    try:
+        shape = tuple(int(size) for size in value.shape)
+    except (TypeError, ValueError):
+        return None
+    return f"{kind.__module__}.{kind.__qualname__}(shape={shape}, dtype={value.dtype})"
+
+
+def describe(value: object) -> str:
+    """A short description of a received value for error messages: a tensor's or an
+    array's type, shape and dtype (never its elements), anything else's type and repr,
+    bounded (a list of 10000 numbers shows six and its length)."""
+    array = _describe_array(value)
+    if array is not None:
+        return array
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return f"numpy.{type(value).__name__} {short_repr(value)}"  # a scalar: its value
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"int of {value.bit_length()} bits"  # not its hundreds of digits
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {short_repr(value)}"
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` bounded for an error message: at most six items of a container
+    (then its length), 60 characters of a string, tensors and arrays described (not
+    printed), 200 characters in all. ``[0, 2, 5]`` stays ``[0, 2, 5]``."""
+    text = _clip(_SHORT_REPR.repr(value), _DESCRIBE_LIMIT)
+    if isinstance(value, (list, tuple, set, frozenset, dict)) and len(value) > 6:
+        text += f" ({len(value)} items)"
+    return text
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters (ending "...") when longer."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def tensor_hint(value: object) -> str:
+    """For ``value``, received where a tensor is expected, how to make one of it
+    (appended to the message that describes it): ``torch.from_numpy`` for a numpy
+    array, ``torch.as_tensor`` for another array or a numpy scalar, ``torch.tensor``
+    for a list or tuple of numbers, ``torch.stack`` for one of tensors; "" for anything
+    else."""
+    if isinstance(value, torch.Tensor):
+        return ""
+    if _is_numpy_array(value):
+        how = "torch.from_numpy"
+    elif _describe_array(value) is not None or type(value).__module__ == "numpy":
+        how = "torch.as_tensor"
+    elif isinstance(value, (list, tuple)) and isinstance(_first_item(value), numbers.Number):
+        how = "torch.tensor"
+    elif isinstance(value, (list, tuple)) and isinstance(_first_item(value), torch.Tensor):
+        how = "torch.stack"
+    else:
+        return ""
+    return f"; pass a torch.Tensor ({how})"
+
+
+def _first_item(value: list[Any] | tuple[Any, ...]) -> object:
+    """The first item of ``value`` that is not a list or tuple, nested ones followed
+    down (None when one is empty, or past 64 levels: a list may hold itself)."""
+    item: object = value
+    for _ in range(64):
+        if not isinstance(item, (list, tuple)):
+            return item
+        if not item:
+            return None
+        item = item[0]
+    return None
 
 
 def finite_float(value: object) -> float | None:
@@ -216,7 +325,9 @@ def as_operand(
             number = number.to(torch.get_default_dtype())
         return number
     expected = "a Tensor or a Python number" if allow_number else "a Tensor"
-    raise TypeError(f"{fn}: expected {name} to be {expected}, but got {describe(value)}")
+    raise TypeError(
+        f"{fn}: expected {name} to be {expected}, but got {describe(value)}{tensor_hint(value)}"
+    )
 
 
 REAL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -227,7 +338,9 @@ def check_tensor(fn: str, name: str, value: object, *, complex_ok: bool = False)
     """``value`` if it is a strided tensor of a real floating dtype (or a complex one,
     with ``complex_ok``), else a TypeError naming ``fn``."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{fn}: expected {name} to be a Tensor, but got {describe(value)}")
+        raise TypeError(
+            f"{fn}: expected {name} to be a Tensor, but got {describe(value)}{tensor_hint(value)}"
+        )
     check_layout(fn, name, value)
     allowed = REAL_DTYPES + COMPLEX_DTYPES if complex_ok else REAL_DTYPES
     if value.dtype not in allowed:
@@ -360,7 +473,7 @@ def normalize_dim(fn: str, dim: object, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise DimensionError(
             f"{fn}: expected dim in the range [{-ndim}, {ndim - 1}] for a result with "
-            f"{ndim} dimensions, but got {dim}"
+            f"{ndim} dimensions, but got {short_repr(dim)}"
         )
     return dim % ndim
 
@@ -376,7 +489,7 @@ def check_cu_seqlens(
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(
             f"{name}: expected cu_seqlens to be an integer tensor of offsets, but got "
-            f"{describe(cu_seqlens)}"
+            f"{describe(cu_seqlens)}{tensor_hint(cu_seqlens)}"
         )
     if (
         cu_seqlens.dtype not in (torch.int32, torch.int64)
@@ -437,7 +550,7 @@ def check_offsets(name: str, cu: list[int], steps: int) -> None:
     if cu[0] != 0 or cu[-1] != steps or any(b < a for a, b in pairwise(cu)):
         raise ValueError(
             f"{name}: expected cu_seqlens to be non-decreasing offsets from 0 to the length "
-            f"along dim ({steps}), but got {cu}"
+            f"along dim ({steps}), but got {short_repr(cu)}"
         )
 
 
@@ -445,31 +558,35 @@ def check_offsets(name: str, cu: list[int], steps: int) -> None:
 
 BACKENDS = ("cpu", "triton", "torch", "loop")
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-def _kernel_library_status() -> str:
+
+def assume_constant_result(fn: _F) -> _F:
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it: torch.compile
+    calls it once while tracing and uses its result as a constant. That function imports
+    ``torch._dynamo`` (about 1.8 s, most of ``import parascan``) only to set this one
+    attribute, so it is set here, and import stays free of work; a test checks that
+    torch's own function still sets exactly this attribute."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@assume_constant_result
+def _kernel_library_error() -> str:
+    """Constant for the process: torch.compile evaluates it once instead of tracing
+    into the file system. "" means the library loads."""
     return kernel_library_error() or ""
 
 
-# Constant for the process: torch.compile evaluates it once instead of tracing into
-# the file system. "" means the library loads.
-_kernel_library_error: Callable[[], str] = torch.compiler.assume_constant_result(
-    _kernel_library_status
-)
-
-
-def _triton_status() -> bool:
+@assume_constant_result
+def _triton_importable() -> bool:
+    """Constant for the process, as above: whether triton can be imported (not
+    importing it)."""
     return importlib.util.find_spec("triton") is not None
-
-
-# Constant for the process, as above: whether triton can be imported (not importing it).
-_triton_importable: Callable[[], bool] = torch.compiler.assume_constant_result(_triton_status)
 
 
 def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def on_their_device(fn: _F) -> _F:
@@ -499,6 +616,45 @@ class Function(torch.autograd.Function):
         forward = cls.__dict__.get("forward")
         if isinstance(forward, staticmethod) and not hasattr(forward.__func__, "__signature__"):
             forward.__func__.__signature__ = inspect.signature(forward.__func__)  # type: ignore[attr-defined]
+
+
+# The functions that apply parascan's Functions, kept opaque to dynamo (below).
+_OPAQUE: list[Callable[..., Any]] = []
+
+
+def opaque_to_dynamo(fn: _F) -> _F:
+    """``fn``, a function of tensors and constants that applies autograd.Functions, as
+    one call in torch.compile's graph: dynamo does not trace into it, AOTAutograd does,
+    running the Functions themselves (their vmap rules, their ``jvp``) under whatever
+    transforms surround the call.
+
+    Traced by dynamo, a Function becomes its ``autograd_function_apply`` higher-order
+    op, whose runtime Function (``ApplyTemplate``) has no vmap rule: ``vmap(grad(f))``
+    and ``vmap(jacrev(f))`` raised "You tried to vmap over ApplyTemplate" under
+    torch.compile. Nor can dynamo trace a Function that defines ``jvp``, so the compiled
+    path had to use one without, and forward mode under torch.compile (``jvp``,
+    ``vmap`` of ``jvp``) returned zero tangents. ``torch.compiler.allow_in_graph(fn)``
+    says "opaque" but imports torch._dynamo (seconds; see assume_constant_result), so
+    ``fn`` is marked by ``_allow_in_graph`` while dynamo traces the call, before it
+    reaches ``fn``."""
+    _OPAQUE.append(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            _allow_in_graph()
+        return fn(*args)
+
+    return cast(_F, call)
+
+
+@assume_constant_result
+def _allow_in_graph() -> bool:
+    """Marks every ``opaque_to_dynamo`` function with ``torch.compiler.allow_in_graph``
+    (idempotent). Dynamo runs it for real while tracing, taking its result as a constant:
+    torch._dynamo is imported by then."""
+    torch.compiler.allow_in_graph(list(_OPAQUE))
+    return True
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -538,9 +694,11 @@ def backends(device: str | torch.device = "cpu") -> list[str]:
     try:
         dev = _device(device)
     except (RuntimeError, TypeError) as err:
+        # torch's reason for a string; for anything else it lists every element received
+        reason = f" ({_clip(str(err), 300)})" if isinstance(device, str) else ""
         raise ValueError(
             f"parascan.backends: expected a device (a string such as 'cpu' or 'cuda:0', or a "
-            f"torch.device), but got {device!r} ({err})"
+            f"torch.device), but got {describe(device)}{reason}"
         ) from None
     return [
         b
@@ -608,7 +766,8 @@ def resolve(
     fn = row.op if name is None else name
     if not isinstance(backend, str) or backend not in ("auto", *BACKENDS):
         raise ValueError(
-            f"{fn}: expected backend to be one of {('auto', *BACKENDS)}, but got {backend!r}"
+            f"{fn}: expected backend to be one of {('auto', *BACKENDS)}, but got "
+            f"{describe(backend)}"
         )
     if backend == "auto":
         usable = [
@@ -761,6 +920,35 @@ def nested_forward_mode() -> bool:
     return _jvp_transforms() > 1
 
 
+@contextlib.contextmanager
+def _compiled_jvp_counted() -> Iterator[None]:
+    """A context in which torch.func.jvp, run under the forward-mode transforms of a
+    compiled graph, nests in them as it does eagerly.
+
+    torch.func.jvp keeps two counts in Python: its own nesting
+    (``eager_transforms.JVP_NESTING``; the outermost jvp opens a dual level of
+    torch.autograd.forward_ad) and that level (``forward_ad._current_level``, which
+    ``make_dual`` reads). A compiled graph's ``jvp`` or ``jacfwd`` opens its functorch
+    transform and its dual level (always level 0: torch refuses a second) through
+    torch._C, counting neither (torch 2.13). So a jvp inside one (AOTAutograd tracing a
+    Function's ``jvp``) opened a second level: "Nested forward mode AD is not supported
+    at the moment". The counts are brought up to the transforms open for the duration,
+    then restored."""
+    from torch._functorch import eager_transforms
+
+    open_transforms = _jvp_transforms()
+    if open_transforms <= eager_transforms.JVP_NESTING:  # eager (or no transform)
+        yield
+        return
+    counts = eager_transforms.JVP_NESTING, forward_ad._current_level
+    eager_transforms.JVP_NESTING = open_transforms
+    forward_ad._current_level = max(forward_ad._current_level, 0)
+    try:
+        yield
+    finally:
+        eager_transforms.JVP_NESTING, forward_ad._current_level = counts
+
+
 def jvp_through(
     forward: Callable[..., tuple[Tensor, ...]],
     primals: tuple[Tensor | None, ...],
@@ -794,7 +982,8 @@ def jvp_through(
         # torch.func.jvp, jacfwd: functorch's transforms nest (a dual level of
         # torch.autograd.forward_ad under or over vmap or grad takes the duals below:
         # torch.func.jvp would open a second dual level, which torch refuses)
-        out_tangents = torch.func.jvp(partial, values, directions)[1]
+        with _compiled_jvp_counted():
+            out_tangents = torch.func.jvp(partial, values, directions)[1]
         return tuple(out_tangents)
     # torch.autograd.forward_ad's dual level is open (and cannot be nested): duals at it
     # (autograd runs a Function's jvp with forward grad off: on again for the duals)
@@ -882,9 +1071,8 @@ class _Built:
     consts: int
     forward: Any  # the registered overloads (torch.compile traces these)
     backward: Any
-    # the Functions of this arity (_fixed_arity): scan, scan with jvp, backward, backward
-    # with jvp
-    functions: tuple[Any, Any, Any, Any]
+    # the Functions of this arity (_fixed_arity): scan, backward
+    functions: tuple[Any, Any]
 
 
 # The built scans by op name. The Functions are module-level classes that take the name
@@ -948,17 +1136,13 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
         getattr(torch.ops.parascan, f"{spec.name}_backward").default,
         (
             _fixed_arity(_Scan, spec.name, arity),
-            _fixed_arity(_ScanForwardMode, spec.name, arity),
             _fixed_arity(_Backward, spec.name, n_tensors + 3 + n_consts + 2),
-            _fixed_arity(_BackwardForwardMode, spec.name, n_tensors + 3 + n_consts + 2),
         ),
     )
     name = spec.name
 
     def apply(*args: Any) -> tuple[Tensor, Tensor]:
-        functions = _SCANS[name].functions
-        fn = functions[0] if torch.compiler.is_compiling() else functions[1]
-        out, final, _ = fn.apply(*args, name)
+        out, final, _ = _apply_function(*args, name)
         return out, final
 
     apply.forward_op = forward_op  # type: ignore[attr-defined]
@@ -1000,13 +1184,9 @@ class _Backward(Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         refuse_second_derivatives(_SCANS[ctx.name].spec.row.op)
 
-
-class _BackwardForwardMode(_Backward):
-    """Forward mode over the backward (jacfwd of jacrev: hessians) raises the same
-    error; apart, as dynamo cannot trace a Function with jvp."""
-
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
+        # forward mode over the backward (jacfwd of jacrev: hessians)
         refuse_second_derivatives(_SCANS[ctx.name].spec.row.op)
 
 
@@ -1027,7 +1207,8 @@ def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None
 
 
 class _Scan(Function):
-    """A checkpointed scan (its name the last argument): (out, final, checkpoints)."""
+    """A checkpointed scan (its name the last argument): (out, final, checkpoints), with
+    forward-mode AD (torch.func.jvp, jacfwd)."""
 
     generate_vmap_rule = True
 
@@ -1039,8 +1220,11 @@ class _Scan(Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        # The checkpoints stay differentiable, with a zero tangent (jvp): under vmap,
+        # torch's generated rule passes mark_non_differentiable the batched output, which
+        # marks nothing, and then fails on a None tangent (jvp, jacfwd of a vmapped
+        # scan). Nothing reads them outside the op; backward gets None for them.
         _save(ctx, inputs, output)
-        ctx.mark_non_differentiable(output[2])
 
     @staticmethod
     def backward(ctx: Any, grad_out: Opt, grad_final: Opt, _: Opt) -> tuple[Opt, ...]:
@@ -1050,8 +1234,7 @@ class _Scan(Function):
             grad_out = torch.zeros_like(tensors[built.spec.out_like])
         if grad_final is None:
             grad_final = built.spec.zero_final(tensors, ctx.consts)
-        fn = built.functions[2] if torch.compiler.is_compiling() else built.functions[3]
-        grads = fn.apply(
+        grads = _apply_backward(
             *tensors, checkpoints, grad_out, grad_final, *ctx.consts, ctx.backend, ctx.name
         )
         need = ctx.needs_input_grad
@@ -1059,19 +1242,6 @@ class _Scan(Function):
             *(g if need[i] and tensors[i] is not None else None for i, g in enumerate(grads)),
             *(None for _ in range(built.tensors - built.spec.grads + built.consts + 2)),
         )
-
-
-class _ScanForwardMode(_Scan):
-    """_Scan with forward-mode AD (torch.func.jvp, jacfwd). Kept apart because dynamo
-    cannot trace an autograd.Function that defines ``jvp``."""
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        # The checkpoints stay differentiable here, with a zero tangent (jvp): under vmap,
-        # torch's generated rule passes mark_non_differentiable the batched output, which
-        # marks nothing, and then fails on a None tangent (jvp, jacfwd of a vmapped
-        # scan). Nothing reads them outside the op; backward gets None for them.
-        _save(ctx, inputs, output)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Opt) -> tuple[Opt, ...]:
@@ -1088,3 +1258,17 @@ class _ScanForwardMode(_Scan):
         *operands, checkpoints = ctx.saved_tensors
         t_out, t_final = jvp_through(forward, tuple(operands), tangents[: built.tensors])
         return t_out, t_final, torch.zeros_like(checkpoints)
+
+
+@opaque_to_dynamo
+def _apply_function(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The scan named ``args[-1]`` (its _Scan) applied to ``args``."""
+    result: tuple[Tensor, Tensor, Tensor] = _SCANS[args[-1]].functions[0].apply(*args)
+    return result
+
+
+@opaque_to_dynamo
+def _apply_backward(*args: Any) -> tuple[Tensor, ...]:
+    """The backward of the scan named ``args[-1]`` (its _Backward) applied to ``args``."""
+    grads: tuple[Tensor, ...] = _SCANS[args[-1]].functions[1].apply(*args)
+    return grads

@@ -12,7 +12,7 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
-from parascan._core import describe
+from parascan._core import describe, tensor_hint
 
 __all__ = ["check_same_3d", "errors_as", "is_integer_tensor"]
 
@@ -49,7 +49,9 @@ def check_same_3d(
     take only so."""
     for name, t in (first, second):
         if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{fn}: expected {name} of shape {dims}, but got {describe(t)}")
+            raise ValueError(
+                f"{fn}: expected {name} of shape {dims}, but got {describe(t)}{tensor_hint(t)}"
+            )
     (a_name, a), (b_name, b) = first, second
     if a.shape != b.shape:
         raise ValueError(

@@ -104,6 +104,7 @@ from parascan._core import (
     check_tensor,
     describe,
     finite_float,
+    tensor_hint,
 )
 from parascan.compat._checks import check_same_3d, errors_as, is_integer_tensor
 from parascan.delta_rule import delta_rule_scan
@@ -147,6 +148,7 @@ def _hgrn(
         raise ValueError(
             f"{fn}: expected initial_state of shape (N, D) = {(n, width)} (N: the batch, or the "
             f"number of sequences with cu_seqlens), but got {describe(initial_state)}"
+            f"{tensor_hint(initial_state)}"
         )
     named = [("x", x), ("g", g)] + (
         [] if initial_state is None else [("initial_state", initial_state)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._core import describe
+from parascan._core import describe, tensor_hint
 from parascan.compat._checks import errors_as
 from parascan.first_order import log_linear_scan
 
@@ -33,6 +33,7 @@ def _log_x(fn: str, log_coeffs: Tensor, log_values: Tensor) -> Tensor:
         if not isinstance(t, Tensor) or t.dim() == 0:
             raise TypeError(
                 f"{fn}: expected {name} to be a Tensor with a time dim, but got {describe(t)}"
+                f"{tensor_hint(t)}"
             )
     n = log_coeffs.shape[-1]
     if log_values.shape[-1] != n + 1:

@@ -67,6 +67,8 @@ from parascan._core import (
     check_tensor,
     describe,
     finite_float,
+    short_repr,
+    tensor_hint,
 )
 from parascan.compat._checks import errors_as, is_integer_tensor
 from parascan.mixer.conv import causal_conv1d
@@ -112,7 +114,9 @@ def _selective_scan(
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """selective_scan_fn's body, its errors naming ``fn``."""
     if not isinstance(A, Tensor):
-        raise TypeError(f"{fn}: expected A to be a Tensor (dim, N), but got {describe(A)}")
+        raise TypeError(
+            f"{fn}: expected A to be a Tensor (dim, N), but got {describe(A)}{tensor_hint(A)}"
+        )
     if A.is_complex():
         if isinstance(B, Tensor) and B.dim() >= 3:
             B = _complex_from_interleaved(fn, "B", B, u)
@@ -245,28 +249,30 @@ def selective_state_update(
     if not isinstance(state, Tensor) or state.dim() not in (3, 4):
         raise ValueError(
             f"{fn}: expected state of shape (batch, dim, N) or (batch, heads, dim, N), but got "
-            f"{describe(state)}"
+            f"{describe(state)}{tensor_hint(state)}"
         )
     if not isinstance(x, Tensor) or x.dim() < 1:
-        raise ValueError(f"{fn}: expected x to be a Tensor (batch, ...), but got {describe(x)}")
+        raise ValueError(
+            f"{fn}: expected x to be a Tensor (batch, ...), but got {describe(x)}{tensor_hint(x)}"
+        )
     idx = state_batch_indices
     if not is_integer_tensor(idx) or tuple(idx.shape) != (x.shape[0],):
         raise ValueError(
             f"{fn}: expected state_batch_indices to be an integer tensor of shape (batch,) = "
-            f"({x.shape[0]},), but got {describe(idx)}"
+            f"({x.shape[0]},), but got {describe(idx)}{tensor_hint(idx)}"
         )
     idx = idx.to(device=state.device, dtype=torch.long)
     if bool((idx >= state.shape[0]).any()):
         raise ValueError(
             f"{fn}: state_batch_indices must be below the number of states {state.shape[0]}, "
-            f"but got {idx.tolist()}"
+            f"but got {short_repr(idx.tolist())}"
         )
     valid = idx >= 0
     rows = idx[valid]
     if rows.unique().numel() != rows.numel():
         raise ValueError(
             f"{fn}: state_batch_indices must not repeat a (non-negative) index, but got "
-            f"{idx.tolist()}"
+            f"{short_repr(idx.tolist())}"
         )
     if state.shape[0]:
         picked = state.index_select(0, idx.clamp(min=0))  # a copy: padding rows read row 0
@@ -291,7 +297,10 @@ def _real(fn: str, name: str, value: object) -> Tensor:
     non-tensor and a non-strided one share this module's message; the dtype is the
     core's check."""
     if not isinstance(value, Tensor) or value.layout != torch.strided or value.is_nested:
-        raise TypeError(f"{fn}: expected {name} to be a strided Tensor, but got {describe(value)}")
+        raise TypeError(
+            f"{fn}: expected {name} to be a strided Tensor, but got {describe(value)}"
+            f"{tensor_hint(value)}"
+        )
     return check_tensor(fn, name, value)
 
 
@@ -325,7 +334,7 @@ def _check_seq_idx(fn: str, seq_idx: Tensor | None, batch: int, length: int) -> 
     ):
         raise ValueError(
             f"{fn}: expected seq_idx to be an integer tensor of shape (batch, seqlen) = "
-            f"{(batch, length)}, but got {describe(seq_idx)}"
+            f"{(batch, length)}, but got {describe(seq_idx)}{tensor_hint(seq_idx)}"
         )
 
 
@@ -418,6 +427,7 @@ def mamba_chunk_scan_combined(
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(
             f"{fn}: expected x of shape (batch, seqlen, nheads, headdim), but got {describe(x)}"
+            f"{tensor_hint(x)}"
         )
     dt_softplus = check_flag(fn, "dt_softplus", dt_softplus)
     return_final_states = check_flag(fn, "return_final_states", return_final_states)
@@ -659,7 +669,7 @@ def mamba_split_conv1d_scan_combined(
     return_final_states = check_flag(fn, "return_final_states", return_final_states)
     if activation not in (None, "silu", "swish"):
         raise ValueError(
-            f"{fn}: expected activation None, 'silu' or 'swish', but got {activation!r}"
+            f"{fn}: expected activation None, 'silu' or 'swish', but got {describe(activation)}"
         )
     _check_chunk_size(fn, chunk_size)
     _check_state_dtype(fn, state_dtype)

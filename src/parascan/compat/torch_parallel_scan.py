@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from parascan._core import describe
+from parascan._core import describe, tensor_hint
 from parascan.compat._checks import errors_as
 from parascan.generic import associative_reduce, associative_scan
 
@@ -23,7 +23,7 @@ __all__ = ["prefix_scan", "reduce_scan"]
 
 def _check(fn: str, x: object, func: object) -> None:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{fn}: expected x to be a Tensor, but got {describe(x)}")
+        raise TypeError(f"{fn}: expected x to be a Tensor, but got {describe(x)}{tensor_hint(x)}")
     if not callable(func):
         raise TypeError(f"{fn}: expected a callable binary function, but got {describe(func)}")
 

@@ -155,7 +155,12 @@ def bind(
     piece = _per_value_head(inner)
 
     def zero(k: Tensor, v: Tensor) -> Tensor:
-        return v.new_zeros(v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+        # torch.zeros, not v.new_zeros: under torch.compile, in a jvp of a jvp (the
+        # scan's forward mode run by a compiled vmap of jvp), FakeTensor makes new_zeros
+        # of a wrapped tensor a meta tensor (torch 2.13), which no later op takes
+        return torch.zeros(
+            v.shape[0], v.shape[2], k.shape[-1], v.shape[-1], dtype=v.dtype, device=v.device
+        )
 
     def forward(
         q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional, initial: Optional,

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parascan._core import Function, check_cu_seqlens, state_shape
+from parascan._core import Function, check_cu_seqlens, short_repr, state_shape
 from parascan._higher_order import once_differentiable
 from parascan.distributed.api import (
     _LENGTH,
@@ -89,7 +89,7 @@ def check_offsets(name: str, cu_seqlens: object, steps: int, device: torch.devic
     if last < steps:
         raise ValueError(
             f"{name}: expected cu_seqlens to end at the global length along dim (the sum "
-            f"of the ranks' shard lengths), at least this rank's {steps}, but got {cu}"
+            f"of the ranks' shard lengths), at least this rank's {steps}, but got {short_repr(cu)}"
         )
     return cu
 
@@ -205,7 +205,7 @@ class _PackedShardScan(Function):
             raise ValueError(
                 f"{name}: expected cu_seqlens to end at the global length along dim, the sum "
                 f"of the ranks' shard lengths {' + '.join(map(str, lengths))} = {sum(lengths)}, "
-                f"but got {cu}"
+                f"but got {short_repr(cu)}"
             )
         shards = _plan(cu, lengths, reverse)
         rank = dist.get_rank(group)

@@ -2,8 +2,9 @@
 for whole rows and for packed sequences (``cu_seqlens``) alike.
 
 Forward and backward are torch.library ops with vmap rules (ops.py, packed.py), so
-``generate_vmap_rule`` gives vmap, vmap(grad) and jacrev for free. The semiring
-travels by name (a string is a constant to torch.compile).
+``generate_vmap_rule`` gives vmap, vmap(grad) and jacrev for free, eager and compiled:
+``apply`` is opaque to dynamo (``_core.opaque_to_dynamo``). The semiring travels by
+name (a string is a constant to torch.compile).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parascan._core import Function
+from parascan._core import Function, opaque_to_dynamo
 from parascan._higher_order import tangent_mode
 from parascan.first_order import packed
 from parascan.first_order.ops import ScanFn, backward_from_partials, backward_op, forward_op
@@ -24,7 +25,8 @@ __all__ = ["apply", "linear_scan_fn"]
 
 class _FirstOrderScan(Function):
     """x[t] = a[t] (x) x[t-1] (+) b[t] in the semiring named ``ring``; each packed
-    sequence of ``cu_seqlens`` (when not None) scanned alone."""
+    sequence of ``cu_seqlens`` (when not None) scanned alone. With forward-mode AD
+    (torch.func.jvp, jacfwd)."""
 
     generate_vmap_rule = True
 
@@ -82,11 +84,6 @@ class _FirstOrderScan(Function):
             None, None, None, None, None,
         )  # fmt: skip
 
-
-class _FirstOrderScanForwardMode(_FirstOrderScan):
-    """_FirstOrderScan with forward-mode AD (torch.func.jvp, jacfwd). Kept apart because
-    dynamo cannot trace an autograd.Function that defines ``jvp``."""
-
     @staticmethod
     def jvp(
         ctx: Any, gates_t: Tensor | None, tokens_t: Tensor | None, initial_t: Tensor | None,
@@ -122,12 +119,12 @@ def linear_scan_fn(backend: str) -> ScanFn:
     return scan
 
 
+@opaque_to_dynamo
 def apply(
     ring: str, gates: Tensor, tokens: Tensor, initial: Tensor | None, dim: int, reverse: bool,
     backend: str, cu_seqlens: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """The differentiable scan in the semiring named ``ring`` of validated operands
-    (forward mode too, outside torch.compile)."""
-    fn = _FirstOrderScan if torch.compiler.is_compiling() else _FirstOrderScanForwardMode
-    out: Tensor = fn.apply(gates, tokens, initial, dim, reverse, backend, ring, cu_seqlens)  # type: ignore[no-untyped-call]
+    """The differentiable scan in the semiring named ``ring`` of validated operands."""
+    scan = _FirstOrderScan.apply
+    out: Tensor = scan(gates, tokens, initial, dim, reverse, backend, ring, cu_seqlens)  # type: ignore[no-untyped-call]
     return out

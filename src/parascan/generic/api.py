@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from parascan._core import check_flag, check_layout, describe, normalize_dim
+from parascan._core import check_flag, check_layout, describe, normalize_dim, tensor_hint
 from parascan.generic import chunked
 from parascan.generic.cpu import matrix_product_fast_path
 
@@ -83,12 +83,14 @@ def _flatten(
         raise TypeError(f"{fn}: expected combine_fn to be callable, but got {describe(combine_fn)}")
     leaves, spec = pytree.tree_flatten(elems)
     if not leaves:
-        raise ValueError(f"{fn}: expected elems to hold at least one tensor, but got {elems!r}")
+        raise ValueError(
+            f"{fn}: expected elems to hold at least one tensor, but got {describe(elems)}"
+        )
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
             raise TypeError(
                 f"{fn}: expected elems to be a tensor or a pytree of tensors, but it holds "
-                f"{describe(leaf)}"
+                f"{describe(leaf)}{tensor_hint(leaf)}"
             )
         check_layout(fn, "every tensor in elems", leaf)
     # As jax: a negative dim counts from the end of the first leaf, and the same

@@ -18,7 +18,9 @@ from parascan._core import (
     check_layout,
     check_same_device,
     describe,
+    opaque_to_dynamo,
     resolve,
+    tensor_hint,
 )
 from parascan._higher_order import tangent_mode
 from parascan.matrix.autograd import ROW, matrix_linear_scan_op
@@ -92,7 +94,8 @@ def _gradients(
 
 
 class _MatrixScan(Function):
-    """Autograd around the raw op; ``generate_vmap_rule`` gives vmap(grad), jacrev."""
+    """Autograd around the raw op; ``generate_vmap_rule`` gives vmap(grad), jacrev; with
+    forward-mode AD."""
 
     generate_vmap_rule = True
 
@@ -126,10 +129,6 @@ class _MatrixScan(Function):
         ]
         return (*wanted, None, None)
 
-
-class _MatrixScanForwardMode(_MatrixScan):
-    """_MatrixScan with forward-mode AD; apart because dynamo cannot trace ``jvp``."""
-
     @staticmethod
     def jvp(
         ctx: Any, weights_t: Tensor | None, biases_t: Tensor | None, initial_t: Tensor | None,
@@ -146,11 +145,11 @@ class _MatrixScanForwardMode(_MatrixScan):
             return _apply(weights, drive, initial_t, ctx.reverse, ctx.backend)
 
 
+@opaque_to_dynamo
 def _apply(
     weights: Tensor, biases: Tensor, initial: Tensor | None, reverse: bool, backend: str
 ) -> Tensor:
-    fn = _MatrixScan if torch.compiler.is_compiling() else _MatrixScanForwardMode
-    out: Tensor = fn.apply(weights, biases, initial, reverse, backend)  # type: ignore[no-untyped-call]
+    out: Tensor = _MatrixScan.apply(weights, biases, initial, reverse, backend)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -181,9 +180,15 @@ def _validate(
 ) -> tuple[Tensor, Tensor, Tensor | None, tuple[int, ...]]:
     """The three inputs, checked, and their broadcast batch shape."""
     if not isinstance(weights, Tensor):
-        raise TypeError(f"{_NAME}: expected weights to be a Tensor, but got {describe(weights)}")
+        raise TypeError(
+            f"{_NAME}: expected weights to be a Tensor, but got {describe(weights)}"
+            f"{tensor_hint(weights)}"
+        )
     if not isinstance(biases, Tensor):
-        raise TypeError(f"{_NAME}: expected biases to be a Tensor, but got {describe(biases)}")
+        raise TypeError(
+            f"{_NAME}: expected biases to be a Tensor, but got {describe(biases)}"
+            f"{tensor_hint(biases)}"
+        )
     check_layout(_NAME, "weights", weights)
     check_layout(_NAME, "biases", biases)
     if weights.dim() < 3 or weights.shape[-1] != weights.shape[-2]:
@@ -202,6 +207,7 @@ def _validate(
         if not isinstance(initial, Tensor):
             raise TypeError(
                 f"{_NAME}: expected initial to be a Tensor or None, but got {describe(initial)}"
+                f"{tensor_hint(initial)}"
             )
         check_layout(_NAME, "initial", initial)
         if initial.dim() < 1 or initial.shape[-1] not in (1, d):

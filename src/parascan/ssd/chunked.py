@@ -46,6 +46,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from parascan import _checkpointed
 from parascan.ssd.canonical import CHECKPOINT_STEPS, EMPTY, drops_final, zero_rows_as_zeros
@@ -129,8 +130,15 @@ def dual_form_steps(dt: Tensor, A: Tensor, most: int) -> int:
     a product overflows only where the loop's state does. One step growing by more
     than that is a block of its own: its one weight exp(a) is the loop's own decay.
     One number for the call (a host sync on an accelerator, once per forward and
-    backward), from every batch element under vmap."""
-    growth = float(_values(dt * A).clamp(min=0).amax()) if dt.numel() else 0.0
+    backward), from every batch element under vmap.
+
+    Traced without values (torch.compile's fake tensors: the forward mode of a compiled
+    ``jvp``), the block length cannot follow them: one step, the loop's own form,
+    finite wherever the loop is."""
+    values = _values(dt * A)
+    if is_fake(values):
+        return 1
+    growth = float(values.clamp(min=0).amax()) if dt.numel() else 0.0
     limit = 0.5 * math.log(torch.finfo(dt.dtype).max)
     if not growth * most > limit:  # also the normal regime, and NaN: it propagates
         return most
