@@ -182,31 +182,40 @@ def test_a_non_finite_input_reaches_no_earlier_output(
     for name, value in scan.env:
         monkeypatch.setenv(name, value)
     # lengths past the torch backends' blocks (32, 64) and checkpoints (64, 128) on the
-    # compiled backends; short in the interpreter (its blocks are 16 steps), NaN only
+    # compiled backends; short in the interpreter (its blocks are 16 steps)
     length = 24 if where.interpreted else 150
     steps = (9,) if where.interpreted else (1, 40, 64, 130)
-    values = scan.values[:1] if where.interpreted else scan.values
     clean = {k: v.to(where.device) for k, v in scan.make(gen, length).items()}
     want = scan.call(clean, where.backend)
     assert want.isfinite().all()
-    for name, dim in scan.timed.items():
-        for t in steps:
-            for value in values:
-                p = dict(clean)
-                p[name] = clean[name].clone()
-                p[name].select(dim, t).fill_(value)
-                got = scan.call(p, where.backend)
-                start, count = (t + 1, length - t - 1) if scan.reverse else (0, t)
-                before = got.narrow(scan.out_dim, start, count)
-                expect = want.narrow(scan.out_dim, start, count)
-                where_ = f"{name}[t={t}] = {value}"
-                assert before.isfinite().all(), f"{scan.name}: {where_} reached an earlier output"
-                torch.testing.assert_close(before, expect, msg=lambda m, w=where_: f"{w}: {m}")
-                if "loop" in scan.backends and where.backend != "loop":
-                    # and no further than in the loop: the same entries non-finite
-                    # (a NaN in one channel leaves the others finite), the rest equal
-                    ref = scan.call(p, "loop")
-                    same = got.isfinite() == ref.isfinite()
-                    assert same.all(), f"{scan.name}: {where_}: not the loop's non-finite entries"
-                    finite = ref.isfinite()
-                    torch.testing.assert_close(got[finite], ref[finite])
+    for first, (name, dim) in enumerate(scan.timed.items()):
+        # a whole step's slice at each step and value (in the interpreter: NaN in every
+        # input, the other values in the first), and one element (a channel) at one step
+        plants = [
+            (t, value, False)
+            for t in steps
+            for value in scan.values
+            if not where.interpreted or first == 0 or value != value
+        ]
+        plants.append((steps[-1 if where.interpreted else 1], scan.values[0], True))
+        for t, value, single in plants:
+            p = dict(clean)
+            p[name] = clean[name].clone()
+            planted = p[name].select(dim, t)
+            (planted[tuple(n - 1 for n in planted.shape)] if single else planted).fill_(value)
+            got = scan.call(p, where.backend)
+            start, count = (t + 1, length - t - 1) if scan.reverse else (0, t)
+            before = got.narrow(scan.out_dim, start, count)
+            expect = want.narrow(scan.out_dim, start, count)
+            where_ = f"{name}[t={t}{', one element' if single else ''}] = {value}"
+            assert before.isfinite().all(), f"{scan.name}: {where_} reached an earlier output"
+            torch.testing.assert_close(before, expect, msg=lambda m, w=where_: f"{w}: {m}")
+            if "loop" in scan.backends and where.backend != "loop":
+                # and no further than in the loop: the same entries non-finite (a NaN in
+                # one channel leaves the others finite; NaN may stand for the loop's
+                # inf), the rest equal
+                ref = scan.call(p, "loop")
+                same = got.isfinite() == ref.isfinite()
+                assert same.all(), f"{scan.name}: {where_}: not the loop's non-finite entries"
+                finite = ref.isfinite()
+                torch.testing.assert_close(got[finite], ref[finite])

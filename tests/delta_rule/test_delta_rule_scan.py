@@ -403,12 +403,54 @@ def test_l2norm_of_vectors_whose_squares_overflow(where, gen, dtype, grad):
     q = _cast({**p, "q": p["q"] * huge, "k": p["k"] * huge}, dtype)
     assert not torch.isfinite((q["q"] * q["q"]).sum(-1)).all()  # the plain sum overflows
     if grad:
-        q["v"].requires_grad_()
+        for name in ("q", "k", "v"):
+            q[name].requires_grad_()
     out, final = _run(q, where.backend, device=where.device, qk_l2norm=True)
     assert_matches(out, want_out, dtype)
     assert_matches(final, want_final, dtype)
+    if grad and dtype == torch.float32:  # float64 squares of 1e24 fit: the loop's gradients
+        exact = {k: v.detach().to(F64).requires_grad_() for k, v in q.items() if v is not None}
+        w_out = torch.randn(out.shape, generator=gen, dtype=F64)
+        want = torch.autograd.grad(
+            (_oracle(exact, qk_l2norm=True)[0] * w_out).sum(), [exact[n] for n in "qkv"]
+        )
+        got = torch.autograd.grad((out.double() * w_out).sum(), [q[n] for n in "qkv"])
+        for g, w in zip(got, want, strict=True):
+            assert g.isfinite().all()
+            assert_matches(g, w, dtype)
     # one decoding step from the state, as a generation loop makes it
     step = {k: v[:, :1] if k != "initial" else final for k, v in q.items() if v is not None}
     o1, _ = _run({**step, "g": q["g"][:, :1]}, where.backend, device=where.device, qk_l2norm=True)
     cont = {k: v[:, :1] if k != "initial" else want_final for k, v in ordinary.items()}
     assert_matches(o1, _oracle({**cont, "g": ordinary["g"][:, :1]}, qk_l2norm=True)[0], dtype)
+
+
+@pytest.mark.parametrize("where", TARGETS, ids=IDS)
+def test_an_overflowing_product_of_finite_inputs_is_never_silently_zero(where):
+    """q[1] . k[0] = 1e40 overflows float32 while the loop's output, q[1] . (k[0] u[0])
+    = 1e10, does not: the chunked form's weight overflows, and its mask once zeroed every
+    non-finite entry on and below the diagonal too (nan_to_num), giving a silent 0. A
+    backend gives the loop's 1e10 or a non-finite value, never a finite wrong one."""
+    q = torch.zeros(1, 2, 1, 1)
+    k = torch.zeros(1, 2, 1, 1)
+    v = torch.zeros(1, 2, 1, 1)
+    q[0, 1], k[0, 0], v[0, 0] = 1e20, 1e20, 1e-30
+    beta = torch.ones(1, 2, 1)
+    p = {"q": q, "k": k, "v": v, "beta": beta, "g": None, "initial": None}
+    out, _ = _run(p, where.backend, device=where.device, scale=1.0)
+    want = _oracle(_cast(p, F64), scale=1.0)[0]
+    assert want[0, 1, 0, 0] == pytest.approx(1e10, rel=1e-6)
+    got = out[0, 1, 0, 0]
+    assert not got.isfinite() or got.item() == pytest.approx(1e10, rel=1e-5), got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_l2norm_keeps_the_plain_formulas_bits(gen, dtype):
+    """The rescaled l2norm scales by powers of two: wherever the plain formula
+    x * rsqrt(sum(x * x) + 1e-6) does not overflow, the same bits (as fla's)."""
+    from parascan.delta_rule.api import _l2norm
+
+    for scale in (1e-4, 0.5, 1.0, 1.99, 3.0, 1e3, 1e12):
+        x = (torch.randn(200, 48, generator=gen, dtype=F64) * scale).to(dtype)
+        plain = x * (torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) * 0.25)
+        assert torch.equal(_l2norm(x, 0.25), plain), scale

@@ -106,7 +106,7 @@ def test_constant_results_are_marked_as_torch_marks_them() -> None:
     marked = torch.compiler.assume_constant_result(probe)
     assert marked is probe
     assert vars(probe) == {"_dynamo_marked_constant": True}
-    for fn in (_core._kernel_library_error, _core._triton_importable):
+    for fn in (_core._kernel_library_error, _core._triton_importable, _core._allow_in_graph):
         assert vars(fn).get("_dynamo_marked_constant") is True, fn
 
 

@@ -33,14 +33,15 @@ Opt = Tensor | None
 def _l2norm(x: Tensor, factor: float = 1.0) -> Tensor:
     """x * rsqrt(sum(x * x) + 1e-6) times ``factor``, for every finite x: the sum of
     squares would overflow for |x| past about 1e19 in float32 (every row then 0), so
-    each row's largest magnitude m, where it is above 1, is scaled out before squaring,
-    (x / m) * rsqrt(sum((x / m)^2) + 1e-6 / m^2) (m a constant to autograd: the value
-    and its derivative are the unscaled formula's). Rows of magnitude at most 1 take
-    the plain formula's exact operations. A NaN or inf in a row makes it NaN, as the
-    plain formula's inf / inf does."""
-    m = x.detach().abs().amax(-1, keepdim=True).clamp(min=1.0)
-    y = x / m
-    return y * (torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6 / (m * m)) * factor)
+    each row is scaled before squaring by the power of two s that brings its largest
+    magnitude into [1, 2) (s = 1 for rows below 2): (s x) * rsqrt(sum((s x)^2) +
+    1e-6 s^2), s a constant to autograd. A power of two scales exactly, so a row gives
+    the plain formula's bits wherever that does not overflow. An inf in a row gives the
+    plain formula's NaN there and 0 elsewhere; a NaN, a NaN row."""
+    m = x.detach().abs().amax(-1, keepdim=True)
+    s = torch.ldexp(torch.ones_like(m), -torch.frexp(m)[1].clamp(min=1) + 1)
+    y = x * s
+    return y * (torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6 * (s * s)) * factor)
 
 
 def _scale(scale: object, dk: int) -> float:

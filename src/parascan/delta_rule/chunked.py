@@ -103,14 +103,13 @@ def _block(
     # Causality under NaN and inf. A non-finite input at step t makes u[t] non-finite
     # and, through the solve, every later u in its value channels: the loop's state
     # from t on. The products over the block's steps must not carry it into earlier
-    # rows (0 * NaN = NaN): they read qk and u with their non-finite entries zeroed,
-    # and NaN is added from each channel's first non-finite u on (u - u is 0, or NaN
-    # where u is not finite; its running sum stays NaN). A non-finite entry of qk at
-    # or below the diagonal is a non-finite q[t] (then q_in @ h makes row t
-    # non-finite) or k[j] or decay (then u is non-finite from j on). Arithmetic, not
-    # masked_fill: the selects cost several times more on CPU.
+    # rows (0 * NaN = NaN): qk's mask selects (a later k's NaN above the diagonal), u
+    # is read with its non-finite entries zeroed, and NaN is added from each channel's
+    # first non-finite u on (u - u is 0, or NaN where u is not finite; its running sum
+    # stays NaN). On and below the diagonal qk keeps every value, an overflow of finite
+    # inputs included (the loop's output there is as large).
     spoilt = (u - u).cumsum(-2)
-    qk = torch.nan_to_num(qk * lower.to(v.dtype), 0.0, 0.0, 0.0)
+    qk = torch.where(lower, qk, 0.0)
     out = q_in @ h + qk @ torch.nan_to_num(u, 0.0, 0.0, 0.0) + spoilt
     h = (h if through is None else through * h) + k_out.transpose(-1, -2) @ u
     return out, h
