@@ -25,6 +25,9 @@ FAILED_ONCE = [
     # selective, float16: the loop and the kernel started from differently rounded
     # output gradients (the fuzzer now rounds them to the output dtype for both).
     (3842573934, 449),
+    # log_linear_scan, bfloat16, 57 steps with an initial state: the same for the
+    # first-order scans, whose initial state's gradient cancelled to 1/1.8 of the error.
+    (2640312857, 300),
 ]
 
 
