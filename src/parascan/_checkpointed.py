@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parascan import _core
 from parascan._core import short_repr
 
 __all__ = ["EMPTY", "Piece", "backward", "drops_final", "forward", "states", "zero_rows_as_zeros"]
@@ -53,14 +54,15 @@ def states(first: Tensor, cu_seqlens: Opt) -> int:
     return first.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def drops_final(forward: Callable[..., Any], operands: int) -> Callable[..., Any]:
-    """A backend's ``forward`` of ``operands`` operands that also takes ``want_final``
-    (after them, True when not given): without it the final state it computed is
-    dropped (no rows)."""
+def drops_final(forward: Callable[..., Any], operands: _core.Operands) -> Callable[..., Any]:
+    """A backend's ``forward`` of the family's ``operands`` that also takes
+    ``want_final`` (after them, True when not given): without it the final state it
+    computed is dropped (no rows)."""
+    count = operands.count
 
     @functools.wraps(forward)
     def wrapped(*args: Any, want_final: bool = True, **kwargs: Any) -> Any:
-        if len(args) == operands + 1:
+        if len(args) == count + 1:
             *args, want_final = args  # type: ignore[assignment]
         out, final, checkpoints = forward(*args, **kwargs)
         return out, final if want_final else final.new_empty(0, *final.shape[1:]), checkpoints
@@ -68,9 +70,12 @@ def drops_final(forward: Callable[..., Any], operands: int) -> Callable[..., Any
     return wrapped
 
 
-def zero_rows_as_zeros(backward: Callable[..., Any], cu_at: int) -> Callable[..., Any]:
+def zero_rows_as_zeros(
+    backward: Callable[..., Any], operands: _core.Operands
+) -> Callable[..., Any]:
     """A backend's ``backward`` that also takes a ``grad_final`` with no rows, for
-    zeros (its last argument; ``cu_seqlens`` at position ``cu_at``)."""
+    zeros (its last argument; the family's ``operands`` first, cu_seqlens among them)."""
+    cu_at = operands.cu_at
 
     @functools.wraps(backward)
     def wrapped(*args: Any) -> Any:

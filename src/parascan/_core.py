@@ -69,6 +69,7 @@ __all__ = [
     "DimensionError",
     "Function",
     "OpBackends",
+    "Operands",
     "accumulate_dtype",
     "as_operand",
     "backends",
@@ -1027,18 +1028,54 @@ def _contiguous(ts: Any) -> tuple[Tensor, ...]:
 
 
 @dataclass(frozen=True)
+class Operands:
+    """A checkpointed family's canonical tensor operands, in order, declared once: the
+    op schemas, the backends' argument counts and the number of gradients all follow
+    from it. ``spec`` names them, space-separated, an optional one marked ``?``:
+    ``Operands("q k v beta g? initial? cu_seqlens?")``. Every operand but ``cu_seqlens``
+    (offsets) is differentiable."""
+
+    spec: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n.rstrip("?") for n in self.spec.split())
+
+    @property
+    def schema(self) -> str:
+        """The ops' tensor arguments: ``"Tensor q, ..., Tensor? g, ..."``."""
+        return ", ".join(
+            f"Tensor? {n[:-1]}" if n.endswith("?") else f"Tensor {n}" for n in self.spec.split()
+        )
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    @property
+    def grads(self) -> int:
+        """How many gradients a backward returns: of every operand but cu_seqlens."""
+        return sum(n != "cu_seqlens" for n in self.names)
+
+    @property
+    def cu_at(self) -> int:
+        """``cu_seqlens``'s position (a family without packed sequences raises)."""
+        return self.names.index("cu_seqlens")
+
+
+@dataclass(frozen=True)
 class CheckpointedScan:
     """A scan whose forward returns ``(out, final, checkpoints)`` (the states every K
     steps, which its backward reads) and whose backward returns the gradients of its
     leading operands: the state-space scans (selective_scan, ssd_scan). What a family
     declares; :func:`checkpointed_scan` makes its ops and Functions.
 
-    The ops take ``tensors`` (schema, e.g. ``"Tensor u, Tensor? D"``), then ``consts``
-    (plain arguments, e.g. ``"bool softplus"``), then the backend's name; the backward
-    op takes the tensors, ``checkpoints, grad_out, grad_final``, the consts and the
-    backend, and returns ``grads`` gradients, of the first ``grads`` tensors (empty for
-    an absent one). Every tensor reaches ``forward``/``backward`` with lazy conjugate and
-    negative views resolved, and every result leaves contiguous, as the fake kernels say
+    The ops take the ``operands`` (tensors), then ``consts`` (plain arguments, e.g.
+    ``"bool softplus"``), then the backend's name; the backward op takes the tensors,
+    ``checkpoints, grad_out, grad_final``, the consts and the backend, and returns the
+    gradients of every operand but ``cu_seqlens`` (empty for an absent one). Every
+    tensor reaches ``forward``/``backward`` with lazy conjugate and negative views
+    resolved, and every result leaves contiguous, as the fake kernels say
     (torch.compile's graphs assert the strides they report)."""
 
     # the op's row of the backend table (OpBackends, above): its public
@@ -1048,9 +1085,8 @@ class CheckpointedScan:
     # forward mode differentiates the "torch" backend's forward
     row: Any
     name: str  # the ops: parascan::<name>, parascan::<name>_backward
-    tensors: str
+    operands: Operands  # the tensors, in order (canonical.py's OPERANDS)
     consts: str
-    grads: int
     # (*tensors, *consts, backend) -> empty (out, final, checkpoints): the fake kernel
     forward_shapes: Callable[..., tuple[Tensor, Tensor, Tensor]]
     # (tensors, consts) -> the grad_final standing for one that is None (grad_out's is
@@ -1085,7 +1121,7 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
     """``apply(*tensors, *consts, backend) -> (out, final)``, differentiable (reverse
     and forward mode, vmap, torch.compile) through two new torch.library ops. Second
     derivatives raise parascan's error."""
-    n_tensors = spec.tensors.count("Tensor")
+    n_tensors = spec.operands.count
     n_consts = len([c for c in spec.consts.split(",") if c.strip()])
     consts = f", {spec.consts}" if n_consts else ""
 
@@ -1098,7 +1134,7 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
 
     forward_op = custom_op(
         spec.name,
-        f"({spec.tensors}{consts}, str backend) -> (Tensor, Tensor, Tensor)",
+        f"({spec.operands.schema}{consts}, str backend) -> (Tensor, Tensor, Tensor)",
         forward_impl,
         spec.forward_shapes,
     )
@@ -1117,12 +1153,13 @@ def checkpointed_scan(spec: CheckpointedScan) -> Callable[..., tuple[Tensor, Ten
         first = args[0]
         return [
             t.new_empty(t.shape) if t is not None else first.new_empty(0)
-            for t in args[: spec.grads]
+            for t in args[: spec.operands.grads]
         ]
 
     backward_op = custom_op(
         f"{spec.name}_backward",
-        f"({spec.tensors}, Tensor checkpoints, Tensor grad_out, Tensor grad_final{consts}, "
+        f"({spec.operands.schema}, Tensor checkpoints, Tensor grad_out, Tensor grad_final"
+        f"{consts}, "
         "str backend) -> Tensor[]",
         backward_impl,
         backward_fake,
@@ -1240,7 +1277,7 @@ class _Scan(Function):
         need = ctx.needs_input_grad
         return (
             *(g if need[i] and tensors[i] is not None else None for i, g in enumerate(grads)),
-            *(None for _ in range(built.tensors - built.spec.grads + built.consts + 2)),
+            *(None for _ in range(built.tensors - built.spec.operands.grads + built.consts + 2)),
         )
 
     @staticmethod

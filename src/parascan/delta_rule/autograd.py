@@ -10,7 +10,7 @@ from torch import Tensor
 from parascan._checkpointed import states
 from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
 from parascan.delta_rule import chunked, cpu, reference
-from parascan.delta_rule.canonical import n_chunks
+from parascan.delta_rule.canonical import OPERANDS, n_chunks
 
 __all__ = ["ROW", "apply"]
 
@@ -62,10 +62,8 @@ apply = checkpointed_scan(
     CheckpointedScan(
         row=ROW,
         name="delta_rule_scan",
-        tensors="Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, Tensor? initial, "
-        "Tensor? cu_seqlens",
+        operands=OPERANDS,
         consts="bool want_final",
-        grads=6,
         forward_shapes=_shapes,
         zero_final=_zero_final,
         backward_consts=False,  # a grad_final with no rows stands for zeros

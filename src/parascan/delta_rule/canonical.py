@@ -42,8 +42,12 @@ from collections.abc import Callable
 from typing import Any
 
 from parascan import _checkpointed
+from parascan._core import Operands
 
-__all__ = ["CHECKPOINT_STEPS", "drops_final", "n_chunks", "zero_rows_as_zeros"]
+__all__ = ["CHECKPOINT_STEPS", "OPERANDS", "drops_final", "n_chunks", "zero_rows_as_zeros"]
+
+# The operands, in order: the ops' schemas and the backends' argument counts follow.
+OPERANDS = Operands("q k v beta g? initial? cu_seqlens?")
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
 CHECKPOINT_STEPS = {"cpu": 64, "torch": 128, "loop": 64}
@@ -55,10 +59,10 @@ def n_chunks(length: int, backend: str) -> int:
 
 
 def drops_final(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A backend's ``forward`` of the seven operands that also takes ``want_final``."""
-    return _checkpointed.drops_final(forward, 7)
+    """A backend's ``forward`` of the operands that also takes ``want_final``."""
+    return _checkpointed.drops_final(forward, OPERANDS)
 
 
 def zero_rows_as_zeros(backward: Callable[..., Any]) -> Callable[..., Any]:
     """A backend's ``backward`` that also takes a ``grad_final`` with no rows."""
-    return _checkpointed.zero_rows_as_zeros(backward, 6)
+    return _checkpointed.zero_rows_as_zeros(backward, OPERANDS)

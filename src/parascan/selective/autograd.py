@@ -9,7 +9,7 @@ from torch import Tensor
 
 from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
 from parascan.selective import chunked, cpu, reference, triton
-from parascan.selective.canonical import n_chunks, state_dtype
+from parascan.selective.canonical import OPERANDS, n_chunks, state_dtype
 
 __all__ = ["ROW", "apply"]
 
@@ -62,10 +62,8 @@ apply = checkpointed_scan(
     CheckpointedScan(
         row=ROW,
         name="selective_scan",
-        tensors="Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
-        "Tensor? delta_bias, Tensor? initial",
+        operands=OPERANDS,
         consts="bool softplus",
-        grads=9,
         forward_shapes=_shapes,
         zero_final=_zero_final,
     )

@@ -59,7 +59,12 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["CHECKPOINT_STEPS", "EMPTY", "n_chunks", "state_dtype"]
+from parascan._core import Operands
+
+__all__ = ["CHECKPOINT_STEPS", "EMPTY", "OPERANDS", "n_chunks", "state_dtype"]
+
+# The operands, in order: the ops' schemas and the backends' argument counts follow.
+OPERANDS = Operands("u delta A B C D? z? delta_bias? initial?")
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
 CHECKPOINT_STEPS = {"cpu": 64, "triton": 64, "torch": 64, "loop": 64}

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
 from parascan.ssd import chunked, cpu, reference, triton
-from parascan.ssd.canonical import n_chunks, states
+from parascan.ssd.canonical import OPERANDS, n_chunks, states
 
 __all__ = ["ROW", "apply"]
 
@@ -59,10 +59,8 @@ apply = checkpointed_scan(
     CheckpointedScan(
         row=ROW,
         name="ssd_scan",
-        tensors="Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
-        "Tensor? initial, Tensor? cu_seqlens",
+        operands=OPERANDS,
         consts="bool want_final",
-        grads=8,
         forward_shapes=_shapes,
         zero_final=_zero_final,
         backward_consts=False,  # a grad_final with no rows stands for zeros

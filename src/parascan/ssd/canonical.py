@@ -70,15 +70,20 @@ from collections.abc import Callable
 from typing import Any
 
 from parascan import _checkpointed
+from parascan._core import Operands
 
 __all__ = [
     "CHECKPOINT_STEPS",
     "EMPTY",
+    "OPERANDS",
     "drops_final",
     "n_chunks",
     "states",
     "zero_rows_as_zeros",
 ]
+
+# The operands, in order: the ops' schemas and the backends' argument counts follow.
+OPERANDS = Operands("x dt A B C D? z? initial? cu_seqlens?")
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
 CHECKPOINT_STEPS = {"cpu": 64, "triton": 64, "torch": 256, "loop": 64}
@@ -94,13 +99,13 @@ states = _checkpointed.states
 
 
 def drops_final(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A backend's ``forward`` of the nine operands that also takes ``want_final``
-    (tenth, True when not given): without it the final state it computed is dropped
-    (no rows)."""
-    return _checkpointed.drops_final(forward, 9)
+    """A backend's ``forward`` of the operands that also takes ``want_final`` (after
+    them, True when not given): without it the final state it computed is dropped (no
+    rows)."""
+    return _checkpointed.drops_final(forward, OPERANDS)
 
 
 def zero_rows_as_zeros(backward: Callable[..., Any]) -> Callable[..., Any]:
     """A backend's ``backward`` that also takes a ``grad_final`` with no rows, for
-    zeros (its last argument; ``cu_seqlens`` its ninth)."""
-    return _checkpointed.zero_rows_as_zeros(backward, 8)
+    zeros (its last argument)."""
+    return _checkpointed.zero_rows_as_zeros(backward, OPERANDS)
