@@ -565,9 +565,10 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def assume_constant_result(fn: _F) -> _F:
     """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it: torch.compile
     calls it once while tracing and uses its result as a constant. That function imports
-    ``torch._dynamo`` (about 1.8 s, most of ``import parascan``) only to set this one
-    attribute, so it is set here, and import stays free of work; a test checks that
-    torch's own function still sets exactly this attribute."""
+    ``torch._dynamo`` (seconds, most of what ``import parascan`` cost with it:
+    BENCHMARKS.md, "Figures the source cites") only to set this one attribute, so it is
+    set here, and import stays free of work; a test checks that torch's own function
+    still sets exactly this attribute."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
@@ -609,8 +610,9 @@ def on_their_device(fn: _F) -> _F:
 
 class Function(torch.autograd.Function):
     """torch.autograd.Function, with each subclass's ``forward`` signature computed
-    once: ``apply`` binds every call's arguments to it, and ``inspect.signature``
-    took about 20 us of a 95 us call (the host's time is what a GPU waits for)."""
+    once: ``apply`` binds every call's arguments to it, and ``inspect.signature`` took
+    a fifth of a small differentiable call's host time (BENCHMARKS.md, "Figures the
+    source cites"; the host's time is what a GPU waits for)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

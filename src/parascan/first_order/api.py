@@ -175,8 +175,9 @@ def fast_path(
     so the same arguments are accepted or rejected, with the same result, whichever
     path runs. A small scan costs microseconds in the kernel, so the tens of
     microseconds of dispatch are what this path saves; on a GPU, a host slower than
-    the kernel leaves the device waiting (0.36 ms of host time per call through the
-    op, 0.09 ms in the kernels' launch, on an H200's host)."""
+    the kernel leaves the device waiting (the host's time per call through the op and
+    in the kernels' launch, measured on an H200's host: BENCHMARKS.md, "Figures the
+    source cites")."""
     if not (
         type(gates) is torch.Tensor
         and type(tokens) is torch.Tensor

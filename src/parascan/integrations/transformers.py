@@ -1048,8 +1048,9 @@ def _candidate_modules(family: _Family) -> list[str]:
 @functools.lru_cache(maxsize=64)
 def _modules_defining(root: str, marker: str, unless: tuple[str, ...]) -> tuple[str, ...]:
     """_candidate_modules' search of the modeling sources under ``root``, once per
-    process and family: reading the few hundred modeling files took about 60 ms, which
-    every patch() paid for each family."""
+    process and family: reading the few hundred modeling files is slow enough that
+    every patch() paid for it noticeably for each family (BENCHMARKS.md, "Figures the
+    source cites")."""
     names = []
     for path in sorted(Path(root).glob("*/modeling_*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -85,7 +85,8 @@ def per_head(m: Tensor, heads: int) -> Tensor:
 def _floor(t: Tensor) -> float:
     """The log decay below which exp(.) is clamped: exp of it is still a normal number
     of the dtype (below it the result is subnormal or zero, and the vectorized exp
-    takes a slow path, about 25 times slower on CPU). The clamp turns a weight below
+    takes a slow path on CPU, many times slower: BENCHMARKS.md, "Figures the source
+    cites"). The clamp turns a weight below
     1.8e-35 (float32; 1e-304 in float64) into that value: invisible next to terms of
     ordinary size, and its gradient, already below that, into 0."""
     return -80.0 if t.dtype != torch.float64 else -700.0

@@ -23,10 +23,9 @@ forwards, both with the same checkpoints (so one backward serves both):
   weights reach exp(16 max(dt A)): a state growing that fast (dt A > 0, allowed by
   the contract) walks step by step instead (``chunked.dual_form_steps``).
 
-On an H200 (tools/gpu/ssd_check.py, BENCHMARKS.md) the dual form's forward took 0.683
-against 0.722 ms at (1, 512, 24, 64, N 64), 1.47 against 2.43 ms at 4096 steps, and
-2.24 against 3.38 ms at a Mamba-2 2.7B layer's (2, 2048, 80, 64, N 128); forward +
-backward about the same at 512 steps, 9% and 4% less at the others. It stays opt-in:
+On an H200 (tools/gpu/ssd_check.py) the dual form's forward was the faster at every
+shape timed, a Mamba-2 2.7B layer's included, and forward + backward the same or
+slightly faster (BENCHMARKS.md, "GPU" and "Figures the source cites"). It stays opt-in:
 it must first learn whether the state grows too fast for its blocks
 (``chunked.dual_form_steps``), a host synchronization per call that the walk does not
 need (and that CUDA-graph capture refuses), until that test runs on the device.
