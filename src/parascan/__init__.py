@@ -18,6 +18,7 @@ with _warnings.catch_warnings():
     from parascan.delta_rule import delta_rule_scan
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
+    from parascan.linear_attention import linear_attention_scan
     from parascan.matrix import matrix_linear_scan
     from parascan.mixer import selective_state_update
     from parascan.selective import selective_scan
@@ -31,6 +32,7 @@ __all__ = [
     "associative_scan",
     "backends",
     "delta_rule_scan",
+    "linear_attention_scan",
     "linear_scan",
     "log_linear_scan",
     "matrix_linear_scan",

@@ -37,7 +37,17 @@ from torch import Tensor
 from parascan import _core
 from parascan._core import short_repr
 
-__all__ = ["EMPTY", "Piece", "backward", "drops_final", "forward", "states", "zero_rows_as_zeros"]
+__all__ = [
+    "EMPTY",
+    "Piece",
+    "backward",
+    "bind_heads",
+    "drops_final",
+    "forward",
+    "head_state_shapes",
+    "states",
+    "zero_rows_as_zeros",
+]
 
 Opt = Tensor | None
 Operands = tuple[Opt, ...]
@@ -264,3 +274,103 @@ def backward(
             if lo == hi:
                 grad_initial[_rows(seq, packed)] = grad_final[_rows(seq, packed)]
     return tuple(grad_timed), tuple(grad_fixed), grad_initial
+
+
+# --- the scans with a (K, V) state per value head -------------------------------------
+
+# Operands read per query/key head (batch, L, Hk, ...): each serves Hv / Hk value heads.
+_KEYED = ("q", "k", "a", "b")
+HeadPiece = Callable[..., tuple[Tensor, Tensor]]
+
+
+def bind_heads(
+    name: str, inner: HeadPiece, steps: int, operands: _core.Operands
+) -> tuple[Callable[..., tuple[Tensor, Tensor, Tensor]], Callable[..., tuple[Tensor, ...]]]:
+    """A backend's forward and backward, on the driver above, for a family with a
+    (K, V) state per value head (the delta rule, linear attention, DPLR): ``operands``
+    are the family's (``v``, the keyed ones, time-major ones, then ``initial`` and
+    ``cu_seqlens``), and ``inner(*timed, h)`` computes the steps of a piece from the
+    state ``h`` (batch, Hv, K, V), ``timed`` the operands but initial and cu_seqlens in
+    their order, q and k (a and b) already repeated to the value heads. The forward
+    takes the operands and ``want_final``, the backward a ``grad_final`` with no rows
+    for zeros (``drops_final``, ``zero_rows_as_zeros``)."""
+    names = operands.names
+    timed_names = [n for n in names if n not in ("initial", "cu_seqlens")]
+    order = ["v", *(n for n in timed_names if n != "v")]  # v first: the output's shape
+    keyed = [i for i, n in enumerate(timed_names) if n in _KEYED]
+
+    def piece(timed: Operands, fixed: Operands, h: Tensor) -> tuple[Tensor, Tensor]:
+        by_name = dict(zip(order, timed, strict=True))
+        args = [by_name[n] for n in timed_names]
+        v, q = by_name["v"], by_name["q"]
+        assert v is not None and q is not None
+        r = v.shape[2] // q.shape[2]
+        if r > 1:
+            for i in keyed:
+                t = args[i]
+                args[i] = None if t is None else t.repeat_interleave(r, 2)
+        return inner(*args, h)
+
+    def zero(k: Tensor, v: Tensor) -> Tensor:
+        # torch.zeros, not v.new_zeros: under torch.compile, in a jvp of a jvp (the
+        # scan's forward mode run by a compiled vmap of jvp), FakeTensor makes new_zeros
+        # of a wrapped tensor a meta tensor (torch 2.13), which no later op takes
+        return torch.zeros(
+            v.shape[0], v.shape[2], k.shape[-1], v.shape[-1], dtype=v.dtype, device=v.device
+        )
+
+    def run_forward(*args: Opt) -> tuple[Tensor, Tensor, Tensor]:
+        ops = dict(zip(names, args, strict=True))
+        k, v = ops["k"], ops["v"]
+        assert k is not None and v is not None
+        timed = tuple(ops[n] for n in order)
+        return forward(name, piece, steps, timed, (), ops["initial"], ops["cu_seqlens"], zero(k, v))
+
+    def run_backward(*args: Opt) -> tuple[Tensor, ...]:
+        *given, checkpoints, grad_out, grad_final = args
+        assert checkpoints is not None and grad_out is not None and grad_final is not None
+        ops = dict(zip(names, given, strict=True))
+        k, v = ops["k"], ops["v"]
+        assert k is not None and v is not None
+        grads, _, grad_initial = backward(
+            name, piece, steps, tuple(ops[n] for n in order), (), ops["initial"],
+            ops["cu_seqlens"], checkpoints, grad_out, grad_final, zero(k, v),
+        )  # fmt: skip
+        found = {**dict(zip(order, grads, strict=True)), "initial": grad_initial}
+        # a new empty tensor per absent operand: a custom op's returns may not alias
+        # one another (one shared placeholder for g's and initial's made the delta
+        # rule's backward fail whenever both were absent)
+        return tuple(
+            EMPTY(v) if found[n] is None else found[n]  # type: ignore[misc]
+            for n in names
+            if n != "cu_seqlens"
+        )
+
+    return drops_final(run_forward, operands), zero_rows_as_zeros(run_backward, operands)
+
+
+def head_state_shapes(
+    operands: _core.Operands, n_chunks: Callable[[int, str], int]
+) -> tuple[Callable[..., tuple[Tensor, Tensor, Tensor]], Callable[..., Tensor]]:
+    """The fake kernel's shapes (``forward_shapes``) and the stand-in for an absent
+    grad_final (``zero_final``) of a (K, V)-state family (``bind_heads``), whose ops
+    take the operands, ``want_final`` and the backend."""
+    names = operands.names
+    at_k, at_v, at_cu = names.index("k"), names.index("v"), names.index("cu_seqlens")
+
+    def shapes(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+        k, v, cu_seqlens = args[at_k], args[at_v], args[at_cu]
+        want_final, backend = args[len(names) :]
+        batch, length, heads, dv = v.shape
+        dk = k.shape[-1]
+        return (
+            v.new_empty(batch, length, heads, dv),
+            v.new_empty(states(v, cu_seqlens) if want_final else 0, heads, dk, dv),
+            v.new_empty(batch, n_chunks(length, backend), heads, dk, dv),
+        )
+
+    def zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
+        k, v = tensors[at_k], tensors[at_v]
+        return v.new_empty(0, v.shape[2], k.shape[-1], v.shape[-1])  # no rows: zeros
+
+    return shapes, zero_final

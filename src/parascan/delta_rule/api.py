@@ -3,23 +3,18 @@ Delta Attention)."""
 
 from __future__ import annotations
 
-import math
-from typing import overload
-
 import torch
 from torch import Tensor
 
 from parascan._core import (
     check_flag,
-    check_packed_state,
-    check_same_device,
     check_shape,
     check_tensor,
-    describe,
     eager_no_grad,
     finite_float,
     resolve,
 )
+from parascan._heads import as_dtype, check_gate, check_heads, check_scale, check_state
 from parascan._native import kernel_library_error
 from parascan.delta_rule import autograd as delta_ops
 from parascan.delta_rule import cpu as delta_cpu
@@ -42,17 +37,6 @@ def _l2norm(x: Tensor, factor: float = 1.0) -> Tensor:
     s = torch.ldexp(torch.ones_like(m), -torch.frexp(m)[1].clamp(min=1) + 1)
     y = x * s
     return y * (torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6 * (s * s)) * factor)
-
-
-def _scale(scale: object, dk: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(dk)
-    value = finite_float(scale)
-    if value is None:
-        raise TypeError(
-            f"{_FN}: expected scale to be a finite number or None, but got {describe(scale)}"
-        )
-    return value
 
 
 def delta_rule_scan(
@@ -105,56 +89,22 @@ def delta_rule_scan(
         out, final = delta_cpu.infer(q, k, v, beta, g, initial, return_final, plain)
         return (out, final) if return_final else out
 
-    q = check_tensor(_FN, "q", q)
-    if q.dim() != 4:
-        raise ValueError(f"{_FN}: expected q of shape (batch, L, Hk, K), but got {describe(q)}")
-    batch, length, hk, dk = q.shape
-    if hk < 1 or dk < 1:
-        raise ValueError(
-            f"{_FN}: expected q with at least one head and one key channel (Hk, K >= 1), but "
-            f"got {describe(q)}"
-        )
-    k = check_tensor(_FN, "k", k)
-    check_shape(_FN, "k", k, (batch, length, hk, dk), "(batch, L, Hk, K) like q")
-    v = check_tensor(_FN, "v", v)
-    if v.dim() != 4 or v.shape[:2] != (batch, length):
-        raise ValueError(
-            f"{_FN}: expected v of shape (batch, L, Hv, V) with (batch, L) = {(batch, length)}, "
-            f"but got {describe(v)}"
-        )
-    hv, dv = v.shape[2], v.shape[3]
-    if hv < 1 or hv % hk:
-        raise ValueError(
-            f"{_FN}: expected v's head count Hv to be a positive multiple of q and k's Hk = "
-            f"{hk}, but got {describe(v)}"
-        )
-    if dv < 1:
-        raise ValueError(
-            f"{_FN}: expected v with at least one value channel (V >= 1), but got {describe(v)}"
-        )
+    q, k, v, _, heads = check_heads(_FN, q, k, v)
     beta = check_tensor(_FN, "beta", beta)
-    check_shape(_FN, "beta", beta, (batch, length, hv), "(batch, L, Hv)")
-    if g is not None:
-        g = check_tensor(_FN, "g", g)
-        if tuple(g.shape) not in ((batch, length, hv), (batch, length, hv, dk)):
-            raise ValueError(
-                f"{_FN}: expected g of shape (batch, L, Hv) = {(batch, length, hv)} or "
-                f"(batch, L, Hv, K) = {(batch, length, hv, dk)}, but got {describe(g)}"
-            )
-    cu_seqlens, initial = check_packed_state(
-        _FN, ("q", q), cu_seqlens, initial, ((hv, dk, dv), "Hv, K, V")
-    )
-    named = [("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial", initial)]
-    check_same_device(_FN, [(n, t) for n, t in named if t is not None])
+    check_shape(_FN, "beta", beta, (heads.batch, heads.length, heads.hv), "(batch, L, Hv)")
+    g = check_gate(_FN, g, heads)
+    named = [("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g)]
+    cu_seqlens, initial = check_state(_FN, q, heads, cu_seqlens, initial, named)
     qk_l2norm = check_flag(_FN, "qk_l2norm", qk_l2norm)
     return_final = check_flag(_FN, "return_final", return_final)
-    factor = _scale(scale, dk)
+    factor = check_scale(_FN, scale, heads.dk)
 
     cd = torch.float64 if v.dtype == torch.float64 else torch.float32
     name = resolve(delta_ops.ROW, backend, v.device, cd, name=_FN)
-    q, k = _as(q, cd), _as(k, cd)
+    q, k = as_dtype(q, cd), as_dtype(k, cd)
     args = (
-        q, k, _as(v, cd), _as(beta, cd), _as(g, cd), _as(initial, cd), _as(cu_seqlens, torch.int64)
+        q, k, as_dtype(v, cd), as_dtype(beta, cd), as_dtype(g, cd), as_dtype(initial, cd),
+        as_dtype(cu_seqlens, torch.int64),
     )  # fmt: skip
     if name == "cpu" and eager_no_grad([t for t in args if t is not None]):
         # nothing differentiates the call (inference, a decoding step): the kernel
@@ -168,7 +118,7 @@ def delta_rule_scan(
         # only the recurrence
         q, k = (_l2norm(q, factor), _l2norm(k)) if qk_l2norm else (q * factor, k)
         out, final = delta_ops.apply(q, k, *args[2:], return_final, name)
-    out = _as(out, v.dtype)
+    out = as_dtype(out, v.dtype)
     return (out, final) if return_final else out
 
 
@@ -182,8 +132,8 @@ def _plain_inference(
     packed, on contiguous CPU tensors of one float32 or float64 dtype whose shapes
     agree, as a generation loop hands them in on every token. These checks imply every
     check below them in delta_rule_scan, which runs (and raises) when one fails. The
-    general path's validation, backend resolution and casts cost about 40 us a call,
-    a fifth of a decoding step at Qwen3.5's shape."""
+    general path's validation, backend resolution and casts cost a fifth of a decoding
+    step at Qwen3.5's shape (BENCHMARKS.md, "Figures the source cites")."""
     if (
         # first: torch.compile traces none of the rest (kernel_library_error reads the
         # file system, a graph break under fullgraph=True)
@@ -228,14 +178,4 @@ def _plain_inference(
     ):
         return None
     # scale is None or a finite float or int (checked above): no second check
-    return 2 if qk_l2norm else 1, _scale(None, dk) if scale is None else float(scale)  # type: ignore[arg-type]
-
-
-@overload
-def _as(t: Tensor, dtype: torch.dtype) -> Tensor: ...
-@overload
-def _as(t: None, dtype: torch.dtype) -> None: ...
-def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """``t`` in ``dtype`` (itself when it is already: a decoding step is short enough
-    that each ``.to`` call's dispatch shows)."""
-    return t if t is None or t.dtype == dtype else t.to(dtype)
+    return 2 if qk_l2norm else 1, check_scale(_FN, scale, dk)

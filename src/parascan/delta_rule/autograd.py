@@ -5,9 +5,8 @@ from the canonical operands of canonical.py."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from parascan._checkpointed import states
+from parascan._checkpointed import head_state_shapes
 from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
 from parascan.delta_rule import chunked, cpu, reference
 from parascan.delta_rule.canonical import OPERANDS, n_chunks
@@ -34,26 +33,7 @@ ROW = register(
     )
 )
 
-Opt = Tensor | None
-
-
-def _shapes(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Opt, initial: Opt, cu_seqlens: Opt,
-    want_final: bool, backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    batch, length, heads, dv = v.shape
-    dk = k.shape[-1]
-    return (
-        v.new_empty(batch, length, heads, dv),
-        v.new_empty(states(v, cu_seqlens) if want_final else 0, heads, dk, dv),
-        v.new_empty(batch, n_chunks(length, backend), heads, dk, dv),
-    )
-
-
-def _zero_final(tensors: list[Tensor], consts: tuple[object, ...]) -> Tensor:
-    k, v = tensors[1], tensors[2]
-    return v.new_empty(0, v.shape[2], k.shape[-1], v.shape[-1])  # no rows: zeros
-
+_shapes, _zero_final = head_state_shapes(OPERANDS, n_chunks)
 
 # apply(q, k, v, beta, g, initial, cu_seqlens, want_final, backend) -> (out, final):
 # canonical operands on a concrete backend, differentiable; ``final`` has no rows

@@ -1,13 +1,14 @@
 """The ``loop`` backend of the delta-rule scan: the recurrence one step at a time, a
 few torch ops on the (batch, Hv, K, V) state per step, run a chunk at a time (cut at
-packed sequences' boundaries) by the shared checkpointed driver (chunked.py binds it)."""
+packed sequences' boundaries) by the shared checkpointed driver."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from parascan.delta_rule import chunked
+from parascan._checkpointed import bind_heads
+from parascan.delta_rule.canonical import CHECKPOINT_STEPS, OPERANDS
 
 __all__ = ["backward_loop", "forward_loop"]
 
@@ -29,4 +30,6 @@ def _loop_piece(
     return torch.stack(outs, 1), h
 
 
-forward_loop, backward_loop = chunked.bind(_loop_piece, "loop")
+forward_loop, backward_loop = bind_heads(
+    "parascan.delta_rule_scan", _loop_piece, CHECKPOINT_STEPS["loop"], OPERANDS
+)
