@@ -16,6 +16,7 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     from parascan._core import backends
     from parascan.delta_rule import delta_rule_scan
+    from parascan.dplr import dplr_delta_rule_scan
     from parascan.first_order import linear_scan, log_linear_scan
     from parascan.generic import associative_reduce, associative_scan
     from parascan.linear_attention import linear_attention_scan
@@ -32,6 +33,7 @@ __all__ = [
     "associative_scan",
     "backends",
     "delta_rule_scan",
+    "dplr_delta_rule_scan",
     "linear_attention_scan",
     "linear_scan",
     "log_linear_scan",

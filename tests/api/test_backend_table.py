@@ -97,6 +97,7 @@ def test_auto_always_finds_a_backend_on_cpu(op: str, dtype: torch.dtype):
 def test_the_table_has_a_row_for_every_op_with_a_backend_argument():
     assert set(_core.table()) == {
         "parascan.delta_rule_scan",
+        "parascan.dplr_delta_rule_scan",
         "parascan.linear_attention_scan",
         "parascan.linear_scan",
         "parascan.log_linear_scan",

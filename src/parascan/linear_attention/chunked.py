@@ -113,11 +113,15 @@ def finish(p: Gated, h: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return out, h
 
 
-def blocks(block: object, g: Optional, h: Tensor, *timed: Optional) -> tuple[Tensor, Tensor]:
+def blocks(
+    block: object, g: Optional, h: Tensor, *timed: Optional, size: int | None = None
+) -> tuple[Tensor, Tensor]:
     """(out, last state) of a piece, a block at a time: ``block(*operands, g, h)`` on
-    each block of the (batch, c, H, ...) ``timed`` operands, moved to (batch, H, c, ...)."""
+    each block of ``size`` steps (default BLOCK, or CHANNEL_BLOCK with a gate per key
+    channel) of the (batch, c, H, ...) ``timed`` operands, moved to (batch, H, c, ...)."""
     assert callable(block)
-    size = CHANNEL_BLOCK if g is not None and g.dim() == 4 else BLOCK
+    if size is None:
+        size = CHANNEL_BLOCK if g is not None and g.dim() == 4 else BLOCK
     length = next(t for t in timed if t is not None).shape[1]
     outs = []
     for lo in range(0, length, size):
