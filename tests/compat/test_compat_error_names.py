@@ -13,6 +13,7 @@ import torch
 
 from parascan.compat import (
     accelerated_scan,
+    fla,
     heinsen_sequence,
     mamba_ssm,
     torch_parallel_scan,
@@ -69,6 +70,19 @@ CASES = {
     "reduce_scan": (
         "torch_parallel_scan.reduce_scan", "parascan.associative_reduce",
         lambda: torch_parallel_scan.reduce_scan(_x(2, 3), torch.add, 5),
+    ),
+    "chunk_gla": (  # K = 0
+        "fla.chunk_gla", "parascan.linear_attention_scan",
+        lambda: fla.chunk_gla(_x(1, 2, 1, 0), _x(1, 2, 1, 0), _x(1, 2, 1, 3), -_x(1, 2, 1, 0)),
+    ),
+    "chunk_linear_attn normalize": (  # K = 0, v widened by a column of ones
+        "fla.chunk_linear_attn", "parascan.linear_attention_scan",
+        lambda: fla.chunk_linear_attn(_x(1, 2, 1, 0), _x(1, 2, 1, 0), _x(1, 2, 1, 3)),
+    ),
+    "fused_recurrent_rwkv7": (  # K = 0
+        "fla.fused_recurrent_rwkv7", "parascan.dplr_delta_rule_scan",
+        lambda: fla.fused_recurrent_rwkv7(*(_x(1, 2, 1, 0),) * 3, _x(1, 2, 1, 3),
+                                          *(_x(1, 2, 1, 0),) * 2),
     ),
     "compute_in_parallel": (
         "heinsen_sequence.compute_in_parallel", "parascan.log_linear_scan",

@@ -11,6 +11,14 @@ fla                  flash-linear-attention 0.6's ops, a module per fla.ops fold
   fla.delta_rule       chunk_delta_rule, fused_recurrent_delta_rule
   fla.gated_delta_rule chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
   fla.kda              chunk_kda, fused_recurrent_kda
+  fla.gla              chunk_gla, fused_recurrent_gla
+  fla.simple_gla       chunk_simple_gla, fused_recurrent_simple_gla
+  fla.linear_attn      chunk_linear_attn, fused_recurrent_linear_attn, fused_chunk_linear_attn
+  fla.retention        chunk_retention, fused_recurrent_retention
+  fla.lightning_attn   chunk_lightning_attn, fused_recurrent_lightning_attn
+  fla.generalized_delta_rule
+                       chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule
+  fla.rwkv7            chunk_rwkv7, fused_recurrent_rwkv7
 mamba_ssm            selective_scan_fn, selective_scan_ref, selective_state_update
                      (mamba_ssm 2.x's Mamba-1 scan and decoding step),
                      mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined

@@ -2,13 +2,16 @@
 checks of the options that several originals take alike (each worded once, so that the
 drop-ins raise alike), and, for the delta-rule families, the options as one
 :class:`DeltaOptions`, their checked form :class:`DeltaScan` and the scan itself
-(:func:`run_delta`)."""
+(:func:`run_delta`); for the linear-attention and generalized-delta-rule families, the
+checked options :class:`StateScan` (:func:`check_state_scan`) and the scans
+(:func:`run_linear`, :func:`run_dplr`)."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal
 
 import torch
@@ -25,6 +28,8 @@ from parascan._core import (
 )
 from parascan.compat._checks import errors_as, is_integer_tensor
 from parascan.delta_rule import delta_rule_scan
+from parascan.dplr import dplr_delta_rule_scan
+from parascan.linear_attention import linear_attention_scan
 
 PREFIX = "parascan.compat.fla."
 """The drop-ins' names in errors: ``parascan.compat.fla.<function>`` (the package
@@ -255,10 +260,11 @@ def check_param(fn: str, name: str, value: object, count: int, what: str) -> Ten
 
 
 def check_varlen(
-    fn: str, q: Tensor, cu_seqlens: object, cu_seqlens_cpu: object = None
+    fn: str, q: Tensor, cu_seqlens: object, cu_seqlens_cpu: object = None, query: str = "q"
 ) -> tuple[Tensor | None, int]:
     """``cu_seqlens`` checked against q's T (and ``cu_seqlens_cpu``, the originals' CPU
-    copy of it, against ``cu_seqlens``); returns it and N, the number of states."""
+    copy of it, against ``cu_seqlens``); returns it and N, the number of states.
+    ``query``: q's name in the drop-in (RWKV-7's ``r``)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError(
@@ -271,7 +277,7 @@ def check_varlen(
     if q.shape[0] != 1:
         raise ValueError(
             f"{fn}: with cu_seqlens the sequences are packed along T of a batch of one: "
-            f"expected q of shape (1, T, H, K), but got {describe(q)}"
+            f"expected {query} of shape (1, T, H, K), but got {describe(q)}"
         )
     if cu_seqlens_cpu is not None:
         same = (
@@ -288,14 +294,18 @@ def check_varlen(
 
 
 def check_initial(
-    fn: str, initial_state: object, n: int, v: Tensor, dk: int, v_first: bool, packed: bool
-) -> Tensor | None:
+    fn: str, initial_state: object, n: int, v: Tensor, dk: int, v_first: bool, packed: bool,
+    heads_name: str = "HV",
+) -> Tensor | None:  # fmt: skip
+    """``initial_state`` ``(N, HV, K, V)`` (``(N, HV, V, K)`` with ``v_first``), HV named
+    ``heads_name`` in the message (H where the original has one value head per q/k
+    head)."""
     if initial_state is None:
         return None
     t = check_tensor(fn, "initial_state", initial_state)
     heads, dv = v.shape[2], v.shape[3]
     shape = (n, heads, dv, dk) if v_first else (n, heads, dk, dv)
-    what = "(N, HV, V, K)" if v_first else "(N, HV, K, V)"
+    what = f"(N, {heads_name}, V, K)" if v_first else f"(N, {heads_name}, K, V)"
     count = "the number of sequences in cu_seqlens" if packed else "the batch"
     check_shape(fn, "initial_state", t, shape, f"{what} (N: {count})")
     return t
@@ -401,3 +411,206 @@ def run_delta(
     if final is None:
         return o, None
     return o, (final.transpose(-1, -2) if run.v_first else final).contiguous()
+
+
+# --- the linear-attention and generalized-delta-rule families ------------------------
+#
+# gla, simple_gla, linear_attn, retention, lightning_attn (parascan.linear_attention_scan)
+# and generalized_delta_rule, rwkv7 (parascan.dplr_delta_rule_scan): one value head per
+# q/k head, as their originals take them; a state (K, V) per sequence and head.
+
+
+def check_same_heads(
+    fn: str, named: list[tuple[str, object]], v: object
+) -> tuple[list[Tensor], Tensor]:
+    """The key-side operands ``named`` (the first, q or RWKV-7's r, ``(B, T, H, K)``,
+    the rest shaped like it) and v ``(B, T, H, V)``, V >= 1, one value head per q/k
+    head (the originals index v by q's heads). K = 0 is left to the parascan scan."""
+    first, t0 = named[0]
+    q = check_tensor(fn, first, t0)
+    if q.dim() != 4:
+        raise ValueError(f"{fn}: expected {first} of shape (B, T, H, K), but got {describe(q)}")
+    out = [q]
+    for name, t in named[1:]:
+        t = check_tensor(fn, name, t)
+        check_shape(fn, name, t, tuple(q.shape), f"(B, T, H, K) like {first}")
+        out.append(t)
+    v = check_tensor(fn, "v", v)
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"{fn}: expected v of shape (B, T, H, V) with (B, T, H) = {tuple(q.shape[:3])} "
+            f"(one value head per {first}/k head, as the original), but got {describe(v)}"
+        )
+    if v.shape[3] < 1:
+        raise ValueError(
+            f"{fn}: expected v with at least one value channel (V >= 1), but got {describe(v)}"
+        )
+    return out, v
+
+
+def check_power_of_two(fn: str, name: str, value: object, least: int = 1) -> int | None:
+    """A chunk size: None, or an int power of two >= ``least`` (the originals' tiling:
+    checked, and ignored, since the results do not depend on it)."""
+    if value is None:
+        return None
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+    if not ok or value & (value - 1):  # type: ignore[operator]
+        raise ValueError(
+            f"{fn}: expected {name} to be None or a power of two >= {least}, but got "
+            f"{describe(value)}"
+        )
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class StateScan:
+    """The checked options of a linear-attention or DPLR drop-in: what
+    :func:`run_linear` and :func:`run_dplr` scan with."""
+
+    fn: str
+    scale: float
+    initial_state: Tensor | None
+    """In the user's layout: ``(N, H, K, V)``, or ``(N, H, V, K)`` with ``v_first``."""
+    output_final_state: bool
+    reverse: bool
+    v_first: bool
+    cu_seqlens: Tensor | None
+    out_dtype: torch.dtype
+    """``o``'s dtype, as the original returns it."""
+    names: Mapping[str, str]
+    """The parascan scan's argument names (whole words in its errors) as the drop-in's
+    user knows them: ``initial`` is ``initial_state``, RWKV-7's ``q`` is ``r``."""
+
+
+def check_state_scan(
+    fn: str,
+    q: Tensor,
+    v: Tensor,
+    *,
+    out_dtype: torch.dtype,
+    scale: object,
+    initial_state: object,
+    output_final_state: object,
+    reverse: object = False,
+    v_first: bool = False,
+    cu_seqlens: object = None,
+    cu_seqlens_cpu: object = None,
+    query: str = "q",
+) -> StateScan:
+    """The options every linear-attention and DPLR drop-in takes, checked against the
+    checked q (named ``query``) and v, in the originals' order: ``scale`` (``K ** -0.5``
+    by default), the flags, ``cu_seqlens`` (and its CPU copy), ``initial_state``."""
+    dk = q.shape[-1]
+    factor = check_scale(fn, scale, dk)
+    final = check_flag(fn, "output_final_state", output_final_state)
+    backward = check_flag(fn, "reverse", reverse)
+    cu, n = check_varlen(fn, q, cu_seqlens, cu_seqlens_cpu, query)
+    initial = check_initial(fn, initial_state, n, v, dk, v_first, cu is not None, "H")
+    names = {"initial": "initial_state", "return_final": "output_final_state"}
+    if query != "q":
+        names["q"] = query
+    return StateScan(
+        fn=fn, scale=factor, initial_state=initial, output_final_state=final, reverse=backward,
+        v_first=v_first, cu_seqlens=cu, out_dtype=out_dtype, names=names,
+    )  # fmt: skip
+
+
+def _reversal(run: StateScan, steps: int, device: torch.device) -> Tensor | None:
+    """The index that reverses each sequence along T (each packed one within its
+    offsets); None: the whole of T (a flip)."""
+    if run.cu_seqlens is None:
+        return None
+    index = [t for lo, hi in pairwise(run.cu_seqlens.tolist()) for t in range(hi - 1, lo - 1, -1)]
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
+def _along_t(t: Tensor, index: Tensor | None) -> Tensor:
+    """``t`` with each sequence reversed along T (dim 1)."""
+    return t.flip(1) if index is None else t.index_select(1, index)
+
+
+def _along_t_opt(t: Opt, index: Tensor | None) -> Opt:
+    return None if t is None else _along_t(t, index)
+
+
+def _state_in(run: StateScan) -> Tensor | None:
+    initial = run.initial_state
+    return initial.transpose(-1, -2) if initial is not None and run.v_first else initial
+
+
+def _state_out(run: StateScan, o: Tensor, final: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    o = o.to(run.out_dtype)
+    if final is None or not run.output_final_state:
+        return o, None
+    return o, (final.transpose(-1, -2) if run.v_first else final).contiguous()
+
+
+def run_linear(
+    run: StateScan, q: Tensor, k: Tensor, v: Tensor, *, g: Opt = None, gv: Opt = None
+) -> tuple[Tensor, Tensor | None]:
+    """Linear attention on checked operands with ``run``'s options: ``g`` None, a log
+    decay per head ``(B, T, H)`` or per key channel ``(B, T, H, K)``, and ``gv`` one per
+    value channel ``(B, T, H, V)`` applied after it; ``reverse`` scans each sequence
+    from its end. Returns ``(o, final_state)`` as the drop-ins do."""
+    index = _reversal(run, q.shape[1], q.device) if run.reverse else None
+    if run.reverse:
+        q, k, v = (_along_t(t, index) for t in (q, k, v))
+        g, gv = _along_t_opt(g, index), _along_t_opt(gv, index)
+    initial = _state_in(run)
+    if gv is None:
+        o, final = _linear(run, q, k, v, g, initial)
+    else:
+        # A decay per value channel: the V columns of each state are independent
+        # recurrences, so each value channel runs as a value head of its own, (K, 1)
+        # state, value heads h * V .. h * V + V - 1 reading q/k head h.
+        batch, steps, heads, dv = v.shape
+        dk, rows = q.shape[-1], heads * dv
+        cd = compute_dtype(v)
+        if g is None:
+            decay = gv.to(cd).reshape(batch, steps, rows)
+        elif g.dim() == 3:
+            decay = (g.to(cd).unsqueeze(-1) + gv.to(cd)).reshape(batch, steps, rows)
+        else:
+            decay = g.to(cd).unsqueeze(-2) + gv.to(cd).unsqueeze(-1)
+            decay = decay.reshape(batch, steps, rows, dk)
+        if initial is not None:
+            initial = initial.transpose(-1, -2).reshape(initial.shape[0], rows, dk, 1)
+        o, final = _linear(run, q, k, v.reshape(batch, steps, rows, 1), decay, initial)
+        o = o.reshape(v.shape)
+        if final is not None:
+            final = final.reshape(final.shape[0], heads, dv, dk).transpose(-1, -2)
+    if run.reverse:
+        o = _along_t(o, index)
+    return _state_out(run, o, final)
+
+
+def _linear(
+    run: StateScan, q: Tensor, k: Tensor, v: Tensor, g: Opt, initial: Opt
+) -> tuple[Tensor, Tensor | None]:
+    """ps.linear_attention_scan, its errors (K = 0) under the drop-in's name."""
+    with errors_as(run.fn, "parascan.linear_attention_scan", run.names):
+        result = linear_attention_scan(
+            q, k, v, g=g, scale=run.scale, initial=initial, return_final=run.output_final_state,
+            cu_seqlens=run.cu_seqlens,
+        )  # fmt: skip
+    return result if isinstance(result, tuple) else (result, None)
+
+
+def run_dplr(
+    run: StateScan, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """The generalized delta rule on checked operands with ``run``'s options:
+    ``S = (Diag(exp(gk)) + b a^T) S + k v^T``, ``o = scale * S^T q``; ``reverse`` scans
+    each sequence from its end. Returns ``(o, final_state)`` as the drop-ins do."""
+    index = _reversal(run, q.shape[1], q.device) if run.reverse else None
+    if run.reverse:
+        q, k, v, a, b, gk = (_along_t(t, index) for t in (q, k, v, a, b, gk))
+    with errors_as(run.fn, "parascan.dplr_delta_rule_scan", run.names):
+        result = dplr_delta_rule_scan(
+            q, k, v, a, b, g=gk, scale=run.scale, initial=_state_in(run),
+            return_final=run.output_final_state, cu_seqlens=run.cu_seqlens,
+        )  # fmt: skip
+    o, final = result if isinstance(result, tuple) else (result, None)
+    if run.reverse:
+        o = _along_t(o, index)
+    return _state_out(run, o, final)
