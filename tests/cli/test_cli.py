@@ -5,14 +5,18 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 import parascan as ps
-from parascan.cli import bench, bench_delta, bench_selective
+from parascan._core import table
+from parascan.cli import bench, bench_delta, bench_selective, check
 from parascan.cli.bench_generic import implementation_names
 from parascan.cli.check import run_check
 from parascan.cli.main import main
@@ -33,73 +37,191 @@ def test_python_dash_m_is_the_same_program() -> None:
     assert "backends" in done.stdout and ps.__version__ in done.stdout
 
 
-def test_check_catches_a_wrong_imaginary_part(monkeypatch) -> None:
-    """The complex matrix check compares complex values (it once compared with a
-    real reference, which dropped the imaginary part)."""
-    from parascan.cli import check
+# ---- parascan check ---------------------------------------------------------------------
 
-    real = check.matrix_linear_scan
-    monkeypatch.setattr(check, "matrix_linear_scan", lambda *a, **k: real(*a, **k).conj())
-    results = {r.what: r.passed for r in check._matrix_checks("torch", "cpu")}
-    assert results["matrix forward complex128"] is False
-    assert results["matrix forward float64"] is True
+# API.md, the public contract, lives beside the repository (../shared/API.md) in the
+# project's workspace, or inside it (shared/API.md) in some checkouts.
+_API_MD = [
+    Path(__file__).resolve().parents[2] / "shared" / "API.md",
+    Path(__file__).resolve().parents[3] / "shared" / "API.md",
+]
 
 
-def test_log_checks_ask_each_backend_only_for_the_dtypes_it_takes(monkeypatch) -> None:
+def _contract_functions() -> set[str]:
+    """The public functions the check must cover: the top-level functions API.md
+    documents (its ``### `ps.NAME(`` headings, all scans and scan steps) and every
+    public callable of parascan but ``backends``."""
+    names = {n for n in ps.__all__ if callable(getattr(ps, n)) and n != "backends"}
+    for path in _API_MD:
+        if path.is_file():
+            found = set(re.findall(r"^### `ps\.(\w+)\(", path.read_text(), re.MULTILINE))
+            # a heading format API.md no longer uses would find nothing: fail, not pass
+            assert {"linear_scan", "ssd_scan", "delta_rule_scan"} <= found, found
+            names |= found
+    return names
+
+
+def test_check_covers_every_public_scan() -> None:
+    """Every function of the contract that this parascan has is a family of the check
+    (a family added to the package without a check entry fails here); one API.md
+    documents but the package does not have yet is the only one allowed out."""
+    covered = set(check.family_names())
+    missing = {n for n in _contract_functions() - covered if hasattr(ps, n)}
+    assert not missing, f"parascan check does not cover {sorted(missing)}"
+    assert "causal_conv1d" in covered  # API.md's, checked before the package exports it
+    assert len(covered) == len(check.FAMILIES)  # one entry per family
+    for family in check.FAMILIES:  # each on the backend table row it names
+        assert family.op is None or family.op in table(), family.op
+
+
+def _wrong(fn):  # type: ignore[no-untyped-def]
+    """``fn`` with its first output 10% off (a backend's forward returns a tensor or a
+    tuple whose first element is the output)."""
+
+    def wrong(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = fn(*args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            return result * 1.1
+        return (result[0] * 1.1, *result[1:])
+
+    return wrong
+
+
+def _rows(text: str) -> list[list[str]]:
+    """The table's rows, each [family, check, device, backend, result, detail...]."""
+    return [line.split() for line in text.splitlines()[1:] if line.strip() and "checks" not in line]
+
+
+FAMILIES_WITH_BACKENDS = [f.name for f in check.FAMILIES if f.op is not None]
+
+
+@pytest.mark.parametrize("family", FAMILIES_WITH_BACKENDS)
+def test_check_fails_when_a_backend_is_wrong(family, monkeypatch) -> None:
+    """A backend whose forward is 10% off fails every row of its family that it runs
+    (the dtypes it takes, and gradcheck: its backward no longer matches), and
+    `parascan check` exits 1."""
+    entry = next(f for f in check.FAMILIES if f.name == family)
+    row = table()[entry.op]
+    # not "cpu": an eager call that nothing differentiates reaches the C kernel
+    # directly there (the first-order scans' fast path), not the table's forward
+    backend = next(b for b in ps.backends("cpu") if b in row.backends and b != "cpu")
+    monkeypatch.setitem(
+        row.backends,
+        backend,
+        replace(row.backends[backend], forward=_wrong(row.backends[backend].forward)),
+    )
+    out = io.StringIO()
+    assert run_check(["cpu"], out=out, families=[family], backend_names=[backend]) == 1
+    rows = _rows(out.getvalue())
+    ran = [r for r in rows if r[4] != "n/a"]
+    assert ran and all(r[0] == family and r[3] == backend for r in rows), rows
+    assert all(r[4] == "FAILED" for r in ran), out.getvalue()
+    assert {r[1] for r in ran} >= {"float32", "gradcheck"}
+
+
+@pytest.mark.parametrize(
+    "family", ["associative_scan", "associative_reduce", "causal_conv1d", "selective_state_update"]
+)
+def test_check_fails_when_a_function_without_backends_is_wrong(family, monkeypatch) -> None:
+    """A function without a backend argument, 10% off, fails each dtype's row (its
+    gradients, through the same wrapper, still pass gradcheck)."""
+    from parascan.mixer import conv
+
+    owner = ps if hasattr(ps, family) else conv  # causal_conv1d, before ps exports it
+    monkeypatch.setattr(owner, family, _wrong(getattr(owner, family)))
+    out = io.StringIO()
+    assert run_check(["cpu"], out=out, families=[family]) == 1
+    rows = _rows(out.getvalue())
+    assert rows and all(r[0] == family and r[3] == "-" for r in rows), rows
+    dtypes = next(f for f in check.FAMILIES if f.name == family).dtypes
+    failed = {r[1] for r in rows if r[4] == "FAILED"}
+    assert failed == {str(d).removeprefix("torch.") for d in dtypes}, out.getvalue()
+
+
+def test_check_fails_only_the_wrong_backend_and_dtype(monkeypatch) -> None:
+    """The complex matrix check compares complex values (it once compared with a real
+    reference, which dropped the imaginary part): a torch backend returning the
+    conjugate fails its complex rows only, and the other backends pass."""
+    row = table()["parascan.matrix_linear_scan"]
+    real = row.backends["torch"].forward
+
+    def conj(*args):  # type: ignore[no-untyped-def]
+        result = real(*args)
+        if isinstance(result, torch.Tensor):
+            return result.conj_physical()
+        return (result[0].conj_physical(), *result[1:])
+
+    monkeypatch.setitem(row.backends, "torch", replace(row.backends["torch"], forward=conj))
+    out = io.StringIO()
+    assert run_check(["cpu"], out=out, families=["matrix_linear_scan"]) == 1
+    failed = {(r[1], r[3]) for r in _rows(out.getvalue()) if r[4] == "FAILED"}
+    # (gradcheck is float64: the conjugate of a real result is itself)
+    assert failed == {("complex64", "torch"), ("complex128", "torch")}, out.getvalue()
+
+
+def test_check_asks_each_backend_only_for_the_dtypes_it_takes(monkeypatch) -> None:
     """`parascan check --device cuda` once crashed: the log-space checks ran complex
-    inputs on the triton backend, which takes real ones. Every backend of the log row
-    (triton too, not listed on a machine without CUDA) is asked only for its dtypes,
-    and the others are reported as not applicable, not as passed or failed."""
-    from parascan.cli import check
-    from parascan.first_order.ops import ROWS
-
+    inputs on the triton backend, which takes real ones. Every backend of a family's
+    row (triton too, not listed on a machine without CUDA) is asked only for its
+    dtypes, and the others are reported as not applicable, not as passed or failed."""
+    row = table()["parascan.log_linear_scan"]
     asked: list[tuple[str, torch.dtype]] = []
-    real = check.log_linear_scan
+    real = ps.log_linear_scan
 
-    def recording(a, b, dim, *, backend):  # type: ignore[no-untyped-def]
+    def recording(a, b, dim, *, backend, **kwargs):  # type: ignore[no-untyped-def]
         asked.append((backend, a.dtype))
-        return real(a, b, dim, backend="torch")  # the check's logic, not the kernel
+        return real(a, b, dim, backend="torch", **kwargs)  # the check's logic, not the kernel
 
-    monkeypatch.setattr(check, "log_linear_scan", recording)
-    monkeypatch.setattr(check, "_gradcheck", lambda fn, args: (True, "skipped here"))
-    for backend, entry in ROWS["log"].backends.items():
-        results = list(check._log_checks(backend, "cpu"))
-        skipped = {r.what for r in results if not r.ran}
-        expected = {f"log forward {str(d).removeprefix('torch.')}" for d in
-                    (torch.complex64, torch.complex128) if d not in entry.dtypes}  # fmt: skip
+    monkeypatch.setattr(ps, "log_linear_scan", recording)
+    monkeypatch.setattr(check, "_family_backends", lambda family, device, only=None: [
+        (name, entry.dtypes) for name, entry in row.backends.items()])  # fmt: skip
+    results = list(check._forward_rows(check.LOG_LINEAR_SCAN, "cpu"))
+    for backend, entry in row.backends.items():
+        mine = [r for r in results if r.backend == backend]
+        skipped = {r.what for r in mine if not r.ran}
+        expected = {str(d).removeprefix("torch.") for d in check.LOG_LINEAR_SCAN.dtypes
+                    if d not in entry.dtypes}  # fmt: skip
         assert skipped == expected, backend
-        assert all(r.passed for r in results if r.ran), (backend, results)
-    assert asked and all(d in ROWS["log"].backends[b].dtypes for b, d in asked)
+        assert all(r.passed for r in mine if r.ran), (backend, mine)
+    assert asked and all(d in row.backends[b].dtypes for b, d in asked)
     assert ("triton", torch.complex64) not in asked and ("torch", torch.complex64) in asked
 
 
 def test_check_prints_each_row_as_it_is_found(monkeypatch) -> None:
-    """On a GPU with a cold kernel cache the check outran its limit in the GPU check,
-    which then had its header and nothing else: the rows came only once every check
-    had run. Each row is now written as soon as it is known."""
-    from parascan.cli import check
+    """On a GPU with a cold kernel cache the check outran its limit, which then had its
+    header and nothing else: the rows came only once every check had run. Each row is
+    now written as soon as it is known."""
 
-    def interrupted(backend, device):  # type: ignore[no-untyped-def]
+    def interrupted(family, device, only=None):  # type: ignore[no-untyped-def]
         raise KeyboardInterrupt  # what `timeout -s INT` does to a check in progress
+        yield  # a generator, as the rows of the check are
 
-    monkeypatch.setattr(check, "_gradchecks", interrupted)
+    monkeypatch.setattr(check, "_gradcheck_rows", interrupted)
     out = io.StringIO()
     with pytest.raises(KeyboardInterrupt):
-        run_check(["cpu"], out=out)
-    rows = out.getvalue().splitlines()[1:]
-    assert [r.split()[:2] for r in rows] == [["forward", d] for d in
-            ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")]  # fmt: skip
-    assert all(" ok " in r for r in rows), rows
+        run_check(["cpu"], out=out, families=["causal_conv1d"])
+    rows = _rows(out.getvalue())
+    assert [r[:2] for r in rows] == [["causal_conv1d", "float32"], ["causal_conv1d", "float64"]]
+    assert all(r[4] == "ok" for r in rows), rows
 
 
-@pytest.mark.slow  # 30 s: every backend of every op; the checks' own logic is tested above
+def test_check_command_runs_a_family(capsys) -> None:
+    assert main(["check", "--family", "selective_state_update", "--family", "causal_conv1d"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert {r[0] for r in rows} == {"selective_state_update", "causal_conv1d"}
+    assert all(r[4] == "ok" for r in rows) and any(r[1] == "gradcheck" for r in rows)
+
+
+@pytest.mark.slow  # about 25 s on 2 busy cores: every family on every backend
 def test_check_passes_on_this_machine() -> None:
     out = io.StringIO()
     assert run_check(["cpu"], out=out) == 0, out.getvalue()
-    text = out.getvalue()
-    assert "all checks passed" in text
-    for backend in ps.backends("cpu"):
-        assert f" {backend} " in text
+    assert "all checks passed" in out.getvalue()
+    seen = {(r[0], r[3]) for r in _rows(out.getvalue()) if r[1] == "gradcheck"}
+    for family in check.FAMILIES:
+        names = ["-"] if family.op is None else [
+            b for b in ps.backends("cpu") if b in table()[family.op].backends]  # fmt: skip
+        assert {(family.name, b) for b in names} <= seen, family.name
 
 
 @pytest.mark.slow  # 2.5 to 3.5 minutes on 2 busy cores: the suite's longest case
@@ -143,6 +265,8 @@ BAD_LINES = {
     "check --device meta": "device type 'meta'",
     "check --device foo": "'foo' is not a device name",
     "check --device cpu --device nonsense:3": "not a device name",
+    "check --family nope": "--family nope: expected one of linear_scan, log_linear_scan",
+    "check --backend nope": "--backend nope: it cannot run on cpu",
     "bench --repeat 0": "--repeat: expected at least 1",
     "bench --repeat -3": "--repeat: expected at least 1",
     "bench --repeat x": "--repeat: expected a whole number",
@@ -315,10 +439,59 @@ def test_bench_runs_the_default_full_or_quick_workload(flags, workload, monkeypa
     assert main(["bench", *flags]) == 0
     kw = seen[0]
     assert (kw["cases"], kw["generic_cases"], kw["packed_cases"], kw["ssm_cases"]) == workload
+    name = "quick" if flags == ["--quick"] else "full" if flags == ["--full"] else "default"
+    assert kw["sweep"] == bench.SWEEPS[name]  # the sweep of --plot follows the workload
     # the end-to-end models come with --full (and --models), not by default
     assert models == ([False] if flags == ["--full"] else [])
     assert main(["bench", "--models", *flags]) == 0
     assert models[-1] == (flags == ["--quick"])
+
+
+def test_bench_quick_plot_sweeps_a_small_workload(monkeypatch, tmp_path) -> None:
+    """`parascan bench --quick --plot` once swept the default T (up to 2^16 steps of
+    4 x 256 channels for every implementation, the loop backend and the tree peers
+    included: minutes). --quick now sweeps its own small shapes."""
+    pytest.importorskip("matplotlib")  # --plot refuses to start without it
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.append(kw) or 0)
+    assert main(["bench", "--quick", "--plot", str(tmp_path / "sweep.png")]) == 0
+    sweep = seen[0]["sweep"]
+    assert seen[0]["plot_path"] == str(tmp_path / "sweep.png")
+    assert sweep == bench.SWEEPS["quick"]
+    elements = [c.shape[0] * c.shape[1] * c.shape[2] for c in sweep.cases()]
+    assert len(elements) >= 2 and sum(elements) <= 2**20, sweep  # 0.5 M elements in all
+    default = [c.shape[0] * c.shape[1] * c.shape[2] for c in bench.SWEEPS["default"].cases()]
+    assert 100 * sum(elements) <= sum(default)
+
+
+def _assert_words(label: str) -> None:
+    """An axis label in words: no Python tuple or repr in it, such as the
+    "T (shape (4, 256, 'T'), float32, forward, last dim)" it once was."""
+    assert isinstance(label, str) and label.strip(), label
+    assert not re.search(r"\([^()]*,[^()]*\)", label), label  # no "(a, b, ...)"
+    assert not re.search(r"['\"]", label), label  # no quoted repr
+
+
+def test_plot_labels_are_words(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    sweep = bench.Sweep(1, 8, (16, 32))  # every implementation, on tiny shapes
+    out = io.StringIO()
+    labels = []
+    real = bench.plot
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "plot", lambda *a: labels.append(real(*a)) or labels[-1])
+        status = bench.run_bench(
+            cases=[], plot_path=str(tmp_path / "sweep.png"), sweep=sweep, repeat=1, out=out
+        )
+    assert status == 0
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    ((xlabel, ylabel),) = labels
+    assert "sequence length" in xlabel and "time" in ylabel and "ms" in ylabel
+    assert "(" not in xlabel  # no shape in it: the title says it, in words
+    for label in (xlabel, ylabel, *bench.plot_labels(sweep)):
+        _assert_words(label)
+    sweep_rows = [line for line in out.getvalue().splitlines() if line.startswith("sweep")]
+    assert len(sweep_rows) == 2 * len(bench._implementations(sweep.cases()[0]))
 
 
 def test_bench_models_prints_both_tables_and_fails_on_a_wrong_result(monkeypatch, capsys) -> None:

@@ -18,7 +18,8 @@ in the name) scan log a and log b and report the absolute error in log x.
 Workloads: ``DEFAULT_CASES`` (``parascan bench``) keeps the headline shapes for the
 fast backend and runs the slow implementations, once each, on a smaller shape;
 ``FULL_CASES`` (``--full``) runs every case at full size; ``QUICK_CASES``
-(``--quick``) is a smoke test; ``CUDA_CASES`` is ``--device cuda``'s.
+(``--quick``) is a smoke test; ``CUDA_CASES`` is ``--device cuda``'s. ``SWEEPS`` holds
+each workload's sweep over T for ``--plot`` (``--quick``'s small).
 """
 
 from __future__ import annotations
@@ -87,11 +88,15 @@ __all__ = [
     "QUICK_GENERIC_CASES",
     "QUICK_PACKED_CASES",
     "QUICK_SSM_CASES",
+    "SWEEPS",
     "WORKLOADS",
     "Case",
     "Row",
     "SsdCase",
     "SsmCase",
+    "Sweep",
+    "plot",
+    "plot_labels",
     "run_bench",
 ]
 
@@ -212,8 +217,31 @@ WORKLOADS = {
     "default": (DEFAULT_CASES, DEFAULT_GENERIC_CASES, DEFAULT_PACKED_CASES, DEFAULT_SSM_CASES),
     "full": (FULL_CASES, FULL_GENERIC_CASES, FULL_PACKED_CASES, FULL_SSM_CASES),
 }
-SWEEP_STEPS = [2**10, 2**12, 2**14, 2**16]
-SWEEP_SHAPE = (4, 256)  # (batch, channels); time is the last dim
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The cases of ``--plot``: linear_scan forward in float32 over the last dim of
+    ``(batch, channels, T)`` for each T of ``steps``, every backend and peer."""
+
+    batch: int
+    channels: int
+    steps: tuple[int, ...]
+
+    def cases(self) -> list[Case]:
+        return [
+            Case("sweep", (self.batch, self.channels, t), -1, backward=False, peers=True)
+            for t in self.steps
+        ]
+
+
+# The sweep of each workload: --quick's is a smoke test of the plot (a few seconds: the
+# slow implementations, the loop backend and the tree peers, run every T once).
+SWEEPS = {
+    "quick": Sweep(2, 64, (2**8, 2**10, 2**12)),
+    "default": Sweep(4, 256, (2**10, 2**12, 2**14, 2**16)),
+    "full": Sweep(4, 256, (2**10, 2**12, 2**14, 2**16)),
+}
 
 
 class _Progress:
@@ -391,12 +419,8 @@ def _bench_case_threads(case: Case, repeat: int, progress: _Progress) -> list[Ro
     return rows
 
 
-def _sweep(repeat: int, progress: _Progress) -> list[Row]:
-    rows: list[Row] = []
-    for steps in SWEEP_STEPS:
-        case = Case("sweep", (*SWEEP_SHAPE, steps), -1, backward=False, peers=True)
-        rows.extend(_bench_case(case, repeat, progress))
-    return rows
+def _sweep(sweep: Sweep, repeat: int, progress: _Progress) -> list[Row]:
+    return [row for case in sweep.cases() for row in _bench_case(case, repeat, progress)]
 
 
 _SCAN_LINE = "{:<29}{!s:<19}{:>3} {:>3}  {:<21}{:<9}{:>10}{:>9}{:>9}{:>12}{}"
@@ -428,8 +452,18 @@ def format_table(rows: list[Row], info: dict[str, object]) -> str:
     return table(head, _SCAN_LINE, names, cells)
 
 
-def plot(rows: list[Row], path: str) -> None:
-    """Time against T for every implementation (the sweep), with the limit."""
+def plot_labels(sweep: Sweep) -> tuple[str, str, str]:
+    """The plot's x-axis label, y-axis label and title, in words."""
+    title = (
+        f"linear_scan forward in float32: {sweep.batch} sequences of {sweep.channels} "
+        "channels, scanned along T"
+    )
+    return "sequence length T", "time per call (ms)", title
+
+
+def plot(rows: list[Row], path: str, sweep: Sweep) -> tuple[str, str]:
+    """Time against T for every implementation (the sweep's rows), with the limits;
+    saved to ``path``. Returns the axis labels as the figure has them."""
     try:
         import matplotlib
 
@@ -439,28 +473,33 @@ def plot(rows: list[Row], path: str) -> None:
         raise RuntimeError(
             "parascan bench --plot needs matplotlib: pip install 'parascan[bench]'"
         ) from exc
-    sweep = [r for r in rows if r.case == "sweep" and r.time_ms is not None]
+    swept = [r for r in rows if r.case == "sweep" and r.time_ms is not None]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for impl in dict.fromkeys(r.impl for r in sweep):
-        pts = sorted((r.shape[-1], r.time_ms or 0.0) for r in sweep if r.impl == impl)
+    for impl in dict.fromkeys(r.impl for r in swept):
+        pts = sorted((r.shape[-1], r.time_ms or 0.0) for r in swept if r.impl == impl)
         label = (
             f"parascan {impl}"
-            if any(r.kind == "parascan" for r in sweep if r.impl == impl)
+            if any(r.kind == "parascan" for r in swept if r.impl == impl)
             else impl
         )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    limit = sorted({(r.shape[-1], r.limit_ms) for r in sweep if r.impl == "cpu"})
-    stream = sorted({(r.shape[-1], r.stream_ms) for r in sweep if r.impl == "cpu"})
+    limit = sorted({(r.shape[-1], r.limit_ms) for r in swept if r.impl == "cpu"})
+    stream = sorted({(r.shape[-1], r.stream_ms) for r in swept if r.impl == "cpu"})
     ax.plot([p[0] for p in limit], [p[1] for p in limit], "k--", label="limit (torch.add)")
     ax.plot([p[0] for p in stream], [p[1] for p in stream], "k:", label="stream (add, warm out)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel(f"T (shape {(*SWEEP_SHAPE, 'T')}, float32, forward, last dim)")
-    ax.set_ylabel("time (ms)")
+    xlabel, ylabel, title = plot_labels(sweep)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    labels = (ax.get_xlabel(), ax.get_ylabel())
+    plt.close(fig)
+    return labels
 
 
 def run_bench(
@@ -473,13 +512,15 @@ def run_bench(
     repeat: int = 5,
     as_json: bool = False,
     plot_path: str | None = None,
+    sweep: Sweep | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
     """Run the cases, the generic-scan cases (bench_generic.py), the packed-sequence
     cases (bench_packed.py; the cpu backend's, left out when ``backend_names``
-    omits it) and the sweep when plotting; print tables or JSON. Returns 1 when any
-    parascan result was wrong, else 0 (a wrong peer is reported, not an error of this
-    program)."""
+    omits it) and, when plotting, ``sweep`` (default: the default workload's); print
+    tables or JSON. Returns 1 when any parascan result was wrong, else 0 (a wrong peer
+    is reported, not an error of this program)."""
+    sweep = SWEEPS["default"] if sweep is None else sweep
     cases = list(DEFAULT_CASES if cases is None else cases)
     generic = list(generic_cases or [])
     packed = list(packed_cases or [])
@@ -498,7 +539,7 @@ def run_bench(
             ssm = []
     steps = sum(len(_implementations(c)) for c in cases)
     if plot_path:
-        steps += len(SWEEP_STEPS) * len(_implementations(Case("sweep", (1, 1, 2), -1, peers=True)))
+        steps += sum(len(_implementations(c)) for c in sweep.cases())
     steps += sum(len(implementation_names(c)) for c in generic)
     steps += sum(len(packed_names(c)) for c in packed)
     steps += sum(len(ssm_step_names(c)) for c in ssm)
@@ -508,7 +549,7 @@ def run_bench(
     packed_rows = run_packed(packed, repeat, progress.step)
     ssm_rows = run_ssm(ssm, repeat, progress.step)
     if plot_path:
-        rows.extend(_sweep(repeat, progress))
+        rows.extend(_sweep(sweep, repeat, progress))
     info = summary()
     if as_json:
         result = {
@@ -529,7 +570,7 @@ def run_bench(
         if ssm_rows:
             print("\n" + format_ssm(ssm_rows), file=out)
     if plot_path:
-        plot(rows, plot_path)
+        plot(rows, plot_path, sweep)
     ours = [r.correct for r in rows if r.kind == "parascan"]
     ours += [r.correct for r in generic_rows if r.source == "parascan"]
     ours += [r.correct for r in packed_rows]

@@ -30,7 +30,7 @@ def _info(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from parascan.cli.check import run_check
 
-    return run_check(args.device)
+    return run_check(args.device, families=args.family, backend_names=args.backend)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -46,6 +46,7 @@ def _bench(args: argparse.Namespace) -> int:
     status = bench.run_bench(
         cases=cases, generic_cases=generic, packed_cases=packed, ssm_cases=ssm,
         backend_names=args.backend, repeat=args.repeat, as_json=args.json, plot_path=args.plot,
+        sweep=bench.SWEEPS[workload],
     )  # fmt: skip
     if args.models or workload == "full":
         status = max(status, _bench_models(quick=workload == "quick"))
@@ -125,6 +126,25 @@ def _validate(parsers: dict[str, argparse.ArgumentParser], args: argparse.Namesp
     for device in devices:
         if (problem := _device_problem(device)) is not None:
             parser.error(problem)
+    if args.command == "check" and args.family:
+        from parascan.cli.check import family_names
+
+        names = family_names()
+        for name in args.family:
+            if name not in names:
+                parser.error(f"--family {name}: expected one of {', '.join(names)}")
+    if args.command == "check" and args.backend:
+        from parascan import backends
+        from parascan.cli.check import default_devices
+
+        devices = devices or default_devices()
+        runnable = {b for device in devices for b in backends(device)}
+        for name in args.backend:
+            if name not in runnable:
+                parser.error(
+                    f"--backend {name}: it cannot run on {', '.join(devices)} here (available: "
+                    f"{', '.join(sorted(runnable))})"
+                )
     if args.command != "bench":
         return
     if args.backend:
@@ -161,8 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_info)
     parsers = {"info": p}
 
-    p = sub.add_parser("check", help="self-test: every backend against the float64 loop")
+    p = sub.add_parser(
+        "check",
+        help="self-test: every family of scans on every backend against a float64 loop, "
+        "and gradcheck",
+    )
     p.add_argument("--device", action="append", help="device to check: cpu or cuda (repeatable)")
+    p.add_argument(
+        "--family",
+        action="append",
+        help="check only this function, e.g. ssd_scan (repeatable; default: every family)",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        help="check only this backend (repeatable; default: every backend of the device; "
+        "the functions without a backend argument run regardless)",
+    )
     p.set_defaults(run=_check)
     parsers["check"] = p
 
