@@ -18,6 +18,8 @@ import torch
 
 import parascan as ps
 from parascan.delta_rule import autograd as delta_ops
+from parascan.dplr import autograd as dplr_ops
+from parascan.linear_attention import autograd as linear_attention_ops
 from parascan.matrix import autograd as matrix_ops
 from parascan.selective import autograd as selective_ops
 from parascan.ssd import autograd as ssd_ops
@@ -68,6 +70,30 @@ def _delta_inputs(gate: str) -> Callable[[torch.Generator, int], dict[str, torch
 
 def _delta_call(p: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
     return ps.delta_rule_scan(**p, qk_l2norm=True, backend=backend)  # type: ignore[return-value]
+
+
+def _key_value_inputs(
+    gate: str, low_rank: bool
+) -> Callable[[torch.Generator, int], dict[str, torch.Tensor]]:
+    """Linear attention's inputs (and DPLR's a and b with ``low_rank``)."""
+
+    def make(gen: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+        p = _delta_inputs(gate)(gen, n)
+        del p["beta"]
+        if low_rank:
+            kk = torch.nn.functional.normalize(_r(gen, 1, n, 1, 4), dim=-1)
+            p["a"], p["b"] = -kk, kk * _u(gen, 1, n, 1, 4)
+        return p
+
+    return make
+
+
+def _linear_attention_call(p: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
+    return ps.linear_attention_scan(**p, backend=backend)  # type: ignore[return-value]
+
+
+def _dplr_call(p: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
+    return ps.dplr_delta_rule_scan(**p, backend=backend)  # type: ignore[return-value]
 
 
 def _first_order(gen: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -137,6 +163,18 @@ SCANS = [
         Scan(f"delta_rule_scan-{gate}", _delta_inputs(gate),
              {"q": 1, "k": 1, "v": 1, "beta": 1, **({"g": 1} if gate != "none" else {})},
              _delta_call, tuple(delta_ops.ROW.backends), 1)
+        for gate in ("none", "head", "channel")
+    ),
+    *(
+        Scan(f"linear_attention_scan-{gate}", _key_value_inputs(gate, False),
+             {"q": 1, "k": 1, "v": 1, **({"g": 1} if gate != "none" else {})},
+             _linear_attention_call, tuple(linear_attention_ops.ROW.backends), 1)
+        for gate in ("none", "head", "channel")
+    ),
+    *(
+        Scan(f"dplr_delta_rule_scan-{gate}", _key_value_inputs(gate, True),
+             {"q": 1, "k": 1, "v": 1, "a": 1, "b": 1, **({"g": 1} if gate != "none" else {})},
+             _dplr_call, tuple(dplr_ops.ROW.backends), 1)
         for gate in ("none", "head", "channel")
     ),
     Scan("selective_scan", _selective, {"u": 2, "delta": 2, "B": 2, "C": 2, "z": 2},

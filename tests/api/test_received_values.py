@@ -72,6 +72,20 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[], dict[str, Any]]]] = {
         ps.delta_rule_scan,
         lambda: {**_qkv(), "beta": _r(1, 8, 2), "g": -_r(1, 8, 2), "initial": _r(1, 2, 4, 4)},
     ),
+    "parascan.linear_attention_scan": (
+        ps.linear_attention_scan,
+        lambda: {**_qkv(), "g": -_r(1, 8, 2, 4), "initial": _r(1, 2, 4, 4)},
+    ),
+    "parascan.dplr_delta_rule_scan": (
+        ps.dplr_delta_rule_scan,
+        lambda: {
+            **_qkv(),
+            "a": -_unit(1, 8, 2, 4),
+            "b": _unit(1, 8, 2, 4) / 2,
+            "g": -_r(1, 8, 2),
+            "initial": _r(1, 2, 4, 4),
+        },
+    ),
     "parascan.selective_scan": (
         ps.selective_scan,
         lambda: {**_selective(), "initial": _r(2, 3, 4)},
