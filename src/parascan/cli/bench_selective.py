@@ -1,5 +1,6 @@
 """The state-space part of ``parascan bench``: the SSD scan's rows (Mamba-2) come from
-bench_ssd.py and are listed, run and printed here with these. The selective scan:
+bench_ssd.py, the delta rule's from bench_delta.py, linear attention's and DPLR's from
+bench_linear_attention.py, and are listed, run and printed here with these. The selective scan:
 ``ps.selective_scan`` (Mamba-1's scan with variable B/C, D, z, delta_bias and softplus,
 float32) against the way the scan is computed without parascan, forward and forward +
 backward.
@@ -52,6 +53,17 @@ from parascan.cli.bench_delta import (
     delta_step_names,
     format_delta,
     run_delta,
+)
+from parascan.cli.bench_kv import KvRow
+from parascan.cli.bench_linear_attention import (
+    DEFAULT_LINEAR_CASES,
+    FULL_LINEAR_CASES,
+    QUICK_LINEAR_CASES,
+    LinearCase,
+    LinearRow,
+    format_linear,
+    linear_step_names,
+    run_linear,
 )
 from parascan.cli.bench_ssd import (
     DEFAULT_SSD_CASES,
@@ -109,7 +121,7 @@ class SsmRow:
     note: str = ""
 
 
-AnySsmCase = SsmCase | SsdCase | DeltaCase
+AnySsmCase = SsmCase | SsdCase | DeltaCase | LinearCase
 
 DEFAULT_SSM_CASES: list[AnySsmCase] = [
     # the loops on 128 steps, scaled by 8: right for the forward, a lower bound for the
@@ -118,17 +130,20 @@ DEFAULT_SSM_CASES: list[AnySsmCase] = [
     SsmCase("mamba-1 scan", 1, 1536, 1024, 16, loop_steps=128),
     *DEFAULT_SSD_CASES,
     *DEFAULT_DELTA_CASES,
+    *DEFAULT_LINEAR_CASES,
 ]
 FULL_SSM_CASES: list[AnySsmCase] = [
     SsmCase("mamba-1 scan", 1, 1536, 1024, 16),
     SsmCase("mamba-1 scan long", 2, 2048, 4096, 16, loop_steps=512),
     *FULL_SSD_CASES,
     *DEFAULT_DELTA_CASES,
+    *FULL_LINEAR_CASES,
 ]
 QUICK_SSM_CASES: list[AnySsmCase] = [
     SsmCase("mamba-1 scan", 1, 64, 128, 16),
     *QUICK_SSD_CASES,
     *QUICK_DELTA_CASES,
+    *QUICK_LINEAR_CASES,
 ]
 
 _CHECKED = 8  # channels checked against the float64 loop
@@ -141,6 +156,8 @@ def ssm_step_names(case: AnySsmCase) -> list[str]:
         return ssd_step_names(case)
     if isinstance(case, DeltaCase):
         return delta_step_names(case)
+    if isinstance(case, LinearCase):
+        return linear_step_names(case)
     return [f"{case.name} {i} {d}" for i in _IMPLS for d in _DIRECTIONS]
 
 
@@ -284,12 +301,14 @@ def _run_case(case: SsmCase, repeat: int, step: Callable[[str], None]) -> list[S
 
 def _run_any(
     case: AnySsmCase, repeat: int, step: Callable[[str], None]
-) -> Iterable[SsmRow | SsdRow | DeltaRow]:
+) -> Iterable[SsmRow | SsdRow | KvRow]:
     """A case's rows (see the module docstring; an SsdCase's from bench_ssd.py)."""
     if isinstance(case, SsdCase):
         return run_ssd([case], repeat, step)
     if isinstance(case, DeltaCase):
         return run_delta([case], repeat, step)
+    if isinstance(case, LinearCase):
+        return run_linear([case], repeat, step)
     return _run_case(case, repeat, step)
 
 
@@ -300,11 +319,12 @@ run_ssm = partial(run_cases, _run_any)
 _SELECTIVE_LINE = "{:<20} {:<16} {:<16} {:<17} {:>10} {:>7} {:>7} {:>8} {:>9}  {}"
 
 
-def format_ssm(rows: list[SsmRow | SsdRow | DeltaRow]) -> str:
-    """The selective scan's table, then the SSD scan's, then the delta rule's (each when
-    it has rows)."""
+def format_ssm(rows: list[SsmRow | SsdRow | KvRow]) -> str:
+    """The selective scan's table, then the SSD scan's, the delta rule's, linear
+    attention's and DPLR's (each when it has rows)."""
     ssd = [r for r in rows if isinstance(r, SsdRow)]
     delta = [r for r in rows if isinstance(r, DeltaRow)]
+    linear = [r for r in rows if isinstance(r, LinearRow)]
     selective = [r for r in rows if isinstance(r, SsmRow)]
     head = (
         "Selective scan (Mamba-1: variable B/C, D, z, delta_bias, softplus; float32; x exp: "
@@ -322,5 +342,6 @@ def format_ssm(rows: list[SsmRow | SsdRow | DeltaRow]) -> str:
         ([table([head], _SELECTIVE_LINE, names, cells)] if selective else [])
         + ([format_ssd(ssd)] if ssd else [])
         + ([format_delta(delta)] if delta else [])
+        + ([format_linear(linear)] if linear else [])
     )
     return "\n\n".join(tables)

@@ -49,14 +49,18 @@ def rounds(
     keep: Callable[[K, int], bool] = lambda key, i: True,
     calls: int = 1,
     device: str = "cpu",
+    once_over: float | None = None,
 ) -> dict[K, list[float]]:
     """Seconds per call of each of ``fns`` (over ``calls`` calls), in ``repeat`` rounds:
     each round times them back to back in order, so that a slow spell of a shared
-    machine hits them alike; ``keep(key, round)`` false leaves one out of that round."""
+    machine hits them alike; ``keep(key, round)`` false leaves one out of that round,
+    and one whose first time is over ``once_over`` seconds is not timed again (a call
+    of seconds is its own long sample; repeating it would cost the run minutes)."""
     times: dict[K, list[float]] = {key: [] for key in fns}
     for i in range(repeat):
         for key, fn in fns.items():
-            if keep(key, i):
+            slow = once_over is not None and bool(times[key]) and times[key][0] > once_over
+            if keep(key, i) and not slow:
                 times[key].append(elapsed(fn, calls, device))
     return times
 
