@@ -17,6 +17,7 @@ KERNEL_SOURCES = [
     "src/parascan/selective/cpu.c",
     "src/parascan/ssd/cpu.c",
     "src/parascan/delta_rule/cpu.c",
+    "src/parascan/linear_attention/cpu.c",
 ]
 
 setup(

@@ -27,6 +27,9 @@ PS_API int64_t ps_ssd_args_size(void) { return (int64_t)sizeof(ps_ssd_args); }
 PS_API int64_t ps_ssd_conv_args_size(void) { return (int64_t)sizeof(ps_ssd_conv_args); }
 PS_API int64_t ps_ssd_norm_args_size(void) { return (int64_t)sizeof(ps_ssd_norm_args); }
 PS_API int64_t ps_delta_args_size(void) { return (int64_t)sizeof(ps_delta_args); }
+PS_API int64_t ps_linear_attention_args_size(void) {
+    return (int64_t)sizeof(ps_linear_attention_args);
+}
 
 PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
     const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,

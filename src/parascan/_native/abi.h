@@ -26,6 +26,8 @@
  *   ps_ssd_conv_fwd_{f32,f64}, ps_ssd_conv_bwd_{f32,f64}       (ps_ssd_conv_args)
  *   ps_ssd_norm_fwd_{f32,f64}, ps_ssd_norm_bwd_{f32,f64}       (ps_ssd_norm_args)
  *   ps_delta_fwd_{f32,f64}, ps_delta_bwd_{f32,f64}             (ps_delta_args)
+ *   ps_linear_attention_fwd_{f32,f64}, ps_linear_attention_bwd_{f32,f64}
+ *                                                 (ps_linear_attention_args)
  *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
  *     vector exp, softplus, log1p, sigmoid one by one, for tests; selective/cpu_kernel.h)
  */
@@ -36,7 +38,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 13
+#define PS_ABI_VERSION 14
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -308,6 +310,33 @@ typedef struct {
     int64_t nthreads, simd, failed;
 } ps_delta_args;
 
+/* Gated linear attention (linear_attention/cpu.c, the contract and the math in
+ * linear_attention/canonical.py), one struct for both entries, as ps_delta_args
+ * without beta: every tensor contiguous in the shape given and of the entry's type
+ * (float32 or float64): q, k, grad_q, grad_k (batch, length, kheads, dk); v, out,
+ * grad_out, grad_v (batch, length, heads, dv), kheads dividing heads; g, grad_g
+ * (batch, length, heads) when gate is 1 (a log decay per head), (batch, length, heads,
+ * dk) when gate is 2 (per key channel), NULL when gate is 0 (no decay); initial, final,
+ * grad_final, grad_initial (S, heads, dk, dv) with S = nseq when packed, else batch;
+ * checkpoints (batch, ceil(length / chunk), heads, dk, dv), the state entering each
+ * chunk's first step. cu_seqlens (nseq + 1 offsets, batch 1) or NULL: packed
+ * sequences. initial (zeros), final and the forward's checkpoints (not stored),
+ * grad_final (zeros) and grad_initial (not computed) may be NULL. The forward reads q
+ * times the scale whose IEEE double bits are scale_bits (q raw, the public function's
+ * inference path); the backward takes canonical q, scale 1. The forward writes out,
+ * final and checkpoints; the backward reads checkpoints, grad_out and grad_final and
+ * writes every other gradient. simd = 0 runs the portable build; failed is set by the
+ * kernel (out of memory). */
+typedef struct {
+    int64_t batch, length, kheads, heads, dk, dv, gate, chunk, scale_bits;
+    const int64_t *cu_seqlens; int64_t nseq;
+    const void *q, *k, *v, *g, *initial;
+    void *out, *final, *checkpoints;
+    const void *grad_out, *grad_final;
+    void *grad_q, *grad_k, *grad_v, *grad_g, *grad_initial;
+    int64_t nthreads, simd, failed;
+} ps_linear_attention_args;
+
 /* ---- Every function the library exports ---------------------------------------- */
 
 /* The first-order scans (first_order/cpu.c), per dtype. */
@@ -369,6 +398,8 @@ PS_SSD_ENTRIES(ssd, ps_ssd_args)
 PS_SSD_ENTRIES(ssd_conv, ps_ssd_conv_args)
 PS_SSD_ENTRIES(ssd_norm, ps_ssd_norm_args)
 PS_SSD_ENTRIES(delta, ps_delta_args) /* the delta rule (delta_rule/cpu.c) */
+/* gated linear attention (linear_attention/cpu.c) */
+PS_SSD_ENTRIES(linear_attention, ps_linear_attention_args)
 #undef PS_SSD_ENTRIES
 
 /* What Python checks before anything else is called (abi.c): the version and the
@@ -387,5 +418,6 @@ PS_API int64_t ps_ssd_args_size(void);
 PS_API int64_t ps_ssd_conv_args_size(void);
 PS_API int64_t ps_ssd_norm_args_size(void);
 PS_API int64_t ps_delta_args_size(void);
+PS_API int64_t ps_linear_attention_args_size(void);
 
 #endif

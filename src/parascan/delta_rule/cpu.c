@@ -67,9 +67,10 @@
  */
 #include "common.h"
 #include "isa.h"
+#include "kv_state.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h> /* the decoding step's non-temporal stores (cpu_kernel.h) */
+#include <immintrin.h> /* the decoding step's non-temporal stores (_native/kv_tiles.h) */
 #endif
 
 #include <float.h>
@@ -78,22 +79,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* 64-byte aligned memory, the size rounded up as aligned_alloc requires. */
-static void *ps_delta_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
-
 static int ps_delta_check(const ps_delta_args *a, int backward) {
     if (a->batch < 0 || a->length < 0 || a->kheads < 1 || a->heads < 1 || a->dk < 1 ||
         a->dv < 1 || a->chunk < 1 || a->heads % a->kheads != 0 || a->gate < 0 || a->gate > 2 ||
         a->qk_form < 0 || a->qk_form > 2)
         return -1;
-    if (a->cu_seqlens) {
-        /* no sequence at all (offsets [0]) only when there is no step */
-        if (a->batch != 1 || a->nseq < (a->length > 0) || a->cu_seqlens[0] != 0 ||
-            a->cu_seqlens[a->nseq] != a->length)
-            return -1;
-        for (int64_t s = 0; s < a->nseq; ++s)
-            if (a->cu_seqlens[s + 1] < a->cu_seqlens[s]) return -1;
-    }
+    if (a->cu_seqlens && ps_kv_bad_offsets(a->cu_seqlens, a->nseq, a->batch, a->length))
+        return -1;
     const int64_t steps = a->batch * a->length * a->heads;
     if (steps && (!a->q || !a->k || !a->v || !a->beta || (a->gate && !a->g))) return -1;
     if (!backward) return steps && !a->out ? -1 : 0; /* checkpoints NULL: none stored */
@@ -107,18 +99,10 @@ static int ps_delta_check(const ps_delta_args *a, int backward) {
 /* The states of the sequences with no step: the final state is the initial one
  * (zeros without it), and so grad_initial is grad_final. */
 static void ps_delta_empty(const ps_delta_args *a, int backward, size_t elem) {
-    const void *src = backward ? a->grad_final : a->initial;
-    void *dst = backward ? a->grad_initial : a->final;
-    if (!dst) return;
-    const int64_t rows = a->cu_seqlens ? a->nseq : a->batch;
-    const size_t bytes = elem * (size_t)(a->heads * a->dk * a->dv);
-    for (int64_t s = 0; s < rows; ++s) {
-        const int empty = a->cu_seqlens ? a->cu_seqlens[s + 1] == a->cu_seqlens[s]
-                                        : a->length == 0;
-        if (!empty) continue;
-        if (src) memcpy((char *)dst + (size_t)s * bytes, (const char *)src + (size_t)s * bytes, bytes);
-        else memset((char *)dst + (size_t)s * bytes, 0, bytes);
-    }
+    ps_kv_empty_states(a->cu_seqlens, a->nseq, a->batch, a->length,
+                       elem * (size_t)(a->heads * a->dk * a->dv),
+                       backward ? a->grad_final : a->initial,
+                       backward ? a->grad_initial : a->final);
 }
 
 /* ---- float32 ---------------------------------------------------------------------- */

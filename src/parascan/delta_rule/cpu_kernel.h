@@ -13,65 +13,11 @@
  * the decay. */
 
 /* The level's vector helpers (F(ps_lane_sums_n), F(ps_vexp), ...) come from
- * _native/isa_instance.h. */
+ * _native/isa_instance.h; the tiles, rows, gathers and sequences (F(ps_kv_load_cols),
+ * ...) from _native/kv_tiles.h, which the linear-attention kernel shares. */
+#include "kv_tiles.h"
 
 #define PS_DELTA_INLINE ATTR static inline __attribute__((always_inline))
-
-/* ---- tiles and rows --------------------------------------------------------------- */
-
-/* Columns [c0, c0 + VB) of the (K, Vd) matrix src (NULL: zeros) into a tile, zero
- * past Vd; and back, the lanes past Vd left out. A whole block's row is a copy of
- * constant size (vector moves, no call: a decoding step copies a few thousand rows). */
-ATTR static void F(ps_delta_load_cols)(T *tile, const T *src, int64_t K, int64_t Vd, int64_t c0) {
-    const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    for (int64_t i = 0; i < K; ++i) {
-        T *row = tile + i * VB;
-        if (src && w == VB) {
-            memcpy(row, src + i * Vd + c0, sizeof(T) * VB);
-            continue;
-        }
-        if (src) memcpy(row, src + i * Vd + c0, sizeof(T) * (size_t)w);
-        for (int64_t l = src ? w : 0; l < VB; ++l) row[l] = 0;
-    }
-}
-
-ATTR static void F(ps_delta_store_cols)(T *dst, const T *tile, int64_t K, int64_t Vd,
-                                        int64_t c0) {
-    const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    if (w == VB)
-        for (int64_t i = 0; i < K; ++i) memcpy(dst + i * Vd + c0, tile + i * VB, sizeof(T) * VB);
-    else
-        for (int64_t i = 0; i < K; ++i)
-            memcpy(dst + i * Vd + c0, tile + i * VB, sizeof(T) * (size_t)w);
-}
-
-/* One row's block of columns [c0, c0 + VB) as NB vectors, zero past Vd; and back. */
-PS_DELTA_INLINE void F(ps_delta_load_row)(V *x, const T *src, int64_t Vd, int64_t c0) {
-    const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    if (w == VB) {
-        memcpy(x, src + c0, sizeof(T) * VB);
-        return;
-    }
-    for (int n = 0; n < NB; ++n) x[n] = (V){0};
-    memcpy(x, src + c0, sizeof(T) * (size_t)w);
-}
-
-PS_DELTA_INLINE void F(ps_delta_store_row)(T *dst, const V *x, int64_t Vd, int64_t c0) {
-    const int64_t w = Vd - c0 < VB ? Vd - c0 : VB;
-    if (w == VB)
-        memcpy(dst + c0, x, sizeof(T) * VB);
-    else
-        memcpy(dst + c0, x, sizeof(T) * (size_t)w);
-}
-
-/* The sum of the lanes of x[0] + ... + x[NB - 1]. */
-PS_DELTA_INLINE T F(ps_delta_hsum)(const V *x) {
-    V s = x[0];
-    for (int n = 1; n < NB; ++n) s += x[n];
-    T r;
-    F(ps_lane_sums)(&s, 1, &r);
-    return r;
-}
 
 /* ---- a chunk's per-step vectors --------------------------------------------------- */
 
@@ -99,24 +45,6 @@ static inline F(ps_delta_prep) F(ps_delta_prep_at)(T *m, int64_t C, int64_t K, i
                               m + 5 * C * K, m + 5 * C * K + C, r, r + C * Vd, r + 2 * C * Vd};
 }
 
-/* How many steps ahead a chunk's preparation fetches the rows of its inputs: a head's
- * rows are H K (or H V) elements apart from step to step, further than the hardware
- * prefetchers look, and each would otherwise be a cache miss waited for. */
-#define PS_DELTA_FETCH_STEPS 4
-
-/* Fetch the n elements at x into the cache (L1 when `near`, else L2). */
-PS_DELTA_INLINE void F(ps_delta_fetch)(const T *x, int64_t n, const int near) {
-    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(T))
-        if (near)
-            __builtin_prefetch(x + i, 0, 3);
-        else
-            __builtin_prefetch(x + i, 0, 2);
-    if (near)
-        __builtin_prefetch(x + n - 1, 0, 3);
-    else
-        __builtin_prefetch(x + n - 1, 0, 2);
-}
-
 /* Fetch step t's rows of q, k, v and a per-channel g of head h, batch row b, into L2
  * (while the chunk before t's runs, so that preparing t's chunk reads no memory). */
 PS_DELTA_INLINE void F(ps_delta_fetch_step)(const ps_delta_args *a, int64_t b, int64_t h,
@@ -124,48 +52,10 @@ PS_DELTA_INLINE void F(ps_delta_fetch_step)(const ps_delta_args *a, int64_t b, i
     const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
     const int64_t hk = h / (H / Hk), qk = ((b * L + t) * Hk + hk) * K;
     const int64_t step = (b * L + t) * H + h;
-    F(ps_delta_fetch)((const T *)a->q + qk, K, 0);
-    F(ps_delta_fetch)((const T *)a->k + qk, K, 0);
-    F(ps_delta_fetch)((const T *)a->v + step * a->dv, a->dv, 0);
-    if (a->gate == 2) F(ps_delta_fetch)((const T *)a->g + step * K, K, 0);
-}
-
-/* Rows [t0, t0 + n) of head h, batch row b, of the (batch, L, H, Vd) tensor src into
- * dst (n, Vd), or back, columns [c0, c1). */
-ATTR static void F(ps_delta_gather)(T *dst, const T *src, int64_t b, int64_t h, int64_t t0,
-                                    int64_t n, int64_t L, int64_t H, int64_t Vd) {
-    for (int64_t j = 0; j < n; ++j) {
-        if (j + PS_DELTA_FETCH_STEPS < n)
-            F(ps_delta_fetch)(src + ((b * L + t0 + j + PS_DELTA_FETCH_STEPS) * H + h) * Vd, Vd,
-                              1);
-        memcpy(dst + j * Vd, src + ((b * L + t0 + j) * H + h) * Vd, sizeof(T) * (size_t)Vd);
-    }
-}
-
-ATTR static void F(ps_delta_scatter)(T *dst, const T *src, int64_t b, int64_t h, int64_t t0,
-                                     int64_t n, int64_t L, int64_t H, int64_t Vd, int64_t c0,
-                                     int64_t c1) {
-    for (int64_t j = 0; j < n; ++j)
-        memcpy(dst + ((b * L + t0 + j) * H + h) * Vd + c0, src + j * Vd + c0,
-               sizeof(T) * (size_t)(c1 - c0));
-}
-
-/* Elements [i, i + W) of x as a vector, zeros past K; and back, the lanes past K left
- * out (a whole vector is a move of constant size, no call). */
-PS_DELTA_INLINE V F(ps_delta_load_vec)(const T *x, int64_t i, int64_t K) {
-    V v = (V){0};
-    if (K - i >= W)
-        memcpy(&v, x + i, sizeof v);
-    else
-        memcpy(&v, x + i, sizeof(T) * (size_t)(K - i));
-    return v;
-}
-
-PS_DELTA_INLINE void F(ps_delta_store_vec)(T *x, V v, int64_t i, int64_t K) {
-    if (K - i >= W)
-        memcpy(x + i, &v, sizeof v);
-    else
-        memcpy(x + i, &v, sizeof(T) * (size_t)(K - i));
+    F(ps_kv_fetch)((const T *)a->q + qk, K, 0);
+    F(ps_kv_fetch)((const T *)a->k + qk, K, 0);
+    F(ps_kv_fetch)((const T *)a->v + step * a->dv, a->dv, 0);
+    if (a->gate == 2) F(ps_kv_fetch)((const T *)a->g + step * K, K, 0);
 }
 
 /* The dot products k . k, q . q and k . q of two K-vectors, in W lanes summed at the
@@ -173,7 +63,7 @@ PS_DELTA_INLINE void F(ps_delta_store_vec)(T *x, V v, int64_t i, int64_t K) {
 PS_DELTA_INLINE void F(ps_delta_dots)(const T *kk, const T *qq, int64_t K, T *kk_qq_kq) {
     V acc[3] = {(V){0}, (V){0}, (V){0}};
     for (int64_t i = 0; i < K; i += W) {
-        const V x = F(ps_delta_load_vec)(kk, i, K), y = F(ps_delta_load_vec)(qq, i, K);
+        const V x = F(ps_kv_load_vec)(kk, i, K), y = F(ps_kv_load_vec)(qq, i, K);
         acc[0] += x * x;
         acc[1] += y * y;
         acc[2] += x * y;
@@ -233,11 +123,11 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j, step = (b * L + t) * H + h;
         const T *qs = q + ((b * L + t) * Hk + hk) * K, *ks = k + ((b * L + t) * Hk + hk) * K;
-        if (j + PS_DELTA_FETCH_STEPS < n) {
-            const int64_t ahead = PS_DELTA_FETCH_STEPS * Hk * K;
-            F(ps_delta_fetch)(qs + ahead, K, 1);
-            F(ps_delta_fetch)(ks + ahead, K, 1);
-            if (a->gate == 2) F(ps_delta_fetch)(g + (step + PS_DELTA_FETCH_STEPS * H) * K, K, 1);
+        if (j + PS_KV_FETCH_STEPS < n) {
+            const int64_t ahead = PS_KV_FETCH_STEPS * Hk * K;
+            F(ps_kv_fetch)(qs + ahead, K, 1);
+            F(ps_kv_fetch)(ks + ahead, K, 1);
+            if (a->gate == 2) F(ps_kv_fetch)(g + (step + PS_KV_FETCH_STEPS * H) * K, K, 1);
         }
         T *kk = p->kk + j * K, *qq = p->qq + j * K, *dd = p->dd + j * K;
         T *kd = p->kd + j * K, *qd = p->qd + j * K;
@@ -251,7 +141,7 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
         } else if (a->gate == 2) {
             const T *gs = g + step * K;
             for (int64_t i = 0; i < K; i += W)
-                F(ps_delta_store_vec)(dd, F(ps_vexp)(F(ps_delta_load_vec)(gs, i, K)), i, K);
+                F(ps_kv_store_vec)(dd, F(ps_vexp)(F(ps_kv_load_vec)(gs, i, K)), i, K);
         } else {
             for (int64_t i = 0; i < K; ++i) dd[i] = 1;
         }
@@ -263,8 +153,8 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
         F(ps_delta_dots)(kk, qq, K, dots);
         p->kq[j] = dots[2];
     }
-    F(ps_delta_gather)(p->vv, a->v, b, h, t0, n, L, H, a->dv);
-    if (a->grad_out) F(ps_delta_gather)(p->go, a->grad_out, b, h, t0, n, L, H, a->dv);
+    F(ps_kv_gather)(p->vv, a->dv, a->v, b, h, t0, n, L, H, a->dv);
+    if (a->grad_out) F(ps_kv_gather)(p->go, a->dv, a->grad_out, b, h, t0, n, L, H, a->dv);
 }
 
 /* ---- the forward's sweeps over a tile --------------------------------------------- */
@@ -347,40 +237,6 @@ PS_DELTA_INLINE void F(ps_delta_update)(T *dst, const T *src, const T *dd, const
         }
 }
 
-/* ---- sequences -------------------------------------------------------------------- */
-
-/* The sequences of a batch row: packed ones (cu_seqlens), or the row itself as one
- * sequence [0, L) whose states are row b's. */
-typedef struct {
-    const int64_t *cu;
-    int64_t nseq, packed, b;
-    int64_t whole[2];
-} F(ps_delta_seqs);
-
-PS_DELTA_INLINE void F(ps_delta_seqs_of)(F(ps_delta_seqs) *s, const ps_delta_args *a, int64_t b) {
-    s->packed = a->cu_seqlens != NULL;
-    s->whole[0] = 0;
-    s->whole[1] = a->length;
-    s->cu = s->packed ? a->cu_seqlens : s->whole;
-    s->nseq = s->packed ? a->nseq : 1;
-    s->b = b;
-}
-
-/* The row of initial, final and their gradients that sequence s owns. */
-PS_DELTA_INLINE int64_t F(ps_delta_state_row)(const F(ps_delta_seqs) *s, int64_t seq) {
-    return s->packed ? seq : s->b;
-}
-
-/* The sequence holding step t (0 <= t < L): the last s with cu[s] <= t. */
-ATTR static int64_t F(ps_delta_seq_at)(const F(ps_delta_seqs) *s, int64_t t) {
-    int64_t lo = 0, hi = s->nseq - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (s->cu[mid] <= t) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
 /* ---- forward ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -392,7 +248,7 @@ typedef struct {
  * tile holds the state entering t0 (or anything, when t0 starts a sequence). `fetch`:
  * the next chunk's rows of the inputs are fetched meanwhile (ps_delta_fetch_step). */
 PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_delta_prep) *p,
-                                           const F(ps_delta_seqs) *sq, T *tile, int64_t b,
+                                           const F(ps_kv_seqs) *sq, T *tile, int64_t b,
                                            int64_t h, int64_t vb, int64_t c, int64_t t0,
                                            int64_t n, int64_t nc, const int fetch,
                                            const int gated) {
@@ -400,7 +256,7 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
     const int64_t KV = K * Vd;
     const T *init = a->initial;
     T *fin = a->final;
-    int64_t s = F(ps_delta_seq_at)(sq, t0);
+    int64_t s = F(ps_kv_seq_at)(sq, t0);
     V ak[NB], aq[NB], u[NB], x[NB];
     for (int m = 0; m < NB; ++m) ak[m] = aq[m] = (V){0}; /* read at the first step */
     int fresh = 1; /* ak and aq are to be read from the tile */
@@ -408,19 +264,19 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
         const int64_t t = t0 + j;
         if (fetch && t + a->chunk < a->length) F(ps_delta_fetch_step)(a, b, h, t + a->chunk);
         if (t == sq->cu[s])
-            F(ps_delta_load_cols)(tile, init ? init + (F(ps_delta_state_row)(sq, s) * H + h) * KV
+            F(ps_kv_load_cols)(tile, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV
                                              : NULL, K, Vd, c0);
         if (j == 0 && a->checkpoints)
-            F(ps_delta_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd,
+            F(ps_kv_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd,
                                    c0);
         if (fresh) F(ps_delta_read)(tile, p->kd + j * K, p->qd + j * K, K, ak, aq, 1);
-        F(ps_delta_load_row)(x, p->vv + j * Vd, Vd, c0);
+        F(ps_kv_load_row)(x, p->vv + j * Vd, Vd, c0);
         const T beta = p->bt[j], kq = p->kq[j];
         for (int m = 0; m < NB; ++m) {
             u[m] = beta * (x[m] - ak[m]);
             x[m] = aq[m] + kq * u[m];
         }
-        F(ps_delta_store_row)(p->oo + j * Vd, x, Vd, c0);
+        F(ps_kv_store_row)(p->oo + j * Vd, x, Vd, c0);
         const int last = t == sq->cu[s + 1] - 1;
         fresh = last || j + 1 == n;
         if (fresh)
@@ -431,42 +287,11 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
                                p->qd + (j + 1) * K, K, ak, aq, gated, 1, 1);
         if (last) {
             if (fin)
-                F(ps_delta_store_cols)(fin + (F(ps_delta_state_row)(sq, s) * H + h) * KV, tile, K,
+                F(ps_kv_store_cols)(fin + (F(ps_kv_state_row)(sq, s) * H + h) * KV, tile, K,
                                        Vd, c0);
             while (s < sq->nseq - 1 && sq->cu[s + 1] <= t + 1) ++s;
         }
     }
-}
-
-/* Non-temporal stores for the decoding step's final state, on the vector levels
- * (x86-64 only): written through the caches, each line of the state is first read for
- * ownership, and the state is read again only at the next token, after the rest of the
- * model (its weights, far more than the caches hold) has gone through them. At
- * Qwen3.5's shape the step went from 3.0-3.8x to 2.3-2.8x torch.add over the state (2
- * threads, alternated runs, BENCHMARKS.md). A state read again at once (a chain of
- * steps with nothing between them) then comes from memory instead of the caches.
- * ps_delta_streams: whether the rows of Vd elements from dst are all vector-aligned. */
-PS_DELTA_INLINE int F(ps_delta_streams)(const T *dst, int64_t Vd) {
-#ifdef PS_ISA_VECTOR
-    return ((uintptr_t)dst % PS_ISA_VBYTES) == 0 && (Vd * TBYTES) % PS_ISA_VBYTES == 0;
-#else
-    (void)dst, (void)Vd;
-    return 0;
-#endif
-}
-
-PS_DELTA_INLINE void F(ps_delta_stream)(T *dst, V x) {
-#if defined(PS_ISA_VECTOR) && PS_ISA_VBYTES == 64 && TBYTES == 4
-    _mm512_stream_ps(dst, (__m512)x);
-#elif defined(PS_ISA_VECTOR) && PS_ISA_VBYTES == 64
-    _mm512_stream_pd(dst, (__m512d)x);
-#elif defined(PS_ISA_VECTOR) && TBYTES == 4
-    _mm256_stream_ps(dst, (__m256)x);
-#elif defined(PS_ISA_VECTOR)
-    _mm256_stream_pd(dst, (__m256d)x);
-#else
-    *(V *)dst = x;
-#endif
 }
 
 /* The decoding step: the single step of a call with L = 1 (not packed, no checkpoints)
@@ -499,20 +324,20 @@ PS_DELTA_INLINE void F(ps_delta_fwd_single)(const ps_delta_args *a, const F(ps_d
             q0[n] += r0[n] * qd[i];
         }
     }
-    F(ps_delta_load_row)(x, p->vv, Vd, c0);
+    F(ps_kv_load_row)(x, p->vv, Vd, c0);
     const T beta = p->bt[0], kq = p->kq[0];
     for (int n = 0; n < NB; ++n) {
         u[n] = beta * (x[n] - (k0[n] + k1[n]));
         x[n] = (q0[n] + q1[n]) + kq * u[n];
     }
-    F(ps_delta_store_row)(p->oo, x, Vd, c0);
+    F(ps_kv_store_row)(p->oo, x, Vd, c0);
     if (!a->final) return;
     T *dst = (T *)a->final + at;
-    if (F(ps_delta_streams)(dst, Vd)) { /* rows aligned to a vector: stored past the caches */
+    if (F(ps_kv_streams)(dst, Vd)) { /* rows aligned to a vector: stored past the caches */
         for (i = 0; i < K; ++i) {
             const VA *r = (const VA *)(src + i * Vd);
             for (int n = 0; n < NB; ++n)
-                F(ps_delta_stream)(dst + i * Vd + n * W,
+                F(ps_kv_stream)(dst + i * Vd + n * W,
                                    (gated ? p->dd[i] * r[n] : r[n]) + p->kk[i] * u[n]);
         }
         return;
@@ -531,7 +356,7 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
     const int64_t nvb = ctx->nvb, split = ctx->split;
     const int64_t most = (nvb + split - 1) / split; /* column blocks of a unit, at most */
     const int64_t Cn = L < C ? L : C; /* steps of a chunk, at most */
-    T *tiles = ps_delta_alloc(sizeof(T) * (size_t)(most * K * VB));
+    T *tiles = ps_kv_alloc(sizeof(T) * (size_t)(most * K * VB));
     T *pm = malloc(sizeof(T) * (size_t)F(ps_delta_prep_size)(Cn, K, a->dv));
     if (!tiles || !pm) {
         free(tiles);
@@ -546,8 +371,8 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
         const int64_t part = unit % split, bh = unit / split, b = bh / H, h = bh % H;
         const int64_t vb0 = part * nvb / split, vb1 = (part + 1) * nvb / split;
         if (vb0 == vb1) continue;
-        F(ps_delta_seqs) sq;
-        F(ps_delta_seqs_of)(&sq, a, b);
+        F(ps_kv_seqs) sq;
+        F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
         for (int64_t c = 0; c < ctx->nc; ++c) {
             const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
             F(ps_delta_prepare)(a, &p, b, h, t0, n);
@@ -567,13 +392,13 @@ ATTR static void F(ps_delta_fwd_task)(const void *vp, int64_t begin, int64_t end
                     F(ps_delta_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 0);
             }
             const int64_t c1 = vb1 * VB < a->dv ? vb1 * VB : a->dv;
-            F(ps_delta_scatter)(a->out, p.oo, b, h, t0, n, L, H, a->dv, vb0 * VB, c1);
+            F(ps_kv_scatter)(a->out, p.oo, a->dv, b, h, t0, n, L, H, a->dv, vb0 * VB, c1);
         }
     }
     free(tiles);
     free(pm);
 #ifdef PS_ISA_VECTOR
-    _mm_sfence(); /* the streamed stores (ps_delta_stream) done before the call returns */
+    _mm_sfence(); /* the streamed stores (ps_kv_stream) done before the call returns */
 #endif
 }
 
@@ -612,11 +437,11 @@ typedef struct {
 } F(ps_delta_bwd_buf);
 
 /* dS = sequence s's grad_final (zeros without one), columns [c0, c0 + VB). */
-ATTR static void F(ps_delta_grad_final)(const ps_delta_args *a, const F(ps_delta_seqs) *sq,
+ATTR static void F(ps_delta_grad_final)(const ps_delta_args *a, const F(ps_kv_seqs) *sq,
                                         int64_t s, int64_t h, T *dS, int64_t c0) {
     const int64_t KV = a->dk * a->dv;
     const T *gf = a->grad_final;
-    F(ps_delta_load_cols)(dS, gf ? gf + (F(ps_delta_state_row)(sq, s) * a->heads + h) * KV : NULL,
+    F(ps_kv_load_cols)(dS, gf ? gf + (F(ps_kv_state_row)(sq, s) * a->heads + h) * KV : NULL,
                           a->dk, a->dv, c0);
 }
 
@@ -645,14 +470,14 @@ PS_DELTA_INLINE void F(ps_delta_adjoint)(const F(ps_delta_bwd_buf) *m, V *dS, in
     T *dk = m->dk + jB * K, *dg = m->dg + jB * K, *dq = m->dq + jA * K;
     V dv[NB], go[NB], t1[NB], gacc = (V){0};
     T ud = 0;
-    if (jb >= 0) F(ps_delta_load_row)(dv, m->p.oo + jB * Vd, Vd, c0); /* its step's dv */
+    if (jb >= 0) F(ps_kv_load_row)(dv, m->p.oo + jB * Vd, Vd, c0); /* its step's dv */
     if (ja >= 0) {
-        F(ps_delta_load_row)(go, p->go + jA * Vd, Vd, c0);
+        F(ps_kv_load_row)(go, p->go + jA * Vd, Vd, c0);
         for (int q = 0; q < NB; ++q) {
             t1[q] = uA[q] * go[q];
             du[q] = (V){0};
         }
-        ud = F(ps_delta_hsum)(t1);
+        ud = F(ps_kv_hsum)(t1);
     }
     for (int64_t i0 = 0; i0 < K; i0 += W) {
         const int64_t cnt = K - i0 < W ? K - i0 : W;
@@ -722,8 +547,8 @@ PS_DELTA_INLINE void F(ps_delta_finish)(const F(ps_delta_bwd_buf) *m, int64_t Vd
         dv[q] = m->p.bt[j] * du[q];
         t1[q] = du[q] * w[q];
     }
-    F(ps_delta_store_row)(m->p.oo + j * Vd, dv, Vd, c0);
-    m->db[j] += F(ps_delta_hsum)(t1);
+    F(ps_kv_store_row)(m->p.oo + j * Vd, dv, Vd, c0);
+    m->db[j] += F(ps_kv_hsum)(t1);
 }
 
 /* The backward of steps [t0, t0 + n) (chunk c) for column block vb of head h, batch
@@ -732,7 +557,7 @@ PS_DELTA_INLINE void F(ps_delta_finish)(const F(ps_delta_bwd_buf) *m, int64_t Vd
  * k, beta and g into the chunk's sums and writing its columns of grad_v. `gate` is a
  * constant after inlining. */
 PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_delta_bwd_buf) *m,
-                                           const F(ps_delta_seqs) *sq, int64_t b, int64_t h,
+                                           const F(ps_kv_seqs) *sq, int64_t b, int64_t h,
                                            int64_t vb, int64_t c, int64_t t0, int64_t n,
                                            int64_t nc, const int gate) {
     const int64_t K = a->dk, Vd = a->dv, H = a->heads, c0 = vb * VB;
@@ -744,8 +569,8 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
     for (int q = 0; q < NB; ++q) u[q] = (V){0}; /* set by every step before the next reads it */
 
     /* the states, forward */
-    int64_t s = F(ps_delta_seq_at)(sq, t0);
-    F(ps_delta_load_cols)(m->states, (const T *)a->checkpoints + ((b * nc + c) * H + h) * KV, K,
+    int64_t s = F(ps_kv_seq_at)(sq, t0);
+    F(ps_kv_load_cols)(m->states, (const T *)a->checkpoints + ((b * nc + c) * H + h) * KV, K,
                           Vd, c0);
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j;
@@ -755,11 +580,11 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
                                p->kd + j * K, NULL, K, ak, NULL, gated, 1, 0);
         } else {
             if (j > 0)
-                F(ps_delta_load_cols)(st, init ? init + (F(ps_delta_state_row)(sq, s) * H + h) * KV
+                F(ps_kv_load_cols)(st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV
                                                : NULL, K, Vd, c0);
             F(ps_delta_read)(st, p->kd + j * K, NULL, K, ak, NULL, 0);
         }
-        F(ps_delta_load_row)(x, p->vv + j * Vd, Vd, c0);
+        F(ps_kv_load_row)(x, p->vv + j * Vd, Vd, c0);
         V *w = (V *)(m->ww + j * VB), *uj = (V *)(m->uu + j * VB);
         for (int q = 0; q < NB; ++q) {
             w[q] = x[q] - ak[q];
@@ -776,7 +601,7 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
     V du[NB];
     for (int q = 0; q < NB; ++q) du[q] = (V){0}; /* set by every part A */
     const int64_t last = t0 + n - 1;
-    s = F(ps_delta_seq_at)(sq, last);
+    s = F(ps_kv_seq_at)(sq, last);
     if (last == sq->cu[s + 1] - 1) F(ps_delta_grad_final)(a, sq, s, h, (T *)dS, c0);
     F(ps_delta_adjoint)(m, dS, K, Vd, c0, -1, n - 1, du, 0, 1, gate);
     F(ps_delta_finish)(m, Vd, c0, n - 1, du);
@@ -792,7 +617,7 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
         }
         if (!start) continue;
         if (a->grad_initial)
-            F(ps_delta_store_cols)((T *)a->grad_initial + (F(ps_delta_state_row)(sq, s) * H + h) * KV,
+            F(ps_kv_store_cols)((T *)a->grad_initial + (F(ps_kv_state_row)(sq, s) * H + h) * KV,
                                    (const T *)dS, K, Vd, c0);
         if (j == 0) continue;
         int64_t before = s; /* step j - 1 ends the sequence before: its grad_final */
@@ -811,9 +636,9 @@ ATTR static void F(ps_delta_bwd_task)(const void *vp, int64_t begin, int64_t end
     F(ps_delta_bwd_buf) m;
     const int64_t prep = F(ps_delta_prep_size)(C, K, a->dv);
     T *pm = malloc(sizeof(T) * (size_t)(prep + 3 * C * K + 2 * C));
-    m.states = ps_delta_alloc(sizeof(T) * (size_t)(C * tsz));
-    m.dS = ps_delta_alloc(sizeof(T) * (size_t)(per * nvb * tsz));
-    m.uu = ps_delta_alloc(sizeof(T) * (size_t)(2 * C * VB));
+    m.states = ps_kv_alloc(sizeof(T) * (size_t)(C * tsz));
+    m.dS = ps_kv_alloc(sizeof(T) * (size_t)(per * nvb * tsz));
+    m.uu = ps_kv_alloc(sizeof(T) * (size_t)(2 * C * VB));
     if (!pm || !m.states || !m.dS || !m.uu) {
         free(pm); free(m.states); free(m.dS); free(m.uu);
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
@@ -830,8 +655,8 @@ ATTR static void F(ps_delta_bwd_task)(const void *vp, int64_t begin, int64_t end
      * grad_k are summed in head order here, the same bits for any thread count. */
     for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t b = unit / Hk, hk = unit % Hk;
-        F(ps_delta_seqs) sq;
-        F(ps_delta_seqs_of)(&sq, a, b);
+        F(ps_kv_seqs) sq;
+        F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
         for (int64_t c = ctx->nc - 1; c >= 0; --c) {
             const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
             memset(m.dq, 0, sizeof(T) * (size_t)(2 * C * K));
@@ -846,7 +671,7 @@ ATTR static void F(ps_delta_bwd_task)(const void *vp, int64_t begin, int64_t end
                     else
                         F(ps_delta_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 0);
                 }
-                F(ps_delta_scatter)(a->grad_v, m.p.oo, b, h, t0, n, L, H, a->dv, 0, a->dv);
+                F(ps_kv_scatter)(a->grad_v, m.p.oo, a->dv, b, h, t0, n, L, H, a->dv, 0, a->dv);
                 for (int64_t j = 0; j < n; ++j) {
                     const int64_t step = (b * L + t0 + j) * H + h;
                     ((T *)a->grad_beta)[step] = m.db[j];

@@ -8,7 +8,7 @@ import torch
 
 from parascan._checkpointed import head_state_shapes
 from parascan._core import Backend, CheckpointedScan, OpBackends, checkpointed_scan, register
-from parascan.linear_attention import chunked, reference
+from parascan.linear_attention import chunked, cpu, reference
 from parascan.linear_attention.canonical import OPERANDS, n_chunks
 
 __all__ = ["ROW", "apply"]
@@ -20,7 +20,9 @@ ROW = register(
     OpBackends(
         op="parascan.linear_attention_scan",
         backends={
-            # the first usable one is "auto"'s choice
+            # the first usable one is "auto"'s choice: the C kernel on CPU tensors, the
+            # chunked torch form elsewhere
+            "cpu": Backend(cpu.forward, cpu.backward, _STATE_DTYPES),
             "torch": Backend(chunked.forward_torch, chunked.backward_torch, _STATE_DTYPES),
             "loop": Backend(reference.forward_loop, reference.backward_loop, _STATE_DTYPES),
         },
