@@ -21,10 +21,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "causal_conv_loop",
     "delta_rule_loop",
+    "dplr_delta_rule_loop",
     "fold",
     "fold_scan",
+    "gated_rms_norm_loop",
     "heinsen_loop",
+    "linear_attention_loop",
     "linear_loop",
     "log_loop",
     "matmul_fold",
@@ -244,39 +248,53 @@ def selective_loop(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
     initial: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mamba-1's selective scan, one step at a time, as API.md writes it: (out, last
-    state). ``B``/``C``: (dim, N), (batch, N, L) or (batch, G, N, L); complex A makes
-    the state complex and ``y = 2 Re(sum_n C h)``. Computes in the dtype it is given."""
+    return_states: bool = False,
+) -> Any:
+    """Mamba-1's selective scan, one step at a time, as API.md writes it::
+
+        dt = delta + delta_bias, then log1p(exp(.)) where <= 20 if delta_softplus
+        h  = exp(dt A) h + dt u B[t];  y = sum_n C[t] h;  out = (y + D u) silu(z)
+
+    u, delta, z (batch, dim, L); A (dim, N); ``B``/``C``: (dim, N), (batch, N, L) or
+    (batch, G, N, L), channel d reading group d // (dim / G); D, delta_bias (dim,);
+    initial (batch, dim, N). Complex A makes the state complex and ``y = 2 Re(sum_n C
+    h)``. Computes in the dtype it is given. Returns (out, last state), and with
+    ``return_states`` the states too, (batch, dim, L + 1, N): the initial one, then the
+    state after each step (the one entering step t is at t: a checkpoint every K steps
+    is ``states[:, :, 0:L:K]``)."""
     batch, dim, length = u.shape
     n = A.shape[-1]
     state = A.dtype if A.is_complex() else u.dtype
 
-    def at(m: torch.Tensor, t: int) -> torch.Tensor:
-        """Row of B or C for each (batch, channel) at step t: (batch or 1, dim, N)."""
+    def per_step(m: torch.Tensor) -> list[torch.Tensor]:
+        """B or C at each step as every (batch, channel) reads it: (batch or 1, dim, N).
+        One unbind, not one index per step (whose backwards are O(L^2): see _steps)."""
         if m.dim() == 2:
-            return m.unsqueeze(0)
+            return [m.unsqueeze(0)] * length
         if m.dim() == 3:
             m = m.unsqueeze(1)
         groups = m.shape[1]
-        return m[..., t].repeat_interleave(dim // groups, dim=1)
+        return list(m.repeat_interleave(dim // groups, dim=1).unbind(-1))
 
+    dt = delta if delta_bias is None else delta + delta_bias[:, None]
+    if delta_softplus:  # clamped inside: exp of the unused branch would be inf (NaN grads)
+        dt = torch.where(dt > 20, dt, torch.log1p(torch.exp(dt.clamp(max=20))))
     h = torch.zeros(batch, dim, n, dtype=state) if initial is None else initial.to(state)
-    ys = []
+    bs, cs = per_step(B), per_step(C)
+    dts, us = dt.unbind(-1), u.unbind(-1)
+    ys, states = [], [h]
     for t in range(length):
-        dt = delta[:, :, t]
-        if delta_bias is not None:
-            dt = dt + delta_bias
-        if delta_softplus:
-            dt = torch.where(dt > 20, dt, torch.log1p(torch.exp(dt)))
-        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t])[..., None] * at(B, t)
-        y = (at(C, t) * h).sum(-1)
+        h = torch.exp(dts[t][..., None] * A) * h + (dts[t] * us[t])[..., None] * bs[t]
+        y = (cs[t] * h).sum(-1)
         ys.append(2 * y.real if y.is_complex() else y)
-    out = torch.stack(ys, dim=-1) if ys else u.new_zeros(batch, dim, 0)
+        states.append(h)
+    out = torch.stack(ys, dim=-1) if ys else u * 0  # in the graph of u even without steps
     if D is not None:
         out = out + D[:, None] * u
     if z is not None:
         out = out * z * torch.sigmoid(z)
+    if return_states:
+        return out, h, torch.stack(states, 2)
     return out, h
 
 
@@ -337,6 +355,69 @@ def ssd_loop(
     return out, final
 
 
+def _head(x: torch.Tensor, b: int, t: int, h: int, hv: int) -> torch.Tensor:
+    """Row (b, t) of ``x`` (batch, L, heads, ...) as value head ``h`` of ``hv`` reads it:
+    head h // (hv // heads), the grouped-heads convention (heads divides hv)."""
+    return x[b, t, h // (hv // x.shape[2])]
+
+
+def _decay(g: torch.Tensor | None, b: int, t: int, h: int, hv: int) -> torch.Tensor | None:
+    """exp(g[b, t, h]) shaped to scale a (K, V) state's rows: None without g, a
+    number for a per-head gate (batch, L, Hv), a column for a per-channel one (batch, L,
+    Hv, K)."""
+    if g is None:
+        return None
+    decay = torch.exp(_head(g, b, t, h, hv))
+    return decay[:, None] if decay.dim() == 1 else decay
+
+
+def _key_value_loop(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    dk: int,
+    scale: float | None,
+    initial: torch.Tensor | None,
+    cu_seqlens: Sequence[int] | None,
+    update: Callable[[int, int, int, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The driver of the (K, V)-state recurrences (the delta rule and its relatives),
+    one sequence, value head and step at a time: the state of value head h starts from
+    ``initial[row, h]`` (zeros without one), ``S = update(b, t, h, S)`` at each step
+    and ``o[b, t, h] = scale S^T q`` (q's head read as ``_head`` does; scale K^-1/2 by
+    default). ``cu_seqlens`` (batch 1): the state restarts at each offset from that
+    sequence's row of ``initial``. Returns (o (batch, L, Hv, V), the final states:
+    one per batch row, or one per packed sequence)."""
+    batch, length = v.shape[0], v.shape[1]
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    # (batch row, sequence, its steps, its initial state's row)
+    runs = (
+        [(b, b, range(length)) for b in range(batch)]
+        if cu_seqlens is None
+        else [(0, s, range(lo, hi)) for s, (lo, hi) in enumerate(pairwise(cu_seqlens))]
+    )
+    outs: dict[tuple[int, int, int], torch.Tensor] = {}
+    finals = []
+    for b, row, steps in runs:
+        heads = []
+        for h in range(hv):
+            state = initial[row, h] if initial is not None else v.new_zeros(dk, dv)
+            for t in steps:
+                state = update(b, t, h, state)
+                outs[b, t, h] = scale * (_head(q, b, t, h, hv) @ state)
+            heads.append(state)
+        finals.append(torch.stack(heads))
+    if length:
+        o = torch.stack([
+            torch.stack([torch.stack([outs[b, t, h] for h in range(hv)]) for t in range(length)])
+            for b in range(batch)
+        ])  # fmt: skip
+    else:
+        o = v.new_zeros(batch, 0, hv, dv)
+    final = torch.stack(finals) if finals else v.new_zeros(0, hv, dk, dv)
+    return o, final
+
+
 def delta_rule_loop(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -359,40 +440,139 @@ def delta_rule_loop(
     ``cu_seqlens`` (a list of offsets, batch 1): the state restarts at each offset
     from that sequence's row of ``initial`` (zeros by default). Returns (o, the final
     states: one per batch row, or one per packed sequence)."""
-    batch, length, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
+    hv = v.shape[2]
     if qk_l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    scale = dk**-0.5 if scale is None else scale
-    # (batch row, sequence, its steps, its initial state's row)
-    runs = (
-        [(b, b, range(length)) for b in range(batch)]
-        if cu_seqlens is None
-        else [(0, s, range(lo, hi)) for s, (lo, hi) in enumerate(pairwise(cu_seqlens))]
-    )
-    outs: dict[tuple[int, int, int], torch.Tensor] = {}
-    finals = []
-    for b, row, steps in runs:
-        heads = []
-        for h in range(hv):
-            i = h // (hv // hk)
-            state = initial[row, h] if initial is not None else v.new_zeros(dk, dv)
-            for t in steps:
-                if g is not None:
-                    decay = torch.exp(g[b, t, h])
-                    state = (decay[:, None] if decay.dim() == 1 else decay) * state
-                u = beta[b, t, h] * (v[b, t, h] - k[b, t, i] @ state)
-                state = state + torch.outer(k[b, t, i], u)
-                outs[b, t, h] = scale * (q[b, t, i] @ state)
-            heads.append(state)
-        finals.append(torch.stack(heads))
-    if length:
-        o = torch.stack([
-            torch.stack([torch.stack([outs[b, t, h] for h in range(hv)]) for t in range(length)])
-            for b in range(batch)
-        ])  # fmt: skip
-    else:
-        o = v.new_zeros(batch, 0, hv, dv)
-    final = torch.stack(finals) if finals else v.new_zeros(0, hv, dk, dv)
-    return o, final
+
+    def update(b: int, t: int, h: int, state: torch.Tensor) -> torch.Tensor:
+        decay = _decay(g, b, t, h, hv)
+        if decay is not None:
+            state = decay * state
+        key = _head(k, b, t, h, hv)
+        u = beta[b, t, h] * (v[b, t, h] - key @ state)
+        return state + torch.outer(key, u)
+
+    return _key_value_loop(q, v, q.shape[3], scale, initial, cu_seqlens, update)
+
+
+def linear_attention_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial: torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Gated) linear attention, one step and one head at a time, in the dtype it is
+    given, with the delta rule's conventions (``delta_rule_loop``): q, k (batch, L, Hk,
+    K); v (batch, L, Hv, V); g None, (batch, L, Hv) or (batch, L, Hv, K), log decays;
+    initial (states, Hv, K, V)::
+
+        S[t] = Diag(exp(g[t])) S[t-1] + k[t] v[t]^T;   o[t] = scale S[t]^T q[t]
+
+    Returns (o, the final states: one per batch row, or one per packed sequence)."""
+    hv = v.shape[2]
+
+    def update(b: int, t: int, h: int, state: torch.Tensor) -> torch.Tensor:
+        decay = _decay(g, b, t, h, hv)
+        if decay is not None:
+            state = decay * state
+        return state + torch.outer(_head(k, b, t, h, hv), v[b, t, h])
+
+    return _key_value_loop(q, v, q.shape[3], scale, initial, cu_seqlens, update)
+
+
+def dplr_delta_rule_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial: torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The diagonal-plus-low-rank (generalized) delta rule, one step and one head at a
+    time, in the dtype it is given, with the delta rule's conventions
+    (``delta_rule_loop``): q, k, a, b (batch, L, H, K), each with its own head count H
+    dividing Hv (value head h reads head h // (Hv // H)); v (batch, L, Hv, V); g None,
+    (batch, L, Hv) or (batch, L, Hv, K), log decays; initial (states, Hv, K, V)::
+
+        S[t] = (Diag(exp(g[t])) + b[t] a[t]^T) S[t-1] + k[t] v[t]^T
+        o[t] = scale S[t]^T q[t]
+
+    (b = k^, a = -beta exp(g) * k^ and k = beta k^ is the delta rule with keys k^.)
+    Returns (o, the final states: one per batch row, or one per packed sequence)."""
+    hv = v.shape[2]
+
+    def update(i: int, t: int, h: int, state: torch.Tensor) -> torch.Tensor:
+        decay = _decay(g, i, t, h, hv)
+        low_rank = torch.outer(_head(b, i, t, h, hv), _head(a, i, t, h, hv) @ state)
+        state = state if decay is None else decay * state
+        return state + low_rank + torch.outer(_head(k, i, t, h, hv), v[i, t, h])
+
+    return _key_value_loop(q, v, q.shape[3], scale, initial, cu_seqlens, update)
+
+
+# --- convolutions and norms of the Mamba layers ---------------------------------------
+
+
+def causal_conv_loop(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu: bool = False,
+    seq_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The depthwise causal convolution, one step and one tap at a time, in the dtype
+    it is given: x (batch, L, channels), weight (channels, W), bias (channels,)::
+
+        out[b, t] = act(bias + sum_k weight[:, k] x[b, t - (W - 1) + k])
+
+    inputs before step 0 zero, and with ``seq_idx`` (batch, L) those of another
+    sequence than step t's too; act: silu or none."""
+    batch, length, channels = x.shape
+    width = weight.shape[1]
+    xs = x.unbind(1)
+    steps = []
+    for t in range(length):
+        acc = x.new_zeros(batch, channels)
+        for k in range(width):
+            s = t - (width - 1) + k
+            if s < 0:
+                continue
+            term = weight[:, k] * xs[s]
+            if seq_idx is not None:  # rows where step s is in step t's sequence
+                term = term * (seq_idx[:, s] == seq_idx[:, t]).to(term.dtype)[:, None]
+            acc = acc + term
+        steps.append(acc)
+    out = torch.stack(steps, 1) if steps else x * 0  # in the graph of x even with no terms
+    if bias is not None:
+        out = out + bias
+    return out * torch.sigmoid(out) if silu else out
+
+
+def gated_rms_norm_loop(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    groups: int,
+    norm_before_gate: bool,
+) -> torch.Tensor:
+    """Mamba-2's gated RMS norm, one group of the last dim at a time, in the dtype it
+    is given: u = y (y silu(z) unless ``norm_before_gate``), each group of u divided by
+    sqrt(mean(u^2) + eps), times ``weight``, then times silu(z) if
+    ``norm_before_gate``."""
+    gate = z * torch.sigmoid(z)
+    u = y if norm_before_gate else y * gate
+    size = y.shape[-1] // groups
+    parts = []
+    for i in range(groups):
+        part = u[..., i * size : (i + 1) * size]
+        parts.append(part / torch.sqrt((part * part).sum(-1, keepdim=True) / size + eps))
+    out = torch.cat(parts, -1) * weight if parts else u
+    return out * gate if norm_before_gate else out

@@ -1,7 +1,11 @@
 """ps.delta_rule_scan (DeltaNet, Gated DeltaNet, KDA) against the float64 loop
-(oracles.delta_rule_loop), on every backend of its row: the three gate forms,
-grouped heads, K != V, options, lengths, dtypes, strong decays, packed sequences,
-gradients, vmap, torch.func, compile, the decoding step and errors."""
+(oracles.delta_rule_loop), on every backend of its row. The cases every checkpointed
+scan owes (lengths around the checkpoints, dtypes, packed sequences, gradients,
+gradcheck, forward mode, vmap, compile, decoding, inputs untouched, optional
+arguments) are tests/checkpointed.py's, over the three gate forms (none, per head, per
+channel); here: grouped heads and K != V, qk_l2norm and scale, strong decays,
+non-contiguous inputs, errors, transformers' reading of the recurrence, and qk_l2norm
+of vectors whose squares overflow."""
 
 from __future__ import annotations
 
@@ -9,30 +13,37 @@ import pytest
 import torch
 
 import parascan as ps
+from checkpointed import (
+    ScanSpec,
+    along,
+    cast,
+    check_forward,
+    check_gradients,
+    draw,
+    oracle,
+    shared_tests,
+    to,
+)
+from checkpointed import run as run_scan
 from parascan.delta_rule import autograd as delta_ops
 from parascan.delta_rule.canonical import CHECKPOINT_STEPS
 
-from conftest import Target, assert_matches, targets
-from harness import forward_mode_checks
+from conftest import Target, assert_matches
 from oracles import delta_rule_loop
 
-TARGETS = [t for t in targets() if t.backend in delta_ops.ROW.backends]
-IDS = [str(t) for t in TARGETS]
-# Lengths around the checkpoint intervals and the torch backend's blocks (32 and 64).
-CHUNKS = sorted({CHECKPOINT_STEPS[b] for b in delta_ops.ROW.backends})
-LENGTHS = sorted({0, 1, 2, 31, 33, 63, 64, 65, *(k + 1 for k in CHUNKS)})
-GATES = ["none", "head", "channel"]
 F64 = torch.float64
 
 
-def _problem(
-    gen: torch.Generator, batch: int = 2, length: int = 20, hk: int = 2, hv: int = 4,
-    dk: int = 5, dv: int = 3, gate: str = "head", initial: bool = True,
-    states: int | None = None, strength: float = 2.0,
+def _draw(
+    gen: torch.Generator, *, batch: int, length: int, states: int | None, hk: int = 2,
+    hv: int = 4, dk: int = 5, dv: int = 3, gate: str = "head", strength: float = 2.0,
+    qk_l2norm: bool = False, scale: float | None = None,
 ) -> dict:  # fmt: skip
     """A float64 problem: beta in [0, 2], log decays in [-strength, 0], keys of unit
     length (the regime where the recurrence is stable, as with qk_l2norm: a step
-    multiplies the state by I - beta k k^T, whose eigenvalues stay in [-1, 1])."""
+    multiplies the state by I - beta k k^T, whose eigenvalues stay in [-1, 1]);
+    ``states``: the rows of the initial state (batch by default). qk_l2norm and scale
+    are in the problem where given."""
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=F64)
@@ -45,76 +56,91 @@ def _problem(
         "head": -strength * unit(batch, length, hv),
         "channel": -strength * unit(batch, length, hv, dk),
     }
-    return {
+    p = {
         "q": rand(batch, length, hk, dk),
         "k": torch.nn.functional.normalize(rand(batch, length, hk, dk), dim=-1),
         "v": rand(batch, length, hv, dv),
         "beta": 2 * unit(batch, length, hv),
         "g": gates[gate],
-        "initial": rand(batch if states is None else states, hv, dk, dv) if initial else None,
+        "initial": rand(batch if states is None else states, hv, dk, dv),
     }
+    if qk_l2norm:
+        p["qk_l2norm"] = True
+    if scale is not None:
+        p["scale"] = scale
+    return p
+
+
+L2NORM = {"qk_l2norm": True}
+DELTA_RULE = ScanSpec(
+    name="delta_rule_scan",
+    function=ps.delta_rule_scan,
+    oracle=delta_rule_loop,
+    draw=_draw,
+    positional=("q", "k", "v", "beta"),
+    timed=along(1, "q", "k", "v", "beta", "g"),
+    optional=("g", "initial"),
+    checkpoints={b: CHECKPOINT_STEPS[b] for b in delta_ops.ROW.backends},
+    backends=tuple(delta_ops.ROW.backends),
+    blocks=(32, 64),  # the torch backend's blocks
+    forms={"none": {"gate": "none"}, "head": {"gate": "head"}, "channel": {"gate": "channel"}},
+    optional_forms=("head", "channel"),
+    tiny={"hk": 1, "hv": 2, "dk": 3, "dv": 2},
+    vmapped=("v", "beta"),
+    overrides={
+        "dtypes": {"length": 40},
+        "gradients": {"length": 150, **L2NORM},
+        "separate": L2NORM,
+        "gradcheck": L2NORM,
+        "decode": L2NORM,
+        "compile": L2NORM,
+        "untouched": L2NORM,
+        "auto": L2NORM,
+        "optional": L2NORM,
+    },
+)
+TestShared = shared_tests(DELTA_RULE)
+
+TARGETS = DELTA_RULE.targets()
+IDS = [str(t) for t in TARGETS]
+GATES = list(DELTA_RULE.forms)
+
+
+def _problem(gen: torch.Generator, **options: object) -> dict:
+    """DELTA_RULE's problem of ``options`` (checkpointed.draw: length 70, batch 2 by
+    default; ``initial=False`` for none)."""
+    return draw(DELTA_RULE, gen, options)
 
 
 def _cast(p: dict, dtype: torch.dtype) -> dict:
-    """The inputs in ``dtype``; the initial state in the state's precision."""
-    wide = F64 if dtype == F64 else torch.float32
-    return {k: None if v is None else v.to(wide if k == "initial" else dtype) for k, v in p.items()}
-
-
-def _to(p: dict, device: str) -> dict:
-    """The problem's tensors on ``device``."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+    return cast(DELTA_RULE, p, dtype)
 
 
 def _run(
     p: dict, backend: str, cu: list[int] | None = None, device: str | None = None,
     **options: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The scan of ``p`` on ``backend``, run on ``device`` (the target's; the inputs'
-    own by default), its outputs handed back on the inputs' device: comparisons with
-    the CPU's float64 loop, gradients and tangents (through ``to``) work unchanged."""
-    home = p["v"].device
-    q = dict(p) if device is None else _to(p, device)
-    args = [q.pop(k) for k in ("q", "k", "v", "beta")]
-    cu_seqlens = None if cu is None else torch.tensor(cu, device=args[2].device)
-    out, final = ps.delta_rule_scan(
-        *args, **q, **options, return_final=True, cu_seqlens=cu_seqlens, backend=backend
-    )
-    assert out.device == final.device == args[2].device
-    return out.to(home), final.to(home)
+    """The scan of ``p`` (with ``options``) on ``backend``, run on ``device`` (the
+    inputs' own by default), its outputs handed back on the inputs' device."""
+    return run_scan(DELTA_RULE, {**p, **options}, backend, device, cu)
 
 
 def _oracle(p: dict, cu: list[int] | None = None, **options: object):  # type: ignore[no-untyped-def]
     """The float64 loop, on the CPU."""
-    wide = {k: None if v is None else v.to("cpu", F64) for k, v in p.items()}
-    return delta_rule_loop(**wide, **options, cu_seqlens=cu)  # type: ignore[arg-type]
+    return oracle(DELTA_RULE, {**p, **options}, cu)
 
 
 def _check(
     p: dict, where: Target, dtype: torch.dtype, cu: list[int] | None = None, **options: object
 ) -> None:
     """The scan on ``where`` (backend and device) against the loop, in ``dtype``."""
-    q = _cast(p, dtype)
-    want_out, want_final = _oracle(q, cu, **options)
-    out, final = _run(q, where.backend, cu, where.device, **options)
-    state = F64 if dtype == F64 else torch.float32
-    assert out.dtype == dtype and final.dtype == state
-    assert_matches(out, want_out, dtype)
-    assert_matches(final, want_final, state)
+    check_forward(DELTA_RULE, {**p, **options}, where, dtype, cu)
 
 
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_lengths_against_loop(where, gen, gate, length):
-    _check(_problem(gen, length=length, gate=gate), where, torch.float32)
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
-def test_dtypes_against_loop(where, gen, gate, dtype):
-    _check(_problem(gen, length=40, gate=gate), where, dtype)
+def _gradients_match(where: Target, p: dict) -> None:
+    """Every input's gradient (finite) in float32 with qk_l2norm, the scan run on
+    ``where``, against autograd through the float64 loop."""
+    check_gradients(DELTA_RULE, {**p, **L2NORM}, where)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -155,8 +181,7 @@ def test_strong_then_weak_decays_float32(where, gen, gate):
     p["g"] = torch.full_like(p["g"], -0.001)
     p["g"][:, :40] = -200.0
     _check(p, where, torch.float32)
-    leaves = _cast(p, torch.float32)
-    _gradients_match(where, leaves, gen)
+    _gradients_match(where, p)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
@@ -167,14 +192,14 @@ def test_a_minus_infinity_decay_resets_the_state(where, gen, gate):
     p = _problem(gen, batch=1, length=70, gate=gate)
     p["g"][:, 10] = -torch.inf
     _check(p, where, F64)
-    _gradients_match(where, _cast(p, torch.float32), gen)
+    _gradients_match(where, p)
 
 
 @pytest.mark.parametrize("where", TARGETS, ids=IDS)
 def test_non_contiguous_inputs(where, gen):
     """Views made on the target's device in float32: a copy (to a device or a dtype)
     of the strided k would be contiguous."""
-    p = _to(_cast(_problem(gen, batch=2, length=40, gate="channel"), torch.float32), where.device)
+    p = to(_cast(_problem(gen, batch=2, length=40, gate="channel"), torch.float32), where.device)
     views = {
         "q": p["q"].transpose(0, 1).contiguous().transpose(0, 1),
         "k": torch.cat([p["k"], p["k"]], -1)[..., ::2],
@@ -184,151 +209,6 @@ def test_non_contiguous_inputs(where, gen):
     views["k"].copy_(p["k"])
     assert not any(t.is_contiguous() for t in views.values())
     _check({**p, **views}, where, torch.float32, qk_l2norm=True)
-
-
-def _gradients_match(where: Target, p: dict, gen: torch.Generator) -> None:
-    """Every input's gradient (finite), the scan run on ``where``, against autograd
-    through the float64 loop."""
-    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
-    exact = {k: v.detach().to(F64).requires_grad_() for k, v in leaves.items()}
-    out, final = _run({**p, **leaves}, where.backend, device=where.device, qk_l2norm=True)
-    want_out, want_final = delta_rule_loop(**{**p, **exact}, qk_l2norm=True)
-    w_out = torch.randn(out.shape, generator=gen, dtype=F64)
-    w_fin = torch.randn(final.shape, generator=gen, dtype=F64)
-    got = torch.autograd.grad((out.double() * w_out).sum() + (final.double() * w_fin).sum(),
-                              list(leaves.values()))  # fmt: skip
-    want = torch.autograd.grad((want_out * w_out).sum() + (want_final * w_fin).sum(),
-                               list(exact.values()))  # fmt: skip
-    for name, g, w in zip(leaves, got, want, strict=True):
-        assert g.shape == leaves[name].shape, name
-        assert g.isfinite().all(), name
-        assert_matches(g, w, torch.float32 if g.dtype != F64 else F64)
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("gate", GATES)
-def test_packed_equals_each_sequence_alone(where, gen, gate):
-    cu = [0, 0, 30, 31, 100, 100, 170]
-    p = _problem(gen, batch=1, length=170, gate=gate, states=len(cu) - 1)
-    out, final = _run(p, where.backend, cu, where.device, qk_l2norm=True)
-    for s in range(len(cu) - 1):
-        lo, hi = cu[s], cu[s + 1]
-        alone = {k: v[:, lo:hi] for k, v in p.items() if k != "initial" and v is not None}
-        alone["g"] = None if p["g"] is None else alone["g"]
-        alone["initial"] = p["initial"][s : s + 1]
-        o, f = _run(alone, where.backend, device=where.device, qk_l2norm=True)
-        torch.testing.assert_close(out[:, lo:hi], o)
-        torch.testing.assert_close(final[s : s + 1], f)
-    _check(p, where, F64, cu, qk_l2norm=True)
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("packed", [False, True])
-def test_gradcheck(where, gen, gate, packed):
-    cu = [0, 3, 3, 9] if packed else None
-    p = _problem(gen, batch=1 if packed else 2, length=9, hk=1, hv=2, dk=3, dv=2, gate=gate,
-                 states=3 if packed else None)  # fmt: skip
-    names = [k for k, v in p.items() if v is not None]
-
-    def f(*ts):  # type: ignore[no-untyped-def]
-        q = {**p, **dict(zip(names, ts, strict=True))}
-        return _run(q, where.backend, cu, where.device, qk_l2norm=True)
-
-    leaves = tuple(p[k].clone().requires_grad_() for k in names)
-    # The whole Jacobian for the C kernel's hand-written backward; the loop and torch
-    # backends (autograd through torch code on the checkpointed driver) against random
-    # projections of it (fast_mode), which took 30 s of the suite in full.
-    assert torch.autograd.gradcheck(f, leaves, fast_mode=where.backend != "cpu")
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("gate", GATES)
-def test_gradients_against_loop_float32(where, gen, gate):
-    """Every input's gradient in float32 against autograd through the float64 loop,
-    over lengths that cross the checkpoints and blocks."""
-    _gradients_match(where, _cast(_problem(gen, length=150, gate=gate), torch.float32), gen)
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-def test_forward_mode(where, gen):
-    p = _problem(gen, length=20, gate="channel")
-    forward_mode_checks(lambda q: _run(q, where.backend, device=where.device),
-                        lambda q: _oracle(q), p, "v", "parascan.delta_rule_scan", gen)  # fmt: skip
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-def test_vmap_and_grad(where, gen):
-    p = _to(_cast(_problem(gen, batch=1, length=70, initial=False), torch.float32), where.device)
-    vs = torch.randn(3, *p["v"].shape, generator=gen).to(where.device)
-    betas = torch.rand(3, *p["beta"].shape, generator=gen).to(where.device)
-
-    def f(v, beta):  # type: ignore[no-untyped-def]
-        return _run({**p, "v": v, "beta": beta}, where.backend, device=where.device)[0]
-
-    got = torch.vmap(f)(vs, betas)
-    torch.testing.assert_close(got, torch.stack([f(vs[i], betas[i]) for i in range(3)]))
-    grad = torch.func.grad(lambda b: f(vs[0], b).square().sum())(betas[0])
-    b0 = betas[0].clone().requires_grad_()
-    f(vs[0], b0).square().sum().backward()
-    torch.testing.assert_close(grad, b0.grad)
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("packed", [False, True])
-def test_compile_fullgraph(where, gen, packed):
-    cu = [0, 10, 10, 70] if packed else None
-    p = _cast(_problem(gen, batch=1, length=70, gate="channel", states=3 if packed else None),
-              torch.float32)  # fmt: skip
-    p = _to(p, where.device)
-    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
-    cu_t = None if cu is None else torch.tensor(cu, device=where.device)
-
-    def f(q, cu_seqlens):  # type: ignore[no-untyped-def]
-        q = dict(q)
-        args = [q.pop(k) for k in ("q", "k", "v", "beta")]
-        return ps.delta_rule_scan(*args, **q, qk_l2norm=True, return_final=True,
-                                  cu_seqlens=cu_seqlens, backend=where.backend)  # fmt: skip
-
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    out, final = compiled({**p, **leaves}, cu_t)
-    assert out.device == final.device == p["v"].device
-    want_out, want_final = f(p, cu_t)
-    torch.testing.assert_close(out, want_out)
-    torch.testing.assert_close(final, want_final)
-    (out.sum() + final.sum()).backward()
-    eager = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
-    sum(t.sum() for t in f({**p, **eager}, cu_t)).backward()
-    for k, v in leaves.items():
-        torch.testing.assert_close(v.grad, eager[k].grad)
-
-
-@pytest.mark.parametrize("where", TARGETS, ids=IDS)
-@pytest.mark.parametrize("gate", GATES)
-def test_decode_steps_equal_the_scan(where, gen, gate):
-    """Calls of one step each, carrying the state, equal the scan."""
-    p = _to(_cast(_problem(gen, length=9, gate=gate), torch.float32), where.device)  # the steps too
-    out, final = _run(p, where.backend, device=where.device, qk_l2norm=True)
-    state = p["initial"]
-    for t in range(9):
-        step = {k: None if v is None else v[:, t : t + 1] for k, v in p.items() if k != "initial"}
-        o, state = _run({**step, "initial": state}, where.backend, device=where.device,
-                        qk_l2norm=True)  # fmt: skip
-        torch.testing.assert_close(o, out[:, t : t + 1])
-    torch.testing.assert_close(state, final)
-
-
-def test_inputs_untouched_and_auto_backend(gen):
-    p = _cast(_problem(gen, length=30, gate="channel"), torch.float32)
-    saved = {k: None if v is None else v.clone() for k, v in p.items()}
-    out, _ = _run(p, "auto", qk_l2norm=True)
-    for k, v in p.items():
-        if v is not None:
-            torch.testing.assert_close(v, saved[k], rtol=0, atol=0)
-    # "auto" takes the row's first backend that runs on the CPU
-    first = next(b for b in delta_ops.ROW.backends if b in ps.backends("cpu"))
-    want, _ = _run(p, first, qk_l2norm=True)
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_errors(gen):

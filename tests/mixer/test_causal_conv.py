@@ -1,7 +1,8 @@
 """The depthwise causal convolution (+ bias, + silu) behind the Mamba drop-ins
-(parascan.mixer.conv.causal_conv1d): its C path (plain CPU float32/64
-tensors, no seq_idx) and its torch path (everything else) against a float64 loop, and
-both differentiable twice (create_graph) with correct second derivatives."""
+(parascan.mixer.conv.causal_conv1d): its C path (plain CPU float32/64 tensors, no
+seq_idx) and its torch path (everything else) against the float64 loop
+(oracles.causal_conv_loop), and both differentiable twice (create_graph) with correct
+second derivatives."""
 
 from __future__ import annotations
 
@@ -10,30 +11,7 @@ import torch
 
 from parascan.mixer import conv
 
-
-def conv_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              seq_idx: torch.Tensor | None, silu: bool) -> torch.Tensor:  # fmt: skip
-    """out[b, t] = act(bias + sum_k weight[:, k] x[b, t - (K-1) + k]) in float64, inputs
-    before step 0 (or before the step's sequence, with seq_idx) zero; x (batch, L, c)."""
-    x, weight = x.double(), weight.double()
-    batch, length, channels = x.shape
-    width = weight.shape[1]
-    steps = []
-    for t in range(length):
-        out_t = x.new_zeros(batch, channels)
-        for k in range(width):
-            s = t - (width - 1) + k
-            if s < 0:
-                continue
-            term = weight[:, k] * x[:, s]
-            if seq_idx is not None:  # rows where step s is in step t's sequence
-                term = term * (seq_idx[:, s] == seq_idx[:, t]).to(term.dtype)[:, None]
-            out_t = out_t + term
-        steps.append(out_t)
-    out = torch.stack(steps, 1) if steps else x * 0.0  # in the graph of x even with no terms
-    if bias is not None:
-        out += bias.double()
-    return torch.nn.functional.silu(out) if silu else out
+from oracles import causal_conv_loop
 
 
 def strided(batch: int, length: int, channels: int, dtype: torch.dtype,
@@ -63,7 +41,7 @@ def test_the_c_path_matches_a_float64_loop(length, channels, dtype) -> None:
                     None if t is None else t.detach().double().requires_grad_()
                     for t in (x, weight, b)
                 )
-                want = conv_loop(x64, w64, b64, None, silu)
+                want = causal_conv_loop(x64, w64, b64, silu)
                 torch.testing.assert_close(got.double(), want.detach(), **tol)
                 grad = torch.randn(got.shape, generator=gen, dtype=torch.float64)
                 inputs = [x, weight] + ([b] if b is not None else [])
@@ -101,7 +79,7 @@ def test_second_derivatives(silu, with_bias, path) -> None:
     assert torch.autograd.gradgradcheck(f, inputs)
     if path == "torch_seq_idx":
         got = f(*inputs)
-        want = conv_loop(x, weight, bias if with_bias else None, seq_idx, silu)
+        want = causal_conv_loop(x, weight, bias if with_bias else None, silu, seq_idx)
         torch.testing.assert_close(got, want)
 
 
@@ -148,5 +126,5 @@ def test_torch_func_transforms() -> None:
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]])
     _func_checks(x, weight, bias, None)
     _func_checks(x, weight, bias, seq_idx)
-    want = conv_loop(x, weight, bias, seq_idx, True)
+    want = causal_conv_loop(x, weight, bias, True, seq_idx)
     torch.testing.assert_close(conv.causal_conv1d(x, weight, bias, seq_idx, True), want)

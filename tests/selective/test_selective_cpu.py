@@ -1,10 +1,10 @@
-"""The ``cpu`` backend of the selective scan (selective/cpu.py over selective/cpu.c) against
-a float64 loop written here from the math of canonical.py: outputs, final states,
-checkpoints and the gradient of every operand (the loop's by torch autograd), on
-awkward lengths (around the checkpoint interval) and state sizes, every form of B and
-C, with and without each optional operand, real and complex states, strided inputs;
-the backward bit for bit with any thread count; the guard in front of the C entries;
-the accuracy of the kernel's own vector exp, softplus and sigmoid."""
+"""The ``cpu`` backend of the selective scan (selective/cpu.py over selective/cpu.c)
+against the float64 loop (oracles.selective_loop): outputs, final states, checkpoints
+and the gradient of every operand (the loop's by torch autograd), on awkward lengths
+(around the checkpoint interval) and state sizes, every form of B and C, with and
+without each optional operand, real and complex states, strided inputs; the backward
+bit for bit with any thread count; the guard in front of the C entries; the accuracy
+of the kernel's own vector exp, softplus and sigmoid."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from parascan.selective import cpu
 from parascan.selective.canonical import CHECKPOINT_STEPS
 
 from conftest import assert_matches, oracle_dtype
+from oracles import selective_loop
 
 K = CHECKPOINT_STEPS["cpu"]
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial")
@@ -38,39 +39,13 @@ def loop(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     z: Tensor | None, delta_bias: Tensor | None, initial: Tensor | None, softplus: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The oracle, one step at a time (float64 or complex128 operands):
-    dt = softplus(delta + delta_bias) (x itself above 20), h = exp(dt A) h + dt u B[t],
-    y = sum_n C[t] h (2 Re of it for a complex state), out = (y + D u) silu(z).
-    Returns out, the last state, and the state entering each chunk of K steps."""
-    batch, dim, length = u.shape
-    x = delta if delta_bias is None else delta + delta_bias[:, None]
-    dt = F.softplus(x, beta=1, threshold=20) if softplus else x
-    h = initial if initial is not None else torch.zeros(batch, dim, A.shape[1], dtype=A.dtype)
-
-    def steps(M: Tensor) -> list[Tensor]:
-        """M[t] as each channel reads it, step by step (one unbind: a cheap backward)."""
-        if M.dim() == 2:  # (dim, N)
-            return [M] * length
-        # (batch, G, N, L): channel d reads group d // (dim / G)
-        groups, n = M.shape[1], M.shape[2]
-        wide = M[:, :, None].expand(batch, groups, dim // groups, n, length)
-        return list(wide.reshape(batch, dim, n, length).unbind(-1))
-
-    Bs, Cs = steps(B), steps(C)
-    ys, entering = [], []
-    for t in range(length):
-        if t % K == 0:
-            entering.append(h)
-        h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[..., None] * Bs[t]
-        y = (Cs[t] * h).sum(-1)
-        ys.append(2 * y.real if A.is_complex() else y)
-    out = torch.stack(ys, -1) if ys else u * 0
-    if D is not None:
-        out = out + D[:, None] * u
-    if z is not None:
-        out = out * F.silu(z)
-    checkpoints = torch.stack(entering, 2) if entering else h.new_zeros(batch, dim, 0, h.shape[-1])
-    return out, h, checkpoints
+    """The oracle (oracles.selective_loop, in the operands' own precision) as the
+    kernel's entry returns: out, the last state, and the state entering each chunk of K
+    steps (the checkpoints)."""
+    out, final, states = selective_loop(
+        u, delta, A, B, C, D, z, delta_bias, softplus, initial, return_states=True
+    )
+    return out, final, states[:, :, 0 : u.shape[-1] : K]
 
 
 @dataclass(frozen=True)

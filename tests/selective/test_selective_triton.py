@@ -1,12 +1,12 @@
-"""The selective scan's ``triton`` backend (parascan/selective/triton.py) against a float64
-loop written here: in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)
-on CPU tensors and tiny shapes, its forward (out, final, every checkpoint) and
-backward (all nine gradients, against autograd through the loop) over lengths on
-and next to the interpreter's tile (4 steps) and the checkpoint interval (64, and
-smaller intervals given to the backend), invariant, shared and grouped B and C, with
-and without D, z, delta_bias, softplus and an initial state; then the same kernels
-compiled for NVIDIA sm_80 and sm_90 (tools/gpu/selective_compile.py, in a process of its
-own), with no register spills. Skipped when triton is not installed."""
+"""The selective scan's ``triton`` backend (parascan/selective/triton.py) against the
+float64 loop (oracles.selective_loop): in Triton's interpreter (TRITON_INTERPRET=1,
+set by conftest.py) on CPU tensors and tiny shapes, its forward (out, final, every
+checkpoint) and backward (all nine gradients, against autograd through the loop) over
+lengths on and next to the interpreter's tile (4 steps) and the checkpoint interval
+(64, and smaller intervals given to the backend), invariant, shared and grouped B and
+C, with and without D, z, delta_bias, softplus and an initial state; then the same
+kernels compiled for NVIDIA sm_80 and sm_90 (tools/gpu/selective_compile.py, in a
+process of its own), with no register spills. Skipped when triton is not installed."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -28,42 +27,22 @@ from parascan.selective import triton as backend
 from parascan.selective.canonical import CHECKPOINT_STEPS
 
 from conftest import assert_matches
+from oracles import selective_loop
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial")
 
 
-def selective_loop(
-    u: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    delta_bias: torch.Tensor | None,
-    initial: torch.Tensor | None,
-    softplus: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The selective scan one step at a time, as canonical.py states it: returns out
-    and the states [h[-1], h[0], ..., h[L-1]]. Differentiable by autograd."""
-    batch, dim, length = u.shape
-    x = delta + delta_bias[:, None] if delta_bias is not None else delta
-    dt = torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20)))) if softplus else x
-    h = initial if initial is not None else u.new_zeros(batch, dim, A.shape[1])
-    states, outs = [h], []
-    for t in range(length):
-        Bt = B if B.dim() == 2 else B[..., t].repeat_interleave(dim // B.shape[1], dim=1)
-        Ct = C if C.dim() == 2 else C[..., t].repeat_interleave(dim // C.shape[1], dim=1)
-        h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[..., None] * Bt
-        y = (Ct * h).sum(-1)
-        if D is not None:
-            y = y + D * u[:, :, t]
-        if z is not None:
-            y = y * F.silu(z[:, :, t])
-        states.append(h)
-        outs.append(y)
-    out = torch.stack(outs, -1) if outs else u.new_zeros(batch, dim, 0)
-    return out, states
+def loop(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+    initial: torch.Tensor | None, softplus: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+    """The oracle (oracles.selective_loop, in the operands' own precision): out and the
+    states [h[-1], h[0], ..., h[L-1]]. Differentiable by autograd."""
+    out, _, states = selective_loop(
+        u, delta, A, B, C, D, z, delta_bias, softplus, initial, return_states=True
+    )
+    return out, states.unbind(2)
 
 
 @dataclass(frozen=True)
@@ -131,7 +110,7 @@ def check(case: Case, ops: list[torch.Tensor | None], seed: int = 1) -> None:
     chunk = case.chunk or CHECKPOINT_STEPS["triton"]
     out, final, checkpoints = backend.forward(*ops, case.softplus, chunk=case.chunk)
     leaves = [x.detach().double().requires_grad_() if x is not None else None for x in ops]
-    want, states = selective_loop(*leaves, case.softplus)
+    want, states = loop(*leaves, case.softplus)
     assert_matches(out, want, case.dtype)
     assert_matches(final, states[-1], case.dtype)
     n_chunks = -(-case.length // chunk)
@@ -369,7 +348,7 @@ def _grads(
     """out, final and the nine gradients (None for an absent operand) through the loop,
     in the operands' own precision."""
     leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in ops]
-    out, states = selective_loop(*leaves, softplus)
+    out, states = loop(*leaves, softplus)
     present = [x for x in leaves if x is not None]
     loss = (out * go.to(out.dtype)).sum() + (states[-1] * gf.to(out.dtype)).sum()
     found = iter(torch.autograd.grad(loss, present))

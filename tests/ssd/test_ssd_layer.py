@@ -1,12 +1,13 @@
-"""Mamba-2's fused CPU layer (parascan.ssd.layer; C kernels in
-ssd/cpu_layer.h): the causal convolution and the gated RMS norm against float64
-loops written here, values and gradients, on lengths around the kernels' tiles
-(steps of 64, channels of 64, rows of 16), channel counts and group sizes that no
-vector width divides, every filter width up to the limit's neighbourhood, strided
-inputs, both instruction-set builds, and the same bits for any thread count; then the
-whole layer through parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined: float64
-gradcheck, equal to its unfused torch path, and who takes which path. The layer
-against mamba_ssm's math in float64 is tests/compat/test_compat_mamba_split_conv.py."""
+"""Mamba-2's fused CPU layer (parascan.ssd.layer; C kernels in ssd/cpu_layer.h): the
+causal convolution and the gated RMS norm against the float64 loops
+(oracles.causal_conv_loop, oracles.gated_rms_norm_loop), values and gradients, on
+lengths around the kernels' tiles (steps of 64, channels of 64, rows of 16), channel
+counts and group sizes that no vector width divides, every filter width up to the
+limit's neighbourhood, strided inputs, both instruction-set builds, and the same bits
+for any thread count; then the whole layer through
+parascan.compat.mamba_ssm.mamba_split_conv1d_scan_combined: float64 gradcheck, equal
+to its unfused torch path, and who takes which path. The layer against mamba_ssm's
+math in float64 is tests/compat/test_compat_mamba_split_conv.py."""
 
 from __future__ import annotations
 
@@ -19,38 +20,9 @@ from parascan.compat import mamba_ssm
 from parascan.ssd import layer as ssd_layer
 
 from conftest import simd_path, threads
+from oracles import causal_conv_loop, gated_rms_norm_loop
 
 F64 = torch.float64
-
-
-def conv_loop(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """out[:, t] = act(b + sum_k w[:, k] x[:, t - K + 1 + k]), one step and tap at a time."""
-    batch, length, channels = x.shape
-    width = w.shape[1]
-    rows = []
-    for t in range(length):
-        acc = torch.zeros(batch, channels, dtype=x.dtype) if b is None else b.expand(batch, -1)
-        for k in range(width):
-            s = t - width + 1 + k
-            if s >= 0:
-                acc = acc + w[:, k] * x[:, s]
-        rows.append(acc * torch.sigmoid(acc) if silu else acc)
-    return torch.stack(rows, 1) if rows else x.new_zeros(batch, 0, channels)
-
-
-def norm_loop(
-    y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, groups: int, before: bool
-) -> torch.Tensor:
-    """The gated RMS norm one (row, group) at a time."""
-    gate = z * torch.sigmoid(z)
-    u = y if before else y * gate
-    size = y.shape[-1] // groups
-    parts = []
-    for g in range(groups):
-        part = u[..., g * size : (g + 1) * size]
-        parts.append(part / torch.sqrt((part * part).sum(-1, keepdim=True) / size + eps))
-    out = torch.cat(parts, -1) * w if parts else u
-    return out * gate if before else out
 
 
 CONV_CASES = [  # (batch, length, channels, width, split)
@@ -85,7 +57,7 @@ def test_convolution_against_loop(case, silu, bias, simd) -> None:  # type: igno
         b = b if bias else None
         with simd_path(simd):
             pieces = ssd_layer.conv_forward(x, w, b, silu, split)
-        want = conv_loop(x.double(), w.double(), None if b is None else b.double(), silu)
+        want = causal_conv_loop(x.double(), w.double(), None if b is None else b.double(), silu)
         got = torch.cat(pieces, -1)
         assert got.dtype == dtype and all(p.is_contiguous() for p in pieces)
         assert [p.shape[-1] for p in pieces] == list(split)
@@ -99,7 +71,7 @@ def test_convolution_gradients_against_loop(case, silu, bias, simd) -> None:  # 
     split = case[4]
     x, w, b = (t.requires_grad_() for t in _conv_operands(case, F64, seed=1))
     bias_t = b if bias else None
-    out = conv_loop(x, w, bias_t, silu)
+    out = causal_conv_loop(x, w, bias_t, silu)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=F64)
     used = [x, w] + ([b] if bias else [])
     want = torch.autograd.grad(out, used, grad, allow_unused=True) if out.numel() else None
@@ -145,7 +117,7 @@ def _norm_operands(case, seed=0):  # type: ignore[no-untyped-def]
 def test_norm_and_its_gradients_against_loop(case, before, simd) -> None:  # type: ignore[no-untyped-def]
     groups = case[3]
     y, z, w = (t.requires_grad_() for t in _norm_operands(case))
-    want = norm_loop(y, z, w, 1e-5, groups, before)
+    want = gated_rms_norm_loop(y, z, w, 1e-5, groups, before)
     with simd_path(simd):
         got, rstd = ssd_layer.norm_forward(y.detach(), z.detach(), w.detach(), 1e-5, groups,
                                            before)  # fmt: skip
