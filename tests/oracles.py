@@ -327,13 +327,15 @@ def ssd_loop(
     batch, length, heads, headdim = x.shape
     groups, n = B.shape[2], B.shape[3]
     step = dt if dt_bias is None else dt + dt_bias
-    if dt_softplus:
-        step = torch.where(step <= 20, torch.log1p(torch.exp(step)), step)
+    if dt_softplus:  # clamped inside: exp of the unused branch would be inf (NaN grads)
+        step = torch.where(step <= 20, torch.log1p(torch.exp(step.clamp(max=20))), step)
     if tuple(dt_limit) != (0.0, math.inf):
         step = torch.clamp(step, dt_limit[0], dt_limit[1])
     bounds = [0, length] if cu_seqlens is None else list(cu_seqlens)
     b_heads = B.repeat_interleave(heads // groups, dim=2)  # head h reads group h // (H / G)
     c_heads = C.repeat_interleave(heads // groups, dim=2)
+    # each input's steps cut at once (one backward node each, not L: see _steps)
+    steps, xs, bs, cs = step.unbind(1), x.unbind(1), b_heads.unbind(1), c_heads.unbind(1)
     ys: list[torch.Tensor] = []
     finals = []
     for s in range(len(bounds) - 1):
@@ -341,10 +343,10 @@ def ssd_loop(
         zero = torch.zeros(x.shape[0], heads, headdim, n, dtype=x.dtype)
         state = zero if initial is None else initial[rows]
         for t in range(bounds[s], bounds[s + 1]):
-            decay = torch.exp(step[:, t] * A)[:, :, None, None]
-            inp = (step[:, t, :, None] * x[:, t])[..., None] * b_heads[:, t, :, None, :]
+            decay = torch.exp(steps[t] * A)[:, :, None, None]
+            inp = (steps[t][:, :, None] * xs[t])[..., None] * bs[t][:, :, None, :]
             state = decay * state + inp
-            ys.append((state * c_heads[:, t, :, None, :]).sum(-1))
+            ys.append((state * cs[t][:, :, None, :]).sum(-1))
         finals.append(state)
     out = torch.stack(ys, 1) if ys else x.new_zeros(batch, 0, heads, headdim)
     if D is not None:
@@ -355,66 +357,77 @@ def ssd_loop(
     return out, final
 
 
-def _head(x: torch.Tensor, b: int, t: int, h: int, hv: int) -> torch.Tensor:
-    """Row (b, t) of ``x`` (batch, L, heads, ...) as value head ``h`` of ``hv`` reads it:
-    head h // (hv // heads), the grouped-heads convention (heads divides hv)."""
-    return x[b, t, h // (hv // x.shape[2])]
+def _per_value_head(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """``x`` (batch, L, heads, ...) with each head repeated for the value heads that
+    read it: value head h reads head h // (hv // heads), the grouped-heads convention
+    (heads divides hv)."""
+    return x.repeat_interleave(hv // x.shape[2], dim=2)
 
 
-def _decay(g: torch.Tensor | None, b: int, t: int, h: int, hv: int) -> torch.Tensor | None:
-    """exp(g[b, t, h]) shaped to scale a (K, V) state's rows: None without g, a
-    number for a per-head gate (batch, L, Hv), a column for a per-channel one (batch, L,
-    Hv, K)."""
+def _steps_of(x: torch.Tensor | None, length: int) -> Sequence[torch.Tensor | None]:
+    """``x``'s ``length`` steps (along dim 1), cut at once (see _steps); Nones for an
+    absent input."""
+    return [None] * length if x is None else x.unbind(1)
+
+
+def _decayed(state: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """Diag(exp(g)) S for the states (rows, Hv, K, V): g None, (rows, Hv) per head or
+    (rows, Hv, K) per key channel."""
     if g is None:
-        return None
-    decay = torch.exp(_head(g, b, t, h, hv))
-    return decay[:, None] if decay.dim() == 1 else decay
+        return state
+    decay = torch.exp(g)
+    return state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
+
+
+def _outer(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x y^T for each (row, head): (rows, Hv, K) and (rows, Hv, V) to (rows, Hv, K, V)."""
+    return x[..., :, None] * y[..., None, :]
+
+
+def _transposed_times(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """S^T x for each (row, head): (rows, Hv, K, V) and (rows, Hv, K) to (rows, Hv, V)."""
+    return (x[..., None, :] @ state).squeeze(-2)
 
 
 def _key_value_loop(
     q: torch.Tensor,
     v: torch.Tensor,
-    dk: int,
     scale: float | None,
     initial: torch.Tensor | None,
     cu_seqlens: Sequence[int] | None,
-    update: Callable[[int, int, int, torch.Tensor], torch.Tensor],
+    update: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The driver of the (K, V)-state recurrences (the delta rule and its relatives),
-    one sequence, value head and step at a time: the state of value head h starts from
-    ``initial[row, h]`` (zeros without one), ``S = update(b, t, h, S)`` at each step
-    and ``o[b, t, h] = scale S^T q`` (q's head read as ``_head`` does; scale K^-1/2 by
-    default). ``cu_seqlens`` (batch 1): the state restarts at each offset from that
-    sequence's row of ``initial``. Returns (o (batch, L, Hv, V), the final states:
-    one per batch row, or one per packed sequence)."""
-    batch, length = v.shape[0], v.shape[1]
-    hv, dv = v.shape[2], v.shape[3]
+    one step at a time, every batch row and value head at once: the states (rows, Hv,
+    K, V) start from ``initial`` (zeros without one), ``S = update(t, S)`` at each step
+    and ``o[:, t] = scale S^T q[:, t]`` (q read per value head; scale K^-1/2 by default).
+    ``cu_seqlens`` (batch 1): the state restarts at each offset from that sequence's
+    row of ``initial``. Returns (o (batch, L, Hv, V), the final states: one per batch
+    row, or one per packed sequence)."""
+    batch, length, hv, dv = v.shape
+    dk = q.shape[3]
     scale = dk**-0.5 if scale is None else scale
-    # (batch row, sequence, its steps, its initial state's row)
+    qs = _per_value_head(q, hv).unbind(1)
+    # (the state's rows of ``initial``, the steps): the batch rows at once, or each
+    # packed sequence (a batch of one)
     runs = (
-        [(b, b, range(length)) for b in range(batch)]
+        [(slice(None), range(length))]
         if cu_seqlens is None
-        else [(0, s, range(lo, hi)) for s, (lo, hi) in enumerate(pairwise(cu_seqlens))]
+        else [(slice(s, s + 1), range(lo, hi)) for s, (lo, hi) in enumerate(pairwise(cu_seqlens))]
     )
-    outs: dict[tuple[int, int, int], torch.Tensor] = {}
+    outs: list[torch.Tensor | None] = [None] * length
     finals = []
-    for b, row, steps in runs:
-        heads = []
-        for h in range(hv):
-            state = initial[row, h] if initial is not None else v.new_zeros(dk, dv)
-            for t in steps:
-                state = update(b, t, h, state)
-                outs[b, t, h] = scale * (_head(q, b, t, h, hv) @ state)
-            heads.append(state)
-        finals.append(torch.stack(heads))
-    if length:
-        o = torch.stack([
-            torch.stack([torch.stack([outs[b, t, h] for h in range(hv)]) for t in range(length)])
-            for b in range(batch)
-        ])  # fmt: skip
-    else:
-        o = v.new_zeros(batch, 0, hv, dv)
-    final = torch.stack(finals) if finals else v.new_zeros(0, hv, dk, dv)
+    for rows, steps in runs:
+        if initial is not None:
+            state = initial[rows]
+        else:
+            state = v.new_zeros(batch if cu_seqlens is None else 1, hv, dk, dv)
+        for t in steps:
+            state = update(t, state)
+            outs[t] = scale * _transposed_times(state, qs[t])
+        finals.append(state)
+    o = torch.stack(outs, 1) if length else v.new_zeros(batch, 0, hv, dv)  # type: ignore[arg-type]
+    final = torch.cat(finals) if finals else v.new_zeros(0, hv, dk, dv)
     return o, final
 
 
@@ -429,10 +442,10 @@ def delta_rule_loop(
     initial: torch.Tensor | None = None,
     cu_seqlens: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule, one step and one head at a time, in the dtype it is given: q, k
-    (batch, L, Hk, K); v (batch, L, Hv, V), value head h reading q/k head
-    h // (Hv // Hk); beta (batch, L, Hv); g None, (batch, L, Hv) or (batch, L, Hv, K),
-    log decays; initial (states, Hv, K, V)::
+    """The delta rule, one step at a time, in the dtype it is given: q, k (batch, L, Hk,
+    K); v (batch, L, Hv, V), value head h reading q/k head h // (Hv // Hk); beta
+    (batch, L, Hv); g None, (batch, L, Hv) or (batch, L, Hv, K), log decays; initial
+    (states, Hv, K, V)::
 
         S = Diag(exp(g[t])) S;  u = beta[t] (v[t] - S^T k[t]);  S = S + k[t] u^T
         o[t] = scale S^T q[t]     (q, k l2-normalized first when qk_l2norm)
@@ -444,16 +457,15 @@ def delta_rule_loop(
     if qk_l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    ks, vs, betas = _per_value_head(k, hv).unbind(1), v.unbind(1), beta.unbind(1)
+    gs = _steps_of(g, v.shape[1])
 
-    def update(b: int, t: int, h: int, state: torch.Tensor) -> torch.Tensor:
-        decay = _decay(g, b, t, h, hv)
-        if decay is not None:
-            state = decay * state
-        key = _head(k, b, t, h, hv)
-        u = beta[b, t, h] * (v[b, t, h] - key @ state)
-        return state + torch.outer(key, u)
+    def update(t: int, state: torch.Tensor) -> torch.Tensor:
+        state = _decayed(state, gs[t])
+        u = betas[t][..., None] * (vs[t] - _transposed_times(state, ks[t]))
+        return state + _outer(ks[t], u)
 
-    return _key_value_loop(q, v, q.shape[3], scale, initial, cu_seqlens, update)
+    return _key_value_loop(q, v, scale, initial, cu_seqlens, update)
 
 
 def linear_attention_loop(
@@ -465,23 +477,22 @@ def linear_attention_loop(
     initial: torch.Tensor | None = None,
     cu_seqlens: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Gated) linear attention, one step and one head at a time, in the dtype it is
-    given, with the delta rule's conventions (``delta_rule_loop``): q, k (batch, L, Hk,
-    K); v (batch, L, Hv, V); g None, (batch, L, Hv) or (batch, L, Hv, K), log decays;
-    initial (states, Hv, K, V)::
+    """(Gated) linear attention, one step at a time, in the dtype it is given, with the
+    delta rule's conventions (``delta_rule_loop``): q, k (batch, L, Hk, K); v (batch,
+    L, Hv, V); g None, (batch, L, Hv) or (batch, L, Hv, K), log decays; initial
+    (states, Hv, K, V)::
 
         S[t] = Diag(exp(g[t])) S[t-1] + k[t] v[t]^T;   o[t] = scale S[t]^T q[t]
 
     Returns (o, the final states: one per batch row, or one per packed sequence)."""
     hv = v.shape[2]
+    ks, vs = _per_value_head(k, hv).unbind(1), v.unbind(1)
+    gs = _steps_of(g, v.shape[1])
 
-    def update(b: int, t: int, h: int, state: torch.Tensor) -> torch.Tensor:
-        decay = _decay(g, b, t, h, hv)
-        if decay is not None:
-            state = decay * state
-        return state + torch.outer(_head(k, b, t, h, hv), v[b, t, h])
+    def update(t: int, state: torch.Tensor) -> torch.Tensor:
+        return _decayed(state, gs[t]) + _outer(ks[t], vs[t])
 
-    return _key_value_loop(q, v, q.shape[3], scale, initial, cu_seqlens, update)
+    return _key_value_loop(q, v, scale, initial, cu_seqlens, update)
 
 
 def dplr_delta_rule_loop(
@@ -495,11 +506,11 @@ def dplr_delta_rule_loop(
     initial: torch.Tensor | None = None,
     cu_seqlens: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The diagonal-plus-low-rank (generalized) delta rule, one step and one head at a
-    time, in the dtype it is given, with the delta rule's conventions
-    (``delta_rule_loop``): q, k, a, b (batch, L, H, K), each with its own head count H
-    dividing Hv (value head h reads head h // (Hv // H)); v (batch, L, Hv, V); g None,
-    (batch, L, Hv) or (batch, L, Hv, K), log decays; initial (states, Hv, K, V)::
+    """The diagonal-plus-low-rank (generalized) delta rule, one step at a time, in the
+    dtype it is given, with the delta rule's conventions (``delta_rule_loop``): q, k,
+    a, b (batch, L, H, K), each with its own head count H dividing Hv (value head h
+    reads head h // (Hv // H)); v (batch, L, Hv, V); g None, (batch, L, Hv) or (batch,
+    L, Hv, K), log decays; initial (states, Hv, K, V)::
 
         S[t] = (Diag(exp(g[t])) + b[t] a[t]^T) S[t-1] + k[t] v[t]^T
         o[t] = scale S[t]^T q[t]
@@ -507,14 +518,15 @@ def dplr_delta_rule_loop(
     (b = k^, a = -beta exp(g) * k^ and k = beta k^ is the delta rule with keys k^.)
     Returns (o, the final states: one per batch row, or one per packed sequence)."""
     hv = v.shape[2]
+    ks, vs = _per_value_head(k, hv).unbind(1), v.unbind(1)
+    as_, bs = _per_value_head(a, hv).unbind(1), _per_value_head(b, hv).unbind(1)
+    gs = _steps_of(g, v.shape[1])
 
-    def update(i: int, t: int, h: int, state: torch.Tensor) -> torch.Tensor:
-        decay = _decay(g, i, t, h, hv)
-        low_rank = torch.outer(_head(b, i, t, h, hv), _head(a, i, t, h, hv) @ state)
-        state = state if decay is None else decay * state
-        return state + low_rank + torch.outer(_head(k, i, t, h, hv), v[i, t, h])
+    def update(t: int, state: torch.Tensor) -> torch.Tensor:
+        low_rank = _outer(bs[t], _transposed_times(state, as_[t]))  # b (a^T S[t-1])
+        return _decayed(state, gs[t]) + low_rank + _outer(ks[t], vs[t])
 
-    return _key_value_loop(q, v, q.shape[3], scale, initial, cu_seqlens, update)
+    return _key_value_loop(q, v, scale, initial, cu_seqlens, update)
 
 
 # --- convolutions and norms of the Mamba layers ---------------------------------------
