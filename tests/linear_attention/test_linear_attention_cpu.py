@@ -245,27 +245,27 @@ def test_the_decoding_step_is_the_scans_step(
 
 
 @pytest.mark.parametrize(
-    ("gate", "where"),
+    ("gate", "operand"),
     [
-        (gate, where)
+        (gate, operand)
         for gate in ("none", "head", "channel")
-        for where in "qkvg"
-        if gate != "none" or where != "g"
+        for operand in "qkvg"
+        if gate != "none" or operand != "g"
     ],
 )
-def test_a_nan_leaves_the_outputs_before_it_finite(gate: str, where: str) -> None:
+def test_a_nan_leaves_the_outputs_before_it_finite(gate: str, operand: str) -> None:
     """A NaN at step t (in any operand) reaches the outputs from t on, never those
     before it (the frames and the chunks' sums look at no later step)."""
     p = {k: v.float() for k, v in _problem(9, 1, 150, 1, 2, 20, 40, gate).items()}
     for t in (0, 5, 63, 64, 100):
         bad = {k: v.clone() for k, v in p.items()}
-        bad[where][:, t] = torch.nan
+        bad[operand][:, t] = torch.nan
         with torch.no_grad():
             out = ps.linear_attention_scan(
                 bad["q"], bad["k"], bad["v"], g=bad.get("g"), initial=bad["initial"], backend="cpu"
             )
-        assert torch.isfinite(out[:, :t]).all(), (where, t)
-        assert torch.isnan(out[:, t]).any(), (where, t)
+        assert torch.isfinite(out[:, :t]).all(), (operand, t)
+        assert torch.isnan(out[:, t]).any(), (operand, t)
 
 
 def test_empty_inputs() -> None:
