@@ -44,7 +44,7 @@ __all__ = [
     "bind_heads",
     "drops_final",
     "forward",
-    "head_state_shapes",
+    "head_state_op",
     "states",
     "zero_rows_as_zeros",
 ]
@@ -349,12 +349,25 @@ def bind_heads(
     return drops_final(run_forward, operands), zero_rows_as_zeros(run_backward, operands)
 
 
-def head_state_shapes(
-    operands: _core.Operands, n_chunks: Callable[[int, str], int]
-) -> tuple[Callable[..., tuple[Tensor, Tensor, Tensor]], Callable[..., Tensor]]:
-    """The fake kernel's shapes (``forward_shapes``) and the stand-in for an absent
-    grad_final (``zero_final``) of a (K, V)-state family (``bind_heads``), whose ops
-    take the operands, ``want_final`` and the backend."""
+def head_state_op(
+    op: str, operands: _core.Operands, n_chunks: Callable[[int, str], int],
+    backends: dict[str, tuple[Callable[..., Any], Callable[..., Any]]],
+    missing: dict[str, str],
+) -> tuple[Any, Callable[..., tuple[Tensor, Tensor]]]:  # fmt: skip
+    """The backend-table row and the differentiable op of a (K, V)-state family
+    (``bind_heads``): ``op`` its public name (``"parascan.delta_rule_scan"``),
+    ``backends`` name -> (forward, backward) in "auto"'s order, ``missing`` name -> why
+    it has none. Returns (ROW, apply): ``apply(*operands, want_final, backend) -> (out,
+    final)``, ``final`` with no rows without ``want_final``. The state, and so every
+    backend's dtypes, is float32 or float64."""
+    dtypes = (torch.float32, torch.float64)
+    row = _core.register(
+        _core.OpBackends(
+            op=op,
+            backends={n: _core.Backend(f, b, dtypes) for n, (f, b) in backends.items()},
+            missing=missing,
+        )
+    )
     names = operands.names
     at_k, at_v, at_cu = names.index("k"), names.index("v"), names.index("cu_seqlens")
 
@@ -373,4 +386,16 @@ def head_state_shapes(
         k, v = tensors[at_k], tensors[at_v]
         return v.new_empty(0, v.shape[2], k.shape[-1], v.shape[-1])  # no rows: zeros
 
-    return shapes, zero_final
+    apply = _core.checkpointed_scan(
+        _core.CheckpointedScan(
+            row=row,
+            name=op.removeprefix("parascan."),
+            operands=operands,
+            consts="bool want_final",
+            forward_shapes=shapes,
+            zero_final=zero_final,
+            backward_consts=False,  # a grad_final with no rows stands for zeros
+            out_like=at_v,
+        )
+    )
+    return row, apply
