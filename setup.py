@@ -18,6 +18,7 @@ KERNEL_SOURCES = [
     "src/parascan/ssd/cpu.c",
     "src/parascan/delta_rule/cpu.c",
     "src/parascan/linear_attention/cpu.c",
+    "src/parascan/dplr/cpu.c",
 ]
 
 setup(

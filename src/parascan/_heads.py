@@ -19,10 +19,20 @@ from parascan._core import (
     check_shape,
     check_tensor,
     describe,
+    eager_no_grad,
     finite_float,
 )
+from parascan._native import kernel_library_error
 
-__all__ = ["Heads", "as_dtype", "check_gate", "check_heads", "check_scale", "check_state"]
+__all__ = [
+    "Heads",
+    "as_dtype",
+    "check_gate",
+    "check_heads",
+    "check_scale",
+    "check_state",
+    "plain_inference",
+]
 
 
 @dataclass(frozen=True)
@@ -125,3 +135,61 @@ def as_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """``t`` in ``dtype`` (itself when it is already: a decoding step is short enough
     that each ``.to`` call's dispatch shows)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def plain_inference(
+    fn: str, q: object, keyed: tuple[object, ...], v: object, g: object, scale: object,
+    initial: object, return_final: object, cu_seqlens: object, backend: object,
+) -> float | None:  # fmt: skip
+    """The scale for a family's C kernel (its cpu.infer) when a call of ``fn`` can go to
+    it at once, else None (``keyed``: the operands shaped like q: k, and DPLR's a, b):
+    an eager call that nothing differentiates (inference, a decoding step), not packed,
+    on contiguous CPU tensors of one float32 or float64 dtype whose shapes agree, as a
+    generation loop hands them in on every token. These checks imply every check below
+    them in the public function, which runs (and raises) when one fails; they skip its
+    validation, backend resolution and casts (tens of microseconds a call, more than the
+    step itself at small heads)."""
+    if (
+        # first: torch.compile traces none of the rest (kernel_library_error reads the
+        # file system, a graph break under fullgraph=True)
+        torch.compiler.is_compiling()
+        or cu_seqlens is not None
+        or type(backend) is not str
+        or backend not in ("auto", "cpu")
+        or type(return_final) is not bool
+        or not (scale is None or (type(scale) in (float, int) and finite_float(scale) is not None))
+        or kernel_library_error() is not None  # no C kernel: the general path picks another
+        or type(q) is not Tensor
+        or type(v) is not Tensor
+        or q.dim() != 4
+        or v.dim() != 4
+        or v.dtype not in (torch.float32, torch.float64)
+    ):
+        return None
+    batch, length, hk, dk = q.shape
+    hv = v.shape[2]
+    shapes = [(q, q.shape), *((t, q.shape) for t in keyed), (v, (batch, length, hv, v.shape[3]))]
+    if g is not None:
+        shapes.append(
+            (g, (batch, length, hv) if getattr(g, "ndim", 0) == 3 else (batch, length, hv, dk))
+        )
+    if initial is not None:
+        shapes.append((initial, (batch, hv, dk, v.shape[3])))
+    tensors: list[Tensor] = []
+    for t, shape in shapes:
+        if not (
+            type(t) is Tensor
+            and t.shape == shape
+            and t.dtype == v.dtype
+            and t.layout == torch.strided
+            and not t.is_nested
+            and t.is_cpu
+            and t.is_contiguous()
+            and not t.is_neg()
+        ):
+            return None
+        tensors.append(t)
+    if min(batch, length, hk, dk, hv, v.shape[3]) < 1 or hv % hk or not eager_no_grad(tensors):
+        return None
+    # scale is None or a finite float or int (checked above): no second check
+    return check_scale(fn, scale, dk)

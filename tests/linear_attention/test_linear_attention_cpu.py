@@ -294,7 +294,7 @@ def test_a_plain_inference_call_goes_to_the_kernel_at_once(
     still take (and which raises on bad input)."""
     p = {k: v.to(dtype) for k, v in _problem(10, 2, length, 2, 4, 17, 33, gate).items()}
     args = [p.pop(k) for k in ("q", "k", "v")]
-    check = api._plain_inference
+    check = api.plain_inference
     taken: list[bool] = []
 
     def spy(*a: object) -> object:
@@ -313,15 +313,15 @@ def test_a_plain_inference_call_goes_to_the_kernel_at_once(
         {"initial": None, "g": None, "return_final": False},
     ):
         kwargs = {**p, **options}
-        monkeypatch.setattr(api, "_plain_inference", spy)
+        monkeypatch.setattr(api, "plain_inference", spy)
         got = ps.linear_attention_scan(*args, **kwargs)
-        monkeypatch.setattr(api, "_plain_inference", general)
+        monkeypatch.setattr(api, "plain_inference", general)
         want = ps.linear_attention_scan(*args, **kwargs)
         for a, b in zip(got, want, strict=True) if options["return_final"] else [(got, want)]:
             assert torch.equal(a, b)
     assert taken == [True] * 5
 
-    monkeypatch.setattr(api, "_plain_inference", spy)
+    monkeypatch.setattr(api, "plain_inference", spy)
     q, k, v = args
     declined = [
         ((torch.cat([q, q], -1)[..., : q.shape[-1]], k, v), {}),  # strided q

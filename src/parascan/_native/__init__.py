@@ -50,7 +50,7 @@ def simd() -> bool:
     return os.environ.get("PARASCAN_SIMD", "1") != "0"
 
 
-ABI_VERSION = 14  # abi.h: PS_ABI_VERSION
+ABI_VERSION = 15  # abi.h: PS_ABI_VERSION
 
 
 @functools.cache
@@ -187,6 +187,12 @@ ARG_FIELDS: dict[str, tuple[str, ...]] = {
         "cu_seqlens", "nseq", "q", "k", "v", "g", "initial", "out", "final", "checkpoints",
         "grad_out", "grad_final", "grad_q", "grad_k", "grad_v", "grad_g", "grad_initial",
         "nthreads", "simd", "failed",
+    ),
+    "dplr": (
+        "batch", "length", "kheads", "heads", "dk", "dv", "gate", "chunk", "scale_bits",
+        "cu_seqlens", "nseq", "q", "k", "v", "a", "b", "g", "initial", "out", "final",
+        "checkpoints", "grad_out", "grad_final", "grad_q", "grad_k", "grad_v", "grad_a",
+        "grad_b", "grad_g", "grad_initial", "nthreads", "simd", "failed",
     ),
     "ssd_conv": (
         "batch", "length", "channels", "width", *_tensor("x", 2), "weight", "bias", "silu",

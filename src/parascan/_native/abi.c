@@ -30,6 +30,7 @@ PS_API int64_t ps_delta_args_size(void) { return (int64_t)sizeof(ps_delta_args);
 PS_API int64_t ps_linear_attention_args_size(void) {
     return (int64_t)sizeof(ps_linear_attention_args);
 }
+PS_API int64_t ps_dplr_args_size(void) { return (int64_t)sizeof(ps_dplr_args); }
 
 PS_API int64_t ps_scan_constants(int64_t *out, int64_t n) {
     const int64_t values[] = {PS_BLOCK,     PS_ROWS,       PS_TILE,         PS_LONG_STEPS,

@@ -28,6 +28,7 @@
  *   ps_delta_fwd_{f32,f64}, ps_delta_bwd_{f32,f64}             (ps_delta_args)
  *   ps_linear_attention_fwd_{f32,f64}, ps_linear_attention_bwd_{f32,f64}
  *                                                 (ps_linear_attention_args)
+ *   ps_dplr_fwd_{f32,f64}, ps_dplr_bwd_{f32,f64}               (ps_dplr_args)
  *   ps_selective_math_{f32,f64}(which, x, out, n)  (no struct: the selective scan's own
  *     vector exp, softplus, log1p, sigmoid one by one, for tests; selective/cpu_kernel.h)
  */
@@ -38,7 +39,7 @@
 
 #include <stdint.h>
 
-#define PS_ABI_VERSION 14
+#define PS_ABI_VERSION 15
 
 /* The first-order scans (first_order/): every tensor is seen as a 3-d strided
  * view (outer, steps, inner) with the scan running along `steps`; states
@@ -337,6 +338,21 @@ typedef struct {
     int64_t nthreads, simd, failed;
 } ps_linear_attention_args;
 
+/* The generalized delta rule (dplr/cpu.c, the contract and the math in dplr/canonical.py),
+ * one struct for both entries, as ps_linear_attention_args with a and b: q, k, a, b and
+ * their gradients (batch, length, kheads, dk), contiguous and of the entry's type like
+ * every other tensor there. The forward reads q times the scale whose IEEE double bits
+ * are scale_bits; the backward takes canonical q, scale 1. */
+typedef struct {
+    int64_t batch, length, kheads, heads, dk, dv, gate, chunk, scale_bits;
+    const int64_t *cu_seqlens; int64_t nseq;
+    const void *q, *k, *v, *a, *b, *g, *initial;
+    void *out, *final, *checkpoints;
+    const void *grad_out, *grad_final;
+    void *grad_q, *grad_k, *grad_v, *grad_a, *grad_b, *grad_g, *grad_initial;
+    int64_t nthreads, simd, failed;
+} ps_dplr_args;
+
 /* ---- Every function the library exports ---------------------------------------- */
 
 /* The first-order scans (first_order/cpu.c), per dtype. */
@@ -400,6 +416,7 @@ PS_SSD_ENTRIES(ssd_norm, ps_ssd_norm_args)
 PS_SSD_ENTRIES(delta, ps_delta_args) /* the delta rule (delta_rule/cpu.c) */
 /* gated linear attention (linear_attention/cpu.c) */
 PS_SSD_ENTRIES(linear_attention, ps_linear_attention_args)
+PS_SSD_ENTRIES(dplr, ps_dplr_args) /* the generalized delta rule (dplr/cpu.c) */
 #undef PS_SSD_ENTRIES
 
 /* What Python checks before anything else is called (abi.c): the version and the
@@ -419,5 +436,6 @@ PS_API int64_t ps_ssd_conv_args_size(void);
 PS_API int64_t ps_ssd_norm_args_size(void);
 PS_API int64_t ps_delta_args_size(void);
 PS_API int64_t ps_linear_attention_args_size(void);
+PS_API int64_t ps_dplr_args_size(void);
 
 #endif

@@ -126,6 +126,39 @@ PS_KV_INLINE void F(ps_kv_store_vec)(T *x, V v, int64_t i, int64_t K) {
         memcpy(x + i, &v, sizeof(T) * (size_t)(K - i));
 }
 
+/* ak = S^T kd and (with_q) aq = S^T qd over a tile's columns (K rows of VB lanes): two
+ * sets of accumulators (even and odd rows), so that 4 NB chains of multiply-adds
+ * overlap. A kernel's update sweeps that read the next step's ak and aq as they write a
+ * row (delta_rule/, dplr/) sum in this same order: the same bits either way. */
+PS_KV_INLINE void F(ps_kv_read)(const T *tile, const T *kd, const T *qd, int64_t K, V *ak,
+                                V *aq, const int with_q) {
+    V k0[NB], k1[NB], q0[NB], q1[NB];
+    for (int n = 0; n < NB; ++n) k0[n] = k1[n] = q0[n] = q1[n] = (V){0};
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const V *r0 = (const V *)(tile + i * VB), *r1 = r0 + NB;
+        for (int n = 0; n < NB; ++n) {
+            k0[n] += r0[n] * kd[i];
+            k1[n] += r1[n] * kd[i + 1];
+            if (with_q) {
+                q0[n] += r0[n] * qd[i];
+                q1[n] += r1[n] * qd[i + 1];
+            }
+        }
+    }
+    if (i < K) {
+        const V *r0 = (const V *)(tile + i * VB);
+        for (int n = 0; n < NB; ++n) {
+            k0[n] += r0[n] * kd[i];
+            if (with_q) q0[n] += r0[n] * qd[i];
+        }
+    }
+    for (int n = 0; n < NB; ++n) {
+        ak[n] = k0[n] + k1[n];
+        if (with_q) aq[n] = q0[n] + q1[n];
+    }
+}
+
 /* ---- sequences -------------------------------------------------------------------- */
 
 /* The sequences of a batch row: packed ones (cu_seqlens), or the row itself as one

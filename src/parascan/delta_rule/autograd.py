@@ -23,6 +23,6 @@ ROW, apply = head_state_op(
     },
     {
         "triton": "delta_rule_scan has no Triton kernel (on GPUs flash-linear-attention's "
-        "kernels are the reference); use 'torch' (or 'auto', which picks it)",
+        "kernels are the reference); use 'auto' (the C kernel on CPUs, 'torch' elsewhere)",
     },
 )

@@ -159,37 +159,6 @@ ATTR static void F(ps_delta_prepare)(const ps_delta_args *a, const F(ps_delta_pr
 
 /* ---- the forward's sweeps over a tile --------------------------------------------- */
 
-/* ak = S^T kd and (with_q) aq = S^T qd over the tile's columns: two sets of
- * accumulators (even and odd rows), so that 4 NB chains of multiply-adds overlap. */
-PS_DELTA_INLINE void F(ps_delta_read)(const T *tile, const T *kd, const T *qd, int64_t K,
-                                      V *ak, V *aq, const int with_q) {
-    V k0[NB], k1[NB], q0[NB], q1[NB];
-    for (int n = 0; n < NB; ++n) k0[n] = k1[n] = q0[n] = q1[n] = (V){0};
-    int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const V *r0 = (const V *)(tile + i * VB), *r1 = r0 + NB;
-        for (int n = 0; n < NB; ++n) {
-            k0[n] += r0[n] * kd[i];
-            k1[n] += r1[n] * kd[i + 1];
-            if (with_q) {
-                q0[n] += r0[n] * qd[i];
-                q1[n] += r1[n] * qd[i + 1];
-            }
-        }
-    }
-    if (i < K) {
-        const V *r0 = (const V *)(tile + i * VB);
-        for (int n = 0; n < NB; ++n) {
-            k0[n] += r0[n] * kd[i];
-            if (with_q) q0[n] += r0[n] * qd[i];
-        }
-    }
-    for (int n = 0; n < NB; ++n) {
-        ak[n] = k0[n] + k1[n];
-        if (with_q) aq[n] = q0[n] + q1[n];
-    }
-}
-
 /* One step's update of the tile, dst = Diag(d) src + k u^T (dst may be src), and
  * (read) the next step's ak = dst^T kd, aq = dst^T qd (with_q) in the same sweep.
  * `gated`, `read` and `with_q` are constants after inlining. */
@@ -269,7 +238,7 @@ PS_DELTA_INLINE void F(ps_delta_fwd_block)(const ps_delta_args *a, const F(ps_de
         if (j == 0 && a->checkpoints)
             F(ps_kv_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd,
                                    c0);
-        if (fresh) F(ps_delta_read)(tile, p->kd + j * K, p->qd + j * K, K, ak, aq, 1);
+        if (fresh) F(ps_kv_read)(tile, p->kd + j * K, p->qd + j * K, K, ak, aq, 1);
         F(ps_kv_load_row)(x, p->vv + j * Vd, Vd, c0);
         const T beta = p->bt[j], kq = p->kq[j];
         for (int m = 0; m < NB; ++m) {
@@ -582,7 +551,7 @@ PS_DELTA_INLINE void F(ps_delta_bwd_block)(const ps_delta_args *a, const F(ps_de
             if (j > 0)
                 F(ps_kv_load_cols)(st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV
                                                : NULL, K, Vd, c0);
-            F(ps_delta_read)(st, p->kd + j * K, NULL, K, ak, NULL, 0);
+            F(ps_kv_read)(st, p->kd + j * K, NULL, K, ak, NULL, 0);
         }
         F(ps_kv_load_row)(x, p->vv + j * Vd, Vd, c0);
         V *w = (V *)(m->ww + j * VB), *uj = (V *)(m->uu + j * VB);

@@ -6,6 +6,7 @@ canonical.py        the backends' contract: operand forms, math, checkpoints
 autograd.py         the op: its backend-table row, torch.library ops and autograd.Function
 reference.py        the ``loop`` backend: the recurrence a step at a time
 chunked.py          the ``torch`` backend: blocks of matrix products and a triangular solve
+cpu.py, cpu.c       the ``cpu`` backend: the C kernel (cpu_kernel.h) and its bindings
 """
 
 from parascan.dplr.api import dplr_delta_rule_scan

@@ -5,9 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._core import check_flag, resolve
-from parascan._heads import as_dtype, check_gate, check_heads, check_scale, check_state
+from parascan._core import check_flag, eager_no_grad, resolve
+from parascan._heads import (
+    as_dtype,
+    check_gate,
+    check_heads,
+    check_scale,
+    check_state,
+    plain_inference,
+)
 from parascan.dplr import autograd as dplr_ops
+from parascan.dplr import cpu as dplr_cpu
 
 __all__ = ["dplr_delta_rule_scan"]
 
@@ -49,7 +57,7 @@ def dplr_delta_rule_scan(
         return_final: also return the state after the last step.
         cu_seqlens: (num_seqs + 1,) int offsets of sequences packed along L of a
             batch of one, each scanned from its own state.
-        backend: "auto", "torch" or "loop" (``parascan.backends()``).
+        backend: "auto", "cpu", "torch" or "loop" (``parascan.backends()``).
 
     Returns:
         o (batch, L, Hv, V) in ``v``'s dtype; with ``return_final``, ``(o, final)``,
@@ -69,6 +77,16 @@ def dplr_delta_rule_scan(
     >>> o.shape, final.shape
     (torch.Size([1, 40, 2, 8]), torch.Size([1, 2, 8, 8]))
     """
+    keyed = (k, a, b)
+    scale_now = plain_inference(
+        _FN, q, keyed, v, g, scale, initial, return_final, cu_seqlens, backend
+    )
+    if scale_now is not None:  # the checks below would pass: the kernel at once
+        assert isinstance(q, Tensor) and isinstance(v, Tensor)
+        k, a, b = (t for t in keyed if isinstance(t, Tensor))
+        out, final = dplr_cpu.infer(q, k, v, a, b, g, initial, return_final, scale_now)
+        return (out, final) if return_final else out
+
     q, k, v, (a, b), heads = check_heads(_FN, q, k, v, (("a", a), ("b", b)))
     g = check_gate(_FN, g, heads)
     named = [("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("g", g)]
@@ -78,10 +96,19 @@ def dplr_delta_rule_scan(
 
     cd = torch.float64 if v.dtype == torch.float64 else torch.float32
     name = resolve(dplr_ops.ROW, backend, v.device, cd, name=_FN)
-    out, final = dplr_ops.apply(
-        as_dtype(q, cd) * factor, as_dtype(k, cd), as_dtype(v, cd), as_dtype(a, cd),
-        as_dtype(b, cd), as_dtype(g, cd), as_dtype(initial, cd),
-        as_dtype(cu_seqlens, torch.int64), return_final, name,
+    rest = (
+        as_dtype(k, cd), as_dtype(v, cd), as_dtype(a, cd), as_dtype(b, cd), as_dtype(g, cd),
+        as_dtype(initial, cd), as_dtype(cu_seqlens, torch.int64),
     )  # fmt: skip
+    q = as_dtype(q, cd)
+    if name == "cpu" and eager_no_grad([t for t in (q, *rest) if t is not None]):
+        # nothing differentiates the call (inference, a decoding step): the kernel
+        # directly, q scaled in it, without the op's checkpoints (kept for a backward) or
+        # its dispatch
+        out, final, _ = dplr_cpu.forward(
+            q, *rest, want_final=return_final, keep=False, scale=factor
+        )
+    else:
+        out, final = dplr_ops.apply(q * factor, *rest, return_final, name)
     out = as_dtype(out, v.dtype)
     return (out, final) if return_final else out

@@ -4,7 +4,7 @@ ops and autograd.Functions (parascan._checkpointed.head_state_op)."""
 from __future__ import annotations
 
 from parascan._checkpointed import head_state_op
-from parascan.dplr import chunked, reference
+from parascan.dplr import chunked, cpu, reference
 from parascan.dplr.canonical import OPERANDS, n_chunks
 
 __all__ = ["ROW", "apply"]
@@ -17,12 +17,12 @@ ROW, apply = head_state_op(
     OPERANDS,
     n_chunks,
     {
+        "cpu": (cpu.forward, cpu.backward),
         "torch": (chunked.forward_torch, chunked.backward_torch),
         "loop": (reference.forward_loop, reference.backward_loop),
     },
     {
         "triton": "dplr_delta_rule_scan has no Triton kernel (on GPUs flash-linear-attention's "
-        "kernels are the reference); use 'torch' (or 'auto', which picks it)",
-        "cpu": "dplr_delta_rule_scan has no C kernel yet; use 'torch' (or 'auto', which picks it)",
+        "kernels are the reference); use 'auto' (the C kernel on CPUs, 'torch' elsewhere)",
     },
 )

@@ -42,7 +42,7 @@ __all__ = ["CHECKPOINT_STEPS", "OPERANDS", "n_chunks"]
 OPERANDS = Operands("q k v a b g? initial? cu_seqlens?")
 
 # Steps between checkpoints, per backend (the fake kernels size checkpoints by it).
-CHECKPOINT_STEPS = {"torch": 64, "loop": 64}
+CHECKPOINT_STEPS = {"cpu": 64, "torch": 64, "loop": 64}
 
 
 def n_chunks(length: int, backend: str) -> int:

@@ -6,9 +6,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parascan._core import check_flag, eager_no_grad, finite_float, resolve
-from parascan._heads import as_dtype, check_gate, check_heads, check_scale, check_state
-from parascan._native import kernel_library_error
+from parascan._core import check_flag, eager_no_grad, resolve
+from parascan._heads import (
+    as_dtype,
+    check_gate,
+    check_heads,
+    check_scale,
+    check_state,
+    plain_inference,
+)
 from parascan.linear_attention import autograd as la_ops
 from parascan.linear_attention import cpu as la_cpu
 
@@ -70,7 +76,9 @@ def linear_attention_scan(
     >>> o.shape, final.shape
     (torch.Size([2, 50, 4, 16]), torch.Size([2, 4, 8, 16]))
     """
-    scale_now = _plain_inference(q, k, v, g, scale, initial, return_final, cu_seqlens, backend)
+    scale_now = plain_inference(
+        _FN, q, (k,), v, g, scale, initial, return_final, cu_seqlens, backend
+    )
     if scale_now is not None:  # the checks below would pass: the kernel at once
         assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
         out, final = la_cpu.infer(q, k, v, g, initial, return_final, scale_now)
@@ -99,60 +107,3 @@ def linear_attention_scan(
         out, final = la_ops.apply(q * factor, *rest, return_final, name)
     out = as_dtype(out, v.dtype)
     return (out, final) if return_final else out
-
-
-def _plain_inference(
-    q: object, k: object, v: object, g: object, scale: object, initial: object,
-    return_final: object, cu_seqlens: object, backend: object,
-) -> float | None:  # fmt: skip
-    """The scale for the C kernel (cpu.infer) when a call can go to it at once, else None:
-    an eager call that nothing differentiates (inference, a decoding step), not packed,
-    on contiguous CPU tensors of one float32 or float64 dtype whose shapes agree, as a
-    generation loop hands them in on every token. These checks imply every check below
-    them in linear_attention_scan, which runs (and raises) when one fails; they skip its
-    validation, backend resolution and casts (tens of microseconds a call, more than the
-    step itself at small heads)."""
-    if (
-        # first: torch.compile traces none of the rest (kernel_library_error reads the
-        # file system, a graph break under fullgraph=True)
-        torch.compiler.is_compiling()
-        or cu_seqlens is not None
-        or type(backend) is not str
-        or backend not in ("auto", "cpu")
-        or type(return_final) is not bool
-        or not (scale is None or (type(scale) in (float, int) and finite_float(scale) is not None))
-        or kernel_library_error() is not None  # no C kernel: the general path picks another
-        or type(q) is not Tensor
-        or type(v) is not Tensor
-        or q.dim() != 4
-        or v.dim() != 4
-        or v.dtype not in (torch.float32, torch.float64)
-    ):
-        return None
-    batch, length, hk, dk = q.shape
-    hv = v.shape[2]
-    shapes = [(q, q.shape), (k, q.shape), (v, (batch, length, hv, v.shape[3]))]
-    if g is not None:
-        shapes.append(
-            (g, (batch, length, hv) if getattr(g, "ndim", 0) == 3 else (batch, length, hv, dk))
-        )
-    if initial is not None:
-        shapes.append((initial, (batch, hv, dk, v.shape[3])))
-    tensors: list[Tensor] = []
-    for t, shape in shapes:
-        if not (
-            type(t) is Tensor
-            and t.shape == shape
-            and t.dtype == v.dtype
-            and t.layout == torch.strided
-            and not t.is_nested
-            and t.is_cpu
-            and t.is_contiguous()
-            and not t.is_neg()
-        ):
-            return None
-        tensors.append(t)
-    if min(batch, length, hk, dk, hv, v.shape[3]) < 1 or hv % hk or not eager_no_grad(tensors):
-        return None
-    # scale is None or a finite float or int (checked above): no second check
-    return check_scale(_FN, scale, dk)

@@ -27,7 +27,7 @@ from parascan._native import (
 )
 from parascan.linear_attention.canonical import CHECKPOINT_STEPS
 
-__all__ = ["backward", "forward", "infer"]
+__all__ = ["backward", "forward", "gate_kind", "infer", "plain_members"]
 
 _C = CHECKPOINT_STEPS["cpu"]
 _KIND = "linear_attention"
@@ -35,20 +35,21 @@ _KIND = "linear_attention"
 Opt = Tensor | None
 
 
-def _plain_members(
-    shape: tuple[int, int, int, int, int, int], gate: int, scale: float
+def plain_members(
+    shape: tuple[int, int, int, int, int, int], gate: int, scale: float, chunk: int = _C
 ) -> dict[str, int]:
-    """The struct's members that are not pointers, packing or threading: ``shape`` is
-    (batch, L, Hk, Hv, K, V); ``scale`` multiplies q (abi.h; 1 for canonical q)."""
+    """The struct's members that are not pointers, packing or threading (linear
+    attention's and DPLR's structs share them): ``shape`` is (batch, L, Hk, Hv, K, V);
+    ``scale`` multiplies q (abi.h; 1 for canonical q)."""
     batch, length, hk, hv, dk, dv = shape
     return {
         "batch": batch, "length": length, "kheads": hk, "heads": hv, "dk": dk, "dv": dv,
-        "gate": gate, "chunk": _C,
+        "gate": gate, "chunk": chunk,
         "scale_bits": struct.unpack("<q", struct.pack("<d", scale))[0],
     }  # fmt: skip
 
 
-def _gate(g: Opt) -> int:
+def gate_kind(g: Opt) -> int:
     """abi.h's gate: 0 without one, 1 per head, 2 per key channel."""
     return 0 if g is None else (1 if g.dim() == 3 else 2)
 
@@ -73,7 +74,7 @@ class _Operands(ChunkedOperands):
         batch, length, hk, dk = q.shape
         hv, dv = v.shape[2], v.shape[3]
         super().__init__(entry, cu_seqlens, batch)
-        self.gate = _gate(g)
+        self.gate = gate_kind(g)
         gate_shape = (batch, length, hv) if self.gate == 1 else (batch, length, hv, dk)
         check_operands(
             entry, v.dtype, (q, (batch, length, hk, dk)), (k, (batch, length, hk, dk)),
@@ -91,7 +92,7 @@ class _Operands(ChunkedOperands):
         self.checkpoint_shape = (batch, -(-length // _C), hv, dk, dv)  # n_chunks
 
     def run(self, entry: str, tensors: dict[str, Opt], scale: float = 1.0) -> None:
-        plain = _plain_members(self.shape, self.gate, scale)
+        plain = plain_members(self.shape, self.gate, scale)
         operands = {
             "cu_seqlens": self.cu, "q": self.q, "k": self.k, "v": self.v, "g": self.g,
             "initial": self.initial, **tensors,
@@ -129,7 +130,7 @@ def _template(
 ) -> object:  # fmt: skip
     """infer's struct for one shape, its pointers left NULL (a generation loop calls
     with the same shape on every token)."""
-    return arg_struct(_KIND, **_plain_members(shape, gate, scale), nthreads=nthreads,
+    return arg_struct(_KIND, **plain_members(shape, gate, scale), nthreads=nthreads,
                       simd=int(vector))  # fmt: skip
 
 
@@ -147,7 +148,7 @@ def infer(
     out = torch.empty(v.shape, dtype=v.dtype)
     final = torch.empty((batch if want_final else 0, hv, dk, dv), dtype=v.dtype)
     template = _template(
-        (batch, length, hk, hv, dk, dv), _gate(g), scale, torch.get_num_threads(), simd()
+        (batch, length, hk, hv, dk, dv), gate_kind(g), scale, torch.get_num_threads(), simd()
     )
     args = type(template).from_buffer_copy(template)  # type: ignore[attr-defined]
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial", initial),

@@ -1,0 +1,150 @@
+/* The generalized delta rule's CPU kernel (diagonal plus rank one: RWKV-7), forward and
+ * fused backward, float32 and float64. The ABI is in abi.h (ps_dplr_args), the contract
+ * and the math in dplr/canonical.py.
+ *
+ * Summary of algorithm.
+ *   Each (batch row, value head) is an independent recurrence of a (K, V) state, and
+ *   each column of that state evolves on its own given a, b, k and the decays:
+ *       x[t] = S[t-1]^T a[t]
+ *       S[t] = Diag(d[t]) S[t-1] + b[t] x[t]^T + k[t] v[t]^T,   d[t] = exp(g[t]) (1 without)
+ *       o[t] = S[t]^T q[t] = S[t-1]^T (d[t] q[t]) + (b[t] . q[t]) x[t] + (k[t] . q[t]) v[t]
+ *   The delta rule's scheme (delta_rule/cpu.c, where the choice of the recurrence over
+ *   the chunked form is argued): column blocks of VB lanes of the state, a block's K
+ *   rows held in L1, every operation a vector over the block's columns times a
+ *   broadcast scalar. A step is one sweep over the rows that applies the update and
+ *   reads the next step's x and S^T (d q) from the updated row: a multiply and four
+ *   multiply-adds per state element (the delta rule's has one multiply-add fewer: its
+ *   erase and write share a vector). Work units are (batch row, head) pairs, split
+ *   further into groups of column blocks when there are fewer pairs than threads. The
+ *   state entering every chunk (`chunk` steps, 64) is stored as its checkpoint; packed
+ *   sequences are walked one after the other inside a unit, the state reloaded from each
+ *   one's initial state (or zeros) at its first step and stored as its final state
+ *   after its last. The decoding step reads the state in place and streams the final
+ *   one past the caches.
+ *
+ *   Unlike the chunked form (the torch backend, dplr/chunked.py), the recurrence solves
+ *   no triangular system: its rounding is the float64 loop's, step for step, in the
+ *   state's type.
+ *
+ * The backward.
+ *   Per unit (a q/k head with its value heads, in head order), the chunks from last to
+ *   first, per head and column block: the block's states before each step of the chunk
+ *   and each step's x are rebuilt from the checkpoint (chunk x K x VB), then the adjoint
+ *   runs from the chunk's last step to its first, with dS the gradient of the state
+ *   after step t:
+ *       dS += q go^T,  dx = dS^T b,  grad_v = dS^T k,  grad_b = dS x,  grad_k = dS v,
+ *       grad_q = Diag(d) S[t-1] go + b (x . go) + k (v . go),
+ *       grad_g = d * rows of dS * S[t-1],  grad_a = S[t-1] dx,
+ *       dS = Diag(d) dS + a dx^T   (the gradient of the state before the step)
+ *   the last two lines (part B) of step t in the same sweep as the first three (part
+ *   A) of step t - 1. The sums over a row's columns take lane sums of a vector per row,
+ *   W rows at a time. A block's shares are added into the chunk's sums in block order
+ *   and value heads that share q/k heads in head order: the same bits for any number of
+ *   threads. dS at a sequence's last step is its grad_final (or zeros) and at its first
+ *   becomes its grad_initial. No buffer holds a (batch, L, heads, K, V) tensor: one
+ *   chunk of one block's states per thread.
+ *
+ *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
+ *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the CPU
+ *   picks at run time (args.simd = 0 forces the baseline, for tests).
+ */
+#include "common.h"
+#include "isa.h"
+#include "kv_state.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h> /* the decoding step's non-temporal stores (_native/kv_tiles.h) */
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int ps_dplr_check(const ps_dplr_args *a, int backward) {
+    if (a->batch < 0 || a->length < 0 || a->kheads < 1 || a->heads < 1 || a->dk < 1 ||
+        a->dv < 1 || a->chunk < 1 || a->heads % a->kheads != 0 || a->gate < 0 || a->gate > 2)
+        return -1;
+    double scale;
+    memcpy(&scale, &a->scale_bits, sizeof scale);
+    if (!isfinite(scale) || (backward && scale != 1.0)) return -1; /* the backward's q: canonical */
+    if (a->cu_seqlens && ps_kv_bad_offsets(a->cu_seqlens, a->nseq, a->batch, a->length))
+        return -1;
+    const int64_t steps = a->batch * a->length * a->heads;
+    if (steps && (!a->q || !a->k || !a->v || !a->a || !a->b || (a->gate && !a->g))) return -1;
+    if (!backward) return steps && !a->out ? -1 : 0; /* checkpoints NULL: none stored */
+    return steps && (!a->checkpoints || !a->grad_out || !a->grad_q || !a->grad_k ||
+                     !a->grad_v || !a->grad_a || !a->grad_b || (a->gate && !a->grad_g))
+               ? -1
+               : 0;
+}
+
+/* The states of the sequences with no step: the final state is the initial one (zeros
+ * without it), and so grad_initial is grad_final. */
+static void ps_dplr_empty(const ps_dplr_args *a, int backward, size_t elem) {
+    ps_kv_empty_states(a->cu_seqlens, a->nseq, a->batch, a->length,
+                       elem * (size_t)(a->heads * a->dk * a->dv),
+                       backward ? a->grad_final : a->initial,
+                       backward ? a->grad_initial : a->final);
+}
+
+/* ---- float32 ---------------------------------------------------------------------- */
+#define PS_ISA_INSTANCE "../dplr/cpu_instance.h"
+#define T float
+#define TBYTES 4
+#define TI int32_t
+#define TU uint32_t
+#define EXP expf
+#define SFX f32
+#include "isa_levels.h"
+#undef T
+#undef TBYTES
+#undef TI
+#undef TU
+#undef EXP
+#undef SFX
+
+/* ---- float64 ---------------------------------------------------------------------- */
+#define T double
+#define TBYTES 8
+#define TI int64_t
+#define TU uint64_t
+#define EXP exp
+#define SFX f64
+#include "isa_levels.h"
+#undef T
+#undef TBYTES
+#undef TI
+#undef TU
+#undef EXP
+#undef SFX
+#undef PS_ISA_INSTANCE
+
+/* ---- entry points ----------------------------------------------------------------- */
+
+/* An entry: check the arguments, clear the failure flag, run the instance of the level
+ * the CPU has (_native/isa.h; the baseline when a->simd is 0), then the sequences with
+ * no step. */
+#define PS_DPLR_ENTRY(name, backward, sfx, elem)                         \
+    PS_API int name##_##sfx(ps_dplr_args *a) {                            \
+        if (ps_dplr_check(a, backward)) return -1;                       \
+        a->failed = 0;                                                    \
+        int rc;                                                           \
+        switch (ps_isa_level(a->simd)) {                                  \
+        PS_DPLR_CASES(name, sfx)                                          \
+        default: rc = name##_##sfx##_base(a);                             \
+        }                                                                 \
+        if (rc == 0) ps_dplr_empty(a, backward, elem);                    \
+        return rc;                                                        \
+    }
+#if PS_ISA_X86
+#define PS_DPLR_CASES(name, sfx)                                          \
+    case PS_ISA_V4: rc = name##_##sfx##_v4(a); break;                     \
+    case PS_ISA_V3: rc = name##_##sfx##_v3(a); break;
+#else
+#define PS_DPLR_CASES(name, sfx)
+#endif
+PS_DPLR_ENTRY(ps_dplr_fwd, 0, f32, sizeof(float))
+PS_DPLR_ENTRY(ps_dplr_fwd, 0, f64, sizeof(double))
+PS_DPLR_ENTRY(ps_dplr_bwd, 1, f32, sizeof(float))
+PS_DPLR_ENTRY(ps_dplr_bwd, 1, f64, sizeof(double))

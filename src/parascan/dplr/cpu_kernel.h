@@ -1,0 +1,632 @@
+/* One instantiation of the generalized delta rule's CPU kernel (cpu.c explains the
+ * algorithm). Included by cpu_instance.h once per (state type, instruction set) with:
+ *   T        the scalar type (float, double); EXP its scalar exp
+ *   V        a GCC vector of W T's; VI, VU the integer vectors of the same shape
+ *   NB, VB   the vectors and lanes of a column block (VB = NB W)
+ *   F(name)  the instantiation's name for `name`
+ *   ATTR     the function attributes of the instruction set (target, fused
+ *            multiply-adds) or nothing for the portable build
+ * Every tensor is contiguous in its canonical shape (dplr/cpu.py copies). A column
+ * block of a head's (K, V) state is a tile of K rows of VB lanes, row i at tile + i VB
+ * (the lanes past V are zeros and stay zeros), so that every product of a step is a
+ * vector over the block's columns times a broadcast scalar of a, b, k, q or the decay.
+ */
+
+/* The level's vector helpers (F(ps_lane_sums), F(ps_vexp), ...) come from
+ * _native/isa_instance.h; the tiles, rows, gathers, sequences and the two-vector read
+ * (F(ps_kv_read)) from _native/kv_tiles.h, which the delta rule's kernel shares. */
+#include "kv_tiles.h"
+
+#define PS_DPLR_INLINE ATTR static inline __attribute__((always_inline))
+
+/* ---- a chunk's per-step vectors --------------------------------------------------- */
+
+/* What the steps of a chunk need besides the state, for one (batch row, head): per step
+ * j and key channel i, a, b, k, q (times the scale), the decay d = exp(g) (1 without a
+ * gate) and d q (what the state before the step is read with for the output); b . q
+ * and k . q; the rows of v (and in the backward of grad_out) gathered, and room for
+ * the rows of the output (grad_v) before they are scattered. */
+typedef struct {
+    T *aa, *bb, *kk, *qq, *dd, *qd; /* (chunk, K) */
+    T *bq, *kq;                     /* (chunk,) */
+    T *vv, *oo, *go;                /* (chunk, V): v, out (or grad_v), grad_out */
+} F(ps_dplr_prep);
+
+static inline int64_t F(ps_dplr_prep_size)(int64_t C, int64_t K, int64_t Vd) {
+    return 6 * C * K + 2 * C + 3 * C * Vd;
+}
+
+static inline F(ps_dplr_prep) F(ps_dplr_prep_at)(T *m, int64_t C, int64_t K, int64_t Vd) {
+    T *s = m + 6 * C * K, *r = s + 2 * C;
+    return (F(ps_dplr_prep)){m,     m + C * K, m + 2 * C * K, m + 3 * C * K, m + 4 * C * K,
+                             m + 5 * C * K, s, s + C, r, r + C * Vd, r + 2 * C * Vd};
+}
+
+/* Fetch step t's rows of q, k, a, b, v and a per-channel g of head h, batch row b, into
+ * L2 (while the chunk before t's runs). */
+PS_DPLR_INLINE void F(ps_dplr_fetch_step)(const ps_dplr_args *a, int64_t b, int64_t h,
+                                          int64_t t) {
+    const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
+    const int64_t row = ((b * L + t) * Hk + h / (H / Hk)) * K, step = (b * L + t) * H + h;
+    F(ps_kv_fetch)((const T *)a->q + row, K, 0);
+    F(ps_kv_fetch)((const T *)a->k + row, K, 0);
+    F(ps_kv_fetch)((const T *)a->a + row, K, 0);
+    F(ps_kv_fetch)((const T *)a->b + row, K, 0);
+    F(ps_kv_fetch)((const T *)a->v + step * a->dv, a->dv, 0);
+    if (a->gate == 2) F(ps_kv_fetch)((const T *)a->g + step * K, K, 0);
+}
+
+/* x . y over K, in W lanes summed at the end. */
+PS_DPLR_INLINE T F(ps_dplr_dot)(const T *x, const T *y, int64_t K) {
+    V acc = (V){0};
+    for (int64_t i = 0; i < K; i += W) acc += F(ps_kv_load_vec)(x, i, K) * F(ps_kv_load_vec)(y, i, K);
+    T r;
+    F(ps_lane_sums)(&acc, 1, &r);
+    return r;
+}
+
+ATTR static void F(ps_dplr_prepare)(const ps_dplr_args *a, const F(ps_dplr_prep) *p, int64_t b,
+                                    int64_t h, int64_t t0, int64_t n) {
+    const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
+    const int64_t hk = h / (H / Hk);
+    const T *g = a->g;
+    double scale_d;
+    memcpy(&scale_d, &a->scale_bits, sizeof scale_d);
+    const T scale = (T)scale_d;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + j, step = (b * L + t) * H + h, row = ((b * L + t) * Hk + hk) * K;
+        const T *src[4] = {(const T *)a->a + row, (const T *)a->b + row, (const T *)a->k + row,
+                           (const T *)a->q + row};
+        T *dst[4] = {p->aa + j * K, p->bb + j * K, p->kk + j * K, p->qq + j * K};
+        for (int o = 0; o < 4; ++o) {
+            if (j + PS_KV_FETCH_STEPS < n) F(ps_kv_fetch)(src[o] + PS_KV_FETCH_STEPS * Hk * K, K, 1);
+            memcpy(dst[o], src[o], sizeof(T) * (size_t)K);
+        }
+        if (a->gate == 2 && j + PS_KV_FETCH_STEPS < n)
+            F(ps_kv_fetch)(g + (step + PS_KV_FETCH_STEPS * H) * K, K, 1);
+        T *qq = dst[3], *dd = p->dd + j * K, *qd = p->qd + j * K;
+        if (scale != 1)
+            for (int64_t i = 0; i < K; ++i) qq[i] *= scale;
+        if (a->gate == 1) {
+            const T d = EXP(g[step]);
+            for (int64_t i = 0; i < K; ++i) dd[i] = d;
+        } else if (a->gate == 2) {
+            const T *gs = g + step * K;
+            for (int64_t i = 0; i < K; i += W)
+                F(ps_kv_store_vec)(dd, F(ps_vexp)(F(ps_kv_load_vec)(gs, i, K)), i, K);
+        } else {
+            for (int64_t i = 0; i < K; ++i) dd[i] = 1;
+        }
+        for (int64_t i = 0; i < K; ++i) qd[i] = dd[i] * qq[i];
+        p->bq[j] = F(ps_dplr_dot)(dst[1], qq, K);
+        p->kq[j] = F(ps_dplr_dot)(dst[2], qq, K);
+    }
+    F(ps_kv_gather)(p->vv, a->dv, a->v, b, h, t0, n, L, H, a->dv);
+    if (a->grad_out) F(ps_kv_gather)(p->go, a->dv, a->grad_out, b, h, t0, n, L, H, a->dv);
+}
+
+/* ---- the update sweep ------------------------------------------------------------- */
+
+/* A row of one step's update, dst = Diag(d) src + b x^T + k v^T: the one expression the
+ * forward, the backward's rebuild and the decoding step share (the same bits). */
+#define PS_DPLR_ROW(s, d, bi, x, ki, v) (((gated ? (d) * (s) : (s)) + (bi) * (x)) + (ki) * (v))
+
+/* One step's update of the tile (dst may be src) and (read) the next step's xa = dst^T
+ * an, xq = dst^T qn (with_q) in the same sweep, in ps_kv_read's order. `gated`, `read`
+ * and `with_q` are constants after inlining. */
+PS_DPLR_INLINE void F(ps_dplr_update)(T *dst, const T *src, const T *dd, const T *bb,
+                                      const T *kk, const V *x, const V *v, const T *an,
+                                      const T *qn, int64_t K, V *xa, V *xq, const int gated,
+                                      const int read, const int with_q) {
+    V a0[NB], a1[NB], q0[NB], q1[NB];
+    for (int n = 0; n < NB; ++n) a0[n] = a1[n] = q0[n] = q1[n] = (V){0};
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const V *s0 = (const V *)(src + i * VB), *s1 = s0 + NB;
+        V *d0 = (V *)(dst + i * VB), *d1 = d0 + NB;
+        for (int n = 0; n < NB; ++n) {
+            const V y0 = PS_DPLR_ROW(s0[n], dd[i], bb[i], x[n], kk[i], v[n]);
+            const V y1 = PS_DPLR_ROW(s1[n], dd[i + 1], bb[i + 1], x[n], kk[i + 1], v[n]);
+            d0[n] = y0;
+            d1[n] = y1;
+            if (read) {
+                a0[n] += y0 * an[i];
+                a1[n] += y1 * an[i + 1];
+                if (with_q) {
+                    q0[n] += y0 * qn[i];
+                    q1[n] += y1 * qn[i + 1];
+                }
+            }
+        }
+    }
+    if (i < K) {
+        const V *s0 = (const V *)(src + i * VB);
+        V *d0 = (V *)(dst + i * VB);
+        for (int n = 0; n < NB; ++n) {
+            const V y0 = PS_DPLR_ROW(s0[n], dd[i], bb[i], x[n], kk[i], v[n]);
+            d0[n] = y0;
+            if (read) {
+                a0[n] += y0 * an[i];
+                if (with_q) q0[n] += y0 * qn[i];
+            }
+        }
+    }
+    if (read)
+        for (int n = 0; n < NB; ++n) {
+            xa[n] = a0[n] + a1[n];
+            if (with_q) xq[n] = q0[n] + q1[n];
+        }
+}
+
+/* ---- forward ---------------------------------------------------------------------- */
+
+typedef struct {
+    ps_dplr_args *a;
+    int64_t nvb, split, nc;
+} F(ps_dplr_fwd_ctx);
+
+/* The output of a step on a block, o = S[t-1]^T (d q) + (b . q) x + (k . q) v. */
+PS_DPLR_INLINE void F(ps_dplr_out)(V *o, const V *xq, const V *x, const V *v, T bq, T kq) {
+    for (int m = 0; m < NB; ++m) o[m] = (xq[m] + bq * x[m]) + kq * v[m];
+}
+
+/* The steps [t0, t0 + n) (chunk c) of column block vb of head h, batch row b: the tile
+ * holds the state entering t0 (or anything, when t0 starts a sequence). `fetch`: the
+ * next chunk's rows of the inputs are fetched meanwhile. */
+PS_DPLR_INLINE void F(ps_dplr_fwd_block)(const ps_dplr_args *a, const F(ps_dplr_prep) *p,
+                                         const F(ps_kv_seqs) *sq, T *tile, int64_t b, int64_t h,
+                                         int64_t vb, int64_t c, int64_t t0, int64_t n,
+                                         int64_t nc, const int fetch, const int gated) {
+    const int64_t K = a->dk, Vd = a->dv, H = a->heads, c0 = vb * VB, KV = K * Vd;
+    const T *init = a->initial;
+    T *fin = a->final;
+    int64_t s = F(ps_kv_seq_at)(sq, t0);
+    V xa[NB], xq[NB], v[NB], o[NB];
+    for (int m = 0; m < NB; ++m) xa[m] = xq[m] = (V){0}; /* read at the first step */
+    int fresh = 1; /* xa and xq are to be read from the tile */
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + j;
+        if (fetch && t + a->chunk < a->length) F(ps_dplr_fetch_step)(a, b, h, t + a->chunk);
+        if (t == sq->cu[s])
+            F(ps_kv_load_cols)(tile, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL,
+                               K, Vd, c0);
+        if (j == 0 && a->checkpoints)
+            F(ps_kv_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd, c0);
+        if (fresh) F(ps_kv_read)(tile, p->aa + j * K, p->qd + j * K, K, xa, xq, 1);
+        F(ps_kv_load_row)(v, p->vv + j * Vd, Vd, c0);
+        F(ps_dplr_out)(o, xq, xa, v, p->bq[j], p->kq[j]);
+        F(ps_kv_store_row)(p->oo + j * Vd, o, Vd, c0);
+        const int last = t == sq->cu[s + 1] - 1;
+        fresh = last || j + 1 == n;
+        V x[NB];
+        for (int m = 0; m < NB; ++m) x[m] = xa[m];
+        if (fresh)
+            F(ps_dplr_update)(tile, tile, p->dd + j * K, p->bb + j * K, p->kk + j * K, x, v, NULL,
+                              NULL, K, xa, xq, gated, 0, 0);
+        else
+            F(ps_dplr_update)(tile, tile, p->dd + j * K, p->bb + j * K, p->kk + j * K, x, v,
+                              p->aa + (j + 1) * K, p->qd + (j + 1) * K, K, xa, xq, gated, 1, 1);
+        if (last) {
+            if (fin)
+                F(ps_kv_store_cols)(fin + (F(ps_kv_state_row)(sq, s) * H + h) * KV, tile, K, Vd,
+                                    c0);
+            while (s < sq->nseq - 1 && sq->cu[s + 1] <= t + 1) ++s;
+        }
+    }
+}
+
+/* The decoding step: the single step of a call with L = 1 (not packed, no checkpoints)
+ * on whole column block vb of head h, batch row b, read from the initial state and
+ * written to the final one (when wanted) in place, without a tile (the tile's copies
+ * would double the passes over the state, which is all this call reads). The same
+ * operations in the same order as ps_dplr_fwd_block's, so the same bits. */
+PS_DPLR_INLINE void F(ps_dplr_fwd_single)(const ps_dplr_args *a, const F(ps_dplr_prep) *p,
+                                          int64_t b, int64_t h, int64_t vb, const int gated) {
+    typedef V VA __attribute__((aligned(sizeof(T)))); /* the state's rows: any alignment */
+    const int64_t K = a->dk, Vd = a->dv, c0 = vb * VB, at = (b * a->heads + h) * K * Vd + c0;
+    const T *src = (const T *)a->initial + at, *aa = p->aa, *qd = p->qd;
+    V a0[NB], a1[NB], q0[NB], q1[NB], x[NB], xq[NB], v[NB], o[NB];
+    for (int n = 0; n < NB; ++n) a0[n] = a1[n] = q0[n] = q1[n] = (V){0};
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const VA *r0 = (const VA *)(src + i * Vd), *r1 = (const VA *)(src + (i + 1) * Vd);
+        for (int n = 0; n < NB; ++n) {
+            a0[n] += r0[n] * aa[i];
+            a1[n] += r1[n] * aa[i + 1];
+            q0[n] += r0[n] * qd[i];
+            q1[n] += r1[n] * qd[i + 1];
+        }
+    }
+    if (i < K) {
+        const VA *r0 = (const VA *)(src + i * Vd);
+        for (int n = 0; n < NB; ++n) {
+            a0[n] += r0[n] * aa[i];
+            q0[n] += r0[n] * qd[i];
+        }
+    }
+    for (int n = 0; n < NB; ++n) {
+        x[n] = a0[n] + a1[n];
+        xq[n] = q0[n] + q1[n];
+    }
+    F(ps_kv_load_row)(v, p->vv, Vd, c0);
+    F(ps_dplr_out)(o, xq, x, v, p->bq[0], p->kq[0]);
+    F(ps_kv_store_row)(p->oo, o, Vd, c0);
+    if (!a->final) return;
+    T *dst = (T *)a->final + at;
+    const T *dd = p->dd, *bb = p->bb, *kk = p->kk;
+    if (F(ps_kv_streams)(dst, Vd)) { /* rows aligned to a vector: stored past the caches */
+        for (i = 0; i < K; ++i) {
+            const VA *r = (const VA *)(src + i * Vd);
+            for (int n = 0; n < NB; ++n)
+                F(ps_kv_stream)(dst + i * Vd + n * W, PS_DPLR_ROW(r[n], dd[i], bb[i], x[n], kk[i], v[n]));
+        }
+        return;
+    }
+    for (i = 0; i < K; ++i) {
+        const VA *r = (const VA *)(src + i * Vd);
+        VA *d = (VA *)(dst + i * Vd);
+        for (int n = 0; n < NB; ++n) d[n] = PS_DPLR_ROW(r[n], dd[i], bb[i], x[n], kk[i], v[n]);
+    }
+}
+
+ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end) {
+    const F(ps_dplr_fwd_ctx) *ctx = vp;
+    ps_dplr_args *a = ctx->a;
+    const int64_t L = a->length, K = a->dk, H = a->heads, C = a->chunk;
+    const int64_t nvb = ctx->nvb, split = ctx->split;
+    const int64_t most = (nvb + split - 1) / split; /* column blocks of a unit, at most */
+    const int64_t Cn = L < C ? L : C;                /* steps of a chunk, at most */
+    T *tiles = ps_kv_alloc(sizeof(T) * (size_t)(most * K * VB));
+    T *pm = malloc(sizeof(T) * (size_t)F(ps_dplr_prep_size)(Cn, K, a->dv));
+    if (!tiles || !pm) {
+        free(tiles);
+        free(pm);
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const F(ps_dplr_prep) p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv);
+    const int single = L == 1 && a->initial && !a->cu_seqlens && !a->checkpoints;
+    for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t part = unit % split, bh = unit / split, b = bh / H, h = bh % H;
+        const int64_t vb0 = part * nvb / split, vb1 = (part + 1) * nvb / split;
+        if (vb0 == vb1) continue;
+        F(ps_kv_seqs) sq;
+        F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
+        for (int64_t c = 0; c < ctx->nc; ++c) {
+            const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
+            F(ps_dplr_prepare)(a, &p, b, h, t0, n);
+            for (int64_t vb = vb0; vb < vb1; ++vb) {
+                if (single && (vb + 1) * VB <= a->dv) { /* a whole block */
+                    if (a->gate)
+                        F(ps_dplr_fwd_single)(a, &p, b, h, vb, 1);
+                    else
+                        F(ps_dplr_fwd_single)(a, &p, b, h, vb, 0);
+                    continue;
+                }
+                T *tile = tiles + (vb - vb0) * K * VB;
+                const int fetch = vb == vb0;
+                if (a->gate)
+                    F(ps_dplr_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 1);
+                else
+                    F(ps_dplr_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 0);
+            }
+            const int64_t c1 = vb1 * VB < a->dv ? vb1 * VB : a->dv;
+            F(ps_kv_scatter)(a->out, p.oo, a->dv, b, h, t0, n, L, H, a->dv, vb0 * VB, c1);
+        }
+    }
+    free(tiles);
+    free(pm);
+#ifdef PS_ISA_VECTOR
+    _mm_sfence(); /* the streamed stores (ps_kv_stream) done before the call returns */
+#endif
+}
+
+ATTR static int F(ps_dplr_fwd)(ps_dplr_args *a) {
+    const int64_t units = a->batch * a->heads, nvb = (a->dv + VB - 1) / VB;
+    /* fewer heads than threads: each head's column blocks shared out (columns of the
+     * state never interact) */
+    const int64_t split = ps_split_units(units, nvb, a->nthreads);
+    F(ps_dplr_fwd_ctx) ctx = {a, nvb, split, (a->length + a->chunk - 1) / a->chunk};
+    const int64_t work = a->batch * a->length * a->heads * a->dk * a->dv;
+    const int64_t bytes = (int64_t)sizeof(T);
+    ps_prefer_huge_pages(a->out, a->batch * a->length * a->heads * a->dv * bytes);
+    if (a->checkpoints)
+        ps_prefer_huge_pages(a->checkpoints, ctx.nc * a->batch * a->heads * a->dk * a->dv * bytes);
+    if (a->length > 0)
+        ps_parallel_for(units * split, ps_threads_for(work / 4, a->nthreads), F(ps_dplr_fwd_task),
+                        &ctx);
+    return a->failed ? -1 : 0;
+}
+
+/* ---- backward --------------------------------------------------------------------- */
+
+typedef struct {
+    ps_dplr_args *a;
+    int64_t nvb, nc;
+} F(ps_dplr_bwd_ctx);
+
+/* A thread's memory for the backward of a unit's chunk. */
+typedef struct {
+    F(ps_dplr_prep) p;
+    T *states;       /* (chunk, K, VB): the state before each step of the chunk, one block */
+    T *dS;           /* (heads of a unit, nvb, K, VB): the gradient of the state, carried */
+    T *xx;           /* (chunk, VB): x = a^T S[t-1] of each step, one block */
+    T *dq, *dk, *da, *db; /* (chunk, K): the unit's sums over blocks and heads */
+    T *dg;           /* (chunk, K): the head's sums over blocks */
+    T *dgh;          /* (chunk,) */
+} F(ps_dplr_bwd_buf);
+
+/* dS = sequence s's grad_final (zeros without one), columns [c0, c0 + VB). */
+ATTR static void F(ps_dplr_grad_final)(const ps_dplr_args *a, const F(ps_kv_seqs) *sq, int64_t s,
+                                       int64_t h, T *dS, int64_t c0) {
+    const int64_t KV = a->dk * a->dv;
+    const T *gf = a->grad_final;
+    F(ps_kv_load_cols)(dS, gf ? gf + (F(ps_kv_state_row)(sq, s) * a->heads + h) * KV : NULL,
+                       a->dk, a->dv, c0);
+}
+
+/* One sweep of the adjoint over the rows of a block's dS (K x NB vectors), W rows at a
+ * time (their lane sums interleave with the next rows' multiply-adds), dS the gradient
+ * of the state after the step:
+ *   part B of step jb (when has_b), given its dx (dx_in):
+ *     grad_a += S[jb-1] dx,  dS = Diag(d) dS + a dx^T   (the gradient before the step)
+ *   then part A of step ja (when has_a), on the result:
+ *     dS += q go^T,  dx = dS^T b (dx_out),  grad_v = dS^T k,  grad_b += dS x,
+ *     grad_k += dS v,  grad_g += d * rows of dS * S[ja-1] (summed over rows with a
+ *     gate per head),  grad_q += Diag(d) S[ja-1] go + b (x . go) + k (v . go)
+ * `has_b`, `has_a` and `gate` are constants after inlining. */
+PS_DPLR_INLINE void F(ps_dplr_adjoint)(const F(ps_dplr_bwd_buf) *m, V *dS, int64_t K, int64_t Vd,
+                                       int64_t c0, int64_t jb_, int64_t ja_, const V *dx_in,
+                                       V *dx_out, const int has_b, const int has_a,
+                                       const int gate) {
+    const int gated = gate != 0;
+    const F(ps_dplr_prep) *p = &m->p;
+    const int64_t tsz = K * VB;
+    const int64_t jB = has_b ? jb_ : 0, jA = has_a ? ja_ : 0;
+    const V *SpB = (const V *)(m->states + jB * tsz), *SpA = (const V *)(m->states + jA * tsz);
+    const T *aB = p->aa + jB * K, *dB = p->dd + jB * K;
+    const T *qA = p->qq + jA * K, *dA = p->dd + jA * K, *bA = p->bb + jA * K, *kA = p->kk + jA * K;
+    T *gq = m->dq + jA * K, *gk = m->dk + jA * K, *gb = m->db + jA * K, *gg = m->dg + jA * K;
+    T *ga = m->da + jB * K;
+    V go[NB], x[NB], v[NB], gv[NB], t1[NB], gacc = (V){0};
+    T xg = 0, vg = 0;
+    if (has_a) {
+        F(ps_kv_load_row)(go, p->go + jA * Vd, Vd, c0);
+        F(ps_kv_load_row)(v, p->vv + jA * Vd, Vd, c0);
+        const V *xs = (const V *)(m->xx + jA * VB);
+        for (int q = 0; q < NB; ++q) {
+            x[q] = xs[q];
+            t1[q] = x[q] * go[q];
+            gv[q] = dx_out[q] = (V){0};
+        }
+        xg = F(ps_kv_hsum)(t1);
+        for (int q = 0; q < NB; ++q) t1[q] = v[q] * go[q];
+        vg = F(ps_kv_hsum)(t1);
+    }
+    for (int64_t i0 = 0; i0 < K; i0 += W) {
+        const int64_t cnt = K - i0 < W ? K - i0 : W;
+        V ra[W], rb[W], rk[W], rq[W], rg[W];
+        T sums[W];
+        for (int64_t r = 0; r < cnt; ++r) {
+            const int64_t i = i0 + r;
+            V *row = dS + i * NB;
+            V y[NB];
+            for (int q = 0; q < NB; ++q) y[q] = row[q];
+            if (has_b) {
+                const V *sp = SpB + i * NB;
+                V acc = (V){0};
+                for (int q = 0; q < NB; ++q) {
+                    acc += sp[q] * dx_in[q];
+                    y[q] = (gated ? dB[i] * y[q] : y[q]) + aB[i] * dx_in[q];
+                }
+                ra[r] = acc;
+            }
+            if (has_a) {
+                const V *sp = SpA + i * NB;
+                V ab = (V){0}, ak = (V){0}, aq = (V){0}, ag = (V){0};
+                for (int q = 0; q < NB; ++q) {
+                    y[q] += qA[i] * go[q];
+                    dx_out[q] += y[q] * bA[i];
+                    gv[q] += y[q] * kA[i];
+                    ab += y[q] * x[q];
+                    ak += y[q] * v[q];
+                    aq += sp[q] * go[q];
+                    if (gate) ag += y[q] * sp[q];
+                }
+                rb[r] = ab;
+                rk[r] = ak;
+                rq[r] = aq;
+                if (gate == 2) rg[r] = ag;
+                if (gate == 1) gacc += ag;
+            }
+            for (int q = 0; q < NB; ++q) row[q] = y[q];
+        }
+        if (has_b) {
+            F(ps_lane_sums)(ra, cnt, sums);
+            for (int64_t r = 0; r < cnt; ++r) ga[i0 + r] += sums[r];
+        }
+        if (has_a) {
+            F(ps_lane_sums)(rb, cnt, sums);
+            for (int64_t r = 0; r < cnt; ++r) gb[i0 + r] += sums[r];
+            F(ps_lane_sums)(rk, cnt, sums);
+            for (int64_t r = 0; r < cnt; ++r) gk[i0 + r] += sums[r];
+            F(ps_lane_sums)(rq, cnt, sums);
+            for (int64_t r = 0; r < cnt; ++r) {
+                const int64_t i = i0 + r;
+                gq[i] += ((gated ? dA[i] * sums[r] : sums[r]) + bA[i] * xg) + kA[i] * vg;
+            }
+            if (gate == 2) {
+                F(ps_lane_sums)(rg, cnt, sums);
+                for (int64_t r = 0; r < cnt; ++r) gg[i0 + r] += dA[i0 + r] * sums[r];
+            }
+        }
+    }
+    if (has_a) {
+        F(ps_kv_store_row)(p->oo + jA * Vd, gv, Vd, c0); /* the block's columns of grad_v */
+        if (gate == 1) {
+            T r;
+            F(ps_lane_sums)(&gacc, 1, &r);
+            m->dgh[jA] += dA[0] * r;
+        }
+    }
+}
+
+/* The backward of steps [t0, t0 + n) (chunk c) for column block vb of head h, batch row
+ * b: the states are rebuilt from the chunk's checkpoint, then the adjoint runs from the
+ * last step to the first, adding the block's share of the gradients of q, k, a, b and g
+ * into the chunk's sums and writing its columns of grad_v. */
+PS_DPLR_INLINE void F(ps_dplr_bwd_block)(const ps_dplr_args *a, const F(ps_dplr_bwd_buf) *m,
+                                         const F(ps_kv_seqs) *sq, int64_t b, int64_t h,
+                                         int64_t vb, int64_t c, int64_t t0, int64_t n, int64_t nc,
+                                         const int gate) {
+    const int64_t K = a->dk, Vd = a->dv, H = a->heads, c0 = vb * VB, KV = K * Vd, tsz = K * VB;
+    const int gated = gate != 0;
+    const F(ps_dplr_prep) *p = &m->p;
+    const T *init = a->initial;
+    V xa[NB], v[NB];
+
+    /* the states and each step's x, forward */
+    int64_t s = F(ps_kv_seq_at)(sq, t0);
+    F(ps_kv_load_cols)(m->states, (const T *)a->checkpoints + ((b * nc + c) * H + h) * KV, K, Vd,
+                       c0);
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + j;
+        T *st = m->states + j * tsz;
+        if (j > 0 && t != sq->cu[s]) {
+            F(ps_kv_load_row)(v, p->vv + (j - 1) * Vd, Vd, c0);
+            F(ps_dplr_update)(st, st - tsz, p->dd + (j - 1) * K, p->bb + (j - 1) * K,
+                              p->kk + (j - 1) * K, (const V *)(m->xx + (j - 1) * VB), v,
+                              p->aa + j * K, NULL, K, xa, NULL, gated, 1, 0);
+        } else {
+            if (j > 0)
+                F(ps_kv_load_cols)(st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL,
+                                   K, Vd, c0);
+            F(ps_kv_read)(st, p->aa + j * K, NULL, K, xa, NULL, 0);
+        }
+        V *xj = (V *)(m->xx + j * VB);
+        for (int q = 0; q < NB; ++q) xj[q] = xa[q];
+        if (t == sq->cu[s + 1] - 1)
+            while (s < sq->nseq - 1 && sq->cu[s + 1] <= t + 1) ++s;
+    }
+
+    /* the adjoint, backward: B of step j and A of step j - 1 in one sweep over the rows */
+    V *dS = (V *)(m->dS + ((h % (H / a->kheads)) * ((Vd + VB - 1) / VB) + vb) * tsz);
+    V dx[2][NB]; /* dx of the step whose part B comes next, and the one being summed */
+    int cur = 0;
+    for (int q = 0; q < NB; ++q) dx[0][q] = dx[1][q] = (V){0}; /* set by every part A */
+    const int64_t last = t0 + n - 1;
+    s = F(ps_kv_seq_at)(sq, last);
+    if (last == sq->cu[s + 1] - 1) F(ps_dplr_grad_final)(a, sq, s, h, (T *)dS, c0);
+    F(ps_dplr_adjoint)(m, dS, K, Vd, c0, -1, n - 1, NULL, dx[cur], 0, 1, gate);
+    for (int64_t j = n - 1; j >= 0; --j) {
+        const int64_t t = t0 + j;
+        while (sq->cu[s] > t) --s;
+        const int start = t == sq->cu[s];
+        if (!start && j > 0) { /* two call sites: each inlined with its own constants */
+            F(ps_dplr_adjoint)(m, dS, K, Vd, c0, j, j - 1, dx[cur], dx[1 - cur], 1, 1, gate);
+            cur = 1 - cur;
+        } else {
+            F(ps_dplr_adjoint)(m, dS, K, Vd, c0, j, -1, dx[cur], NULL, 1, 0, gate);
+        }
+        if (!start) continue;
+        if (a->grad_initial)
+            F(ps_kv_store_cols)((T *)a->grad_initial + (F(ps_kv_state_row)(sq, s) * H + h) * KV,
+                                (const T *)dS, K, Vd, c0);
+        if (j == 0) continue;
+        int64_t before = s; /* step j - 1 ends the sequence before: its grad_final */
+        while (sq->cu[before] > t - 1) --before;
+        F(ps_dplr_grad_final)(a, sq, before, h, (T *)dS, c0);
+        F(ps_dplr_adjoint)(m, dS, K, Vd, c0, -1, j - 1, NULL, dx[cur], 0, 1, gate);
+    }
+}
+
+ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end) {
+    const F(ps_dplr_bwd_ctx) *ctx = vp;
+    ps_dplr_args *a = ctx->a;
+    const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads, C = a->chunk;
+    const int64_t nvb = ctx->nvb, tsz = K * VB, per = H / Hk;
+    const int64_t Cn = L < C ? L : C; /* steps of a chunk, at most */
+    F(ps_dplr_bwd_buf) m;
+    const int64_t prep = F(ps_dplr_prep_size)(Cn, K, a->dv);
+    T *pm = malloc(sizeof(T) * (size_t)(prep + 5 * Cn * K + Cn));
+    m.states = ps_kv_alloc(sizeof(T) * (size_t)(Cn * tsz));
+    m.dS = ps_kv_alloc(sizeof(T) * (size_t)(per * nvb * tsz));
+    m.xx = ps_kv_alloc(sizeof(T) * (size_t)(Cn * VB));
+    if (!pm || !m.states || !m.dS || !m.xx) {
+        free(pm);
+        free(m.states);
+        free(m.dS);
+        free(m.xx);
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    m.p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv);
+    m.dq = pm + prep;
+    m.dk = m.dq + Cn * K;
+    m.da = m.dk + Cn * K;
+    m.db = m.da + Cn * K;
+    m.dg = m.db + Cn * K;
+    m.dgh = m.dg + Cn * K;
+    /* A unit is a q/k head with the value heads it serves: their shares of grad_q, grad_k,
+     * grad_a and grad_b are summed in head order here, the same bits for any thread
+     * count. */
+    for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit / Hk, hk = unit % Hk;
+        F(ps_kv_seqs) sq;
+        F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
+        for (int64_t c = ctx->nc - 1; c >= 0; --c) {
+            const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
+            memset(m.dq, 0, sizeof(T) * (size_t)(4 * Cn * K));
+            for (int64_t h = hk * per; h < (hk + 1) * per; ++h) {
+                F(ps_dplr_prepare)(a, &m.p, b, h, t0, n);
+                memset(m.dg, 0, sizeof(T) * (size_t)(Cn * K + Cn));
+                for (int64_t vb = 0; vb < nvb; ++vb) {
+                    if (a->gate == 2)
+                        F(ps_dplr_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 2);
+                    else if (a->gate == 1)
+                        F(ps_dplr_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 1);
+                    else
+                        F(ps_dplr_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 0);
+                }
+                F(ps_kv_scatter)(a->grad_v, m.p.oo, a->dv, b, h, t0, n, L, H, a->dv, 0, a->dv);
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t step = (b * L + t0 + j) * H + h;
+                    if (a->gate == 1) ((T *)a->grad_g)[step] = m.dgh[j];
+                    if (a->gate == 2)
+                        memcpy((T *)a->grad_g + step * K, m.dg + j * K, sizeof(T) * (size_t)K);
+                }
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t row = ((b * L + t0 + j) * Hk + hk) * K;
+                memcpy((T *)a->grad_q + row, m.dq + j * K, sizeof(T) * (size_t)K);
+                memcpy((T *)a->grad_k + row, m.dk + j * K, sizeof(T) * (size_t)K);
+                memcpy((T *)a->grad_a + row, m.da + j * K, sizeof(T) * (size_t)K);
+                memcpy((T *)a->grad_b + row, m.db + j * K, sizeof(T) * (size_t)K);
+            }
+        }
+    }
+    free(pm);
+    free(m.states);
+    free(m.dS);
+    free(m.xx);
+}
+
+ATTR static int F(ps_dplr_bwd)(ps_dplr_args *a) {
+    const int64_t L = a->length, H = a->heads, K = a->dk, units = a->batch * a->kheads;
+    F(ps_dplr_bwd_ctx) ctx = {a, (a->dv + VB - 1) / VB, (L + a->chunk - 1) / a->chunk};
+    if (L == 0) return 0;
+    const int64_t steps = a->batch * L * H, bytes = (int64_t)sizeof(T);
+    const int64_t rows = a->batch * L * a->kheads * K * bytes;
+    ps_prefer_huge_pages(a->grad_v, steps * a->dv * bytes);
+    ps_prefer_huge_pages(a->grad_q, rows);
+    ps_prefer_huge_pages(a->grad_k, rows);
+    ps_prefer_huge_pages(a->grad_a, rows);
+    ps_prefer_huge_pages(a->grad_b, rows);
+    if (a->gate == 2) ps_prefer_huge_pages(a->grad_g, steps * K * bytes);
+    ps_parallel_for(units, ps_threads_for(steps * K * a->dv / 4, a->nthreads), F(ps_dplr_bwd_task),
+                    &ctx);
+    return a->failed ? -1 : 0;
+}
+
+#undef PS_DPLR_ROW
+#undef PS_DPLR_INLINE
