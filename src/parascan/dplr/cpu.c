@@ -9,13 +9,16 @@
  *       S[t] = Diag(d[t]) S[t-1] + b[t] x[t]^T + k[t] v[t]^T,   d[t] = exp(g[t]) (1 without)
  *       o[t] = S[t]^T q[t] = S[t-1]^T (d[t] q[t]) + (b[t] . q[t]) x[t] + (k[t] . q[t]) v[t]
  *   The delta rule's scheme (delta_rule/cpu.c, where the choice of the recurrence over
- *   the chunked form is argued): column blocks of VB lanes of the state, a block's K
- *   rows held in L1, every operation a vector over the block's columns times a
- *   broadcast scalar. A step is one sweep over the rows that applies the update and
- *   reads the next step's x and S^T (d q) from the updated row: a multiply and four
- *   multiply-adds per state element (the delta rule's has one multiply-add fewer: its
- *   erase and write share a vector). Work units are (batch row, head) pairs, split
- *   further into groups of column blocks when there are fewer pairs than threads. The
+ *   the chunked form is argued): column blocks of VB lanes of the state (2 vectors:
+ *   cpu_instance.h), a block's K rows held in L1, every operation a vector over the
+ *   block's columns times a broadcast scalar. A step is one sweep over the rows that
+ *   applies the update and reads the next step's x and S^T (d q) from the updated row: a
+ *   multiply and four multiply-adds per state element (the delta rule's has one multiply-
+ *   add fewer: its erase and write share a vector), against the four multiply-adds of
+ *   the limit the bench measures. Work units are (batch row, head) pairs, split further
+ *   into groups of column blocks when there are fewer pairs than threads; a thread runs
+ *   its units chunk by chunk, up to 16 at a time (neighbouring heads' rows of a chunk
+ *   share pages: 1.2x faster at RWKV-7's shape than a unit's whole sequence at once). The
  *   state entering every chunk (`chunk` steps, 64) is stored as its checkpoint; packed
  *   sequences are walked one after the other inside a unit, the state reloaded from each
  *   one's initial state (or zeros) at its first step and stored as its final state
@@ -27,8 +30,9 @@
  *   state's type.
  *
  * The backward.
- *   Per unit (a q/k head with its value heads, in head order), the chunks from last to
- *   first, per head and column block: the block's states before each step of the chunk
+ *   Per unit (a q/k head with its value heads, in head order; up to 16 units chunk by
+ *   chunk, as the forward's), the chunks from last to first, per head and column block:
+ *   the block's states before each step of the chunk
  *   and each step's x are rebuilt from the checkpoint (chunk x K x VB), then the adjoint
  *   runs from the chunk's last step to its first, with dS the gradient of the state
  *   after step t:

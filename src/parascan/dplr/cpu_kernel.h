@@ -13,8 +13,8 @@
  */
 
 /* The level's vector helpers (F(ps_lane_sums), F(ps_vexp), ...) come from
- * _native/isa_instance.h; the tiles, rows, gathers, sequences and the two-vector read
- * (F(ps_kv_read)) from _native/kv_tiles.h, which the delta rule's kernel shares. */
+ * _native/isa_instance.h; the tiles, rows, gathers and sequences
+ * from _native/kv_tiles.h, which the delta rule's kernel shares. */
 #include "kv_tiles.h"
 
 #define PS_DPLR_INLINE ATTR static inline __attribute__((always_inline))
@@ -40,20 +40,6 @@ static inline F(ps_dplr_prep) F(ps_dplr_prep_at)(T *m, int64_t C, int64_t K, int
     T *s = m + 6 * C * K, *r = s + 2 * C;
     return (F(ps_dplr_prep)){m,     m + C * K, m + 2 * C * K, m + 3 * C * K, m + 4 * C * K,
                              m + 5 * C * K, s, s + C, r, r + C * Vd, r + 2 * C * Vd};
-}
-
-/* Fetch step t's rows of q, k, a, b, v and a per-channel g of head h, batch row b, into
- * L2 (while the chunk before t's runs). */
-PS_DPLR_INLINE void F(ps_dplr_fetch_step)(const ps_dplr_args *a, int64_t b, int64_t h,
-                                          int64_t t) {
-    const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
-    const int64_t row = ((b * L + t) * Hk + h / (H / Hk)) * K, step = (b * L + t) * H + h;
-    F(ps_kv_fetch)((const T *)a->q + row, K, 0);
-    F(ps_kv_fetch)((const T *)a->k + row, K, 0);
-    F(ps_kv_fetch)((const T *)a->a + row, K, 0);
-    F(ps_kv_fetch)((const T *)a->b + row, K, 0);
-    F(ps_kv_fetch)((const T *)a->v + step * a->dv, a->dv, 0);
-    if (a->gate == 2) F(ps_kv_fetch)((const T *)a->g + step * K, K, 0);
 }
 
 /* x . y over K, in W lanes summed at the end. */
@@ -111,50 +97,56 @@ ATTR static void F(ps_dplr_prepare)(const ps_dplr_args *a, const F(ps_dplr_prep)
  * forward, the backward's rebuild and the decoding step share (the same bits). */
 #define PS_DPLR_ROW(s, d, bi, x, ki, v) (((gated ? (d) * (s) : (s)) + (bi) * (x)) + (ki) * (v))
 
+/* xa = S^T an and (with_q) xq = S^T qn over a block's columns, S's rows ld elements apart
+ * (VB in a tile, V in a state read in place) at any alignment: one chain of multiply-
+ * adds per vector, rows in order, the order of the update sweep's reads below (the same
+ * bits either way). A step's reads are in that sweep; this one runs where a chunk or a
+ * sequence starts. */
+PS_DPLR_INLINE void F(ps_dplr_read)(const T *S, int64_t ld, const T *an, const T *qn, int64_t K,
+                                    V *xa, V *xq, const int with_q) {
+    typedef V VA __attribute__((aligned(sizeof(T))));
+    V a0[NB], q0[NB];
+    for (int n = 0; n < NB; ++n) a0[n] = q0[n] = (V){0};
+    for (int64_t i = 0; i < K; ++i) {
+        const VA *r = (const VA *)(S + i * ld);
+        for (int n = 0; n < NB; ++n) {
+            a0[n] += r[n] * an[i];
+            if (with_q) q0[n] += r[n] * qn[i];
+        }
+    }
+    for (int n = 0; n < NB; ++n) {
+        xa[n] = a0[n];
+        if (with_q) xq[n] = q0[n];
+    }
+}
+
 /* One step's update of the tile (dst may be src) and (read) the next step's xa = dst^T
- * an, xq = dst^T qn (with_q) in the same sweep, in ps_kv_read's order. `gated`, `read`
- * and `with_q` are constants after inlining. */
+ * an, xq = dst^T qn (with_q) in the same sweep. One row at a time, one accumulator per
+ * vector: a row's five operations per vector outlast a multiply-add's latency, and the
+ * block's operands stay in the 16 vector registers of AVX2 (cpu_instance.h). `gated`,
+ * `read` and `with_q` are constants after inlining. */
 PS_DPLR_INLINE void F(ps_dplr_update)(T *dst, const T *src, const T *dd, const T *bb,
                                       const T *kk, const V *x, const V *v, const T *an,
                                       const T *qn, int64_t K, V *xa, V *xq, const int gated,
                                       const int read, const int with_q) {
-    V a0[NB], a1[NB], q0[NB], q1[NB];
-    for (int n = 0; n < NB; ++n) a0[n] = a1[n] = q0[n] = q1[n] = (V){0};
-    int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const V *s0 = (const V *)(src + i * VB), *s1 = s0 + NB;
-        V *d0 = (V *)(dst + i * VB), *d1 = d0 + NB;
-        for (int n = 0; n < NB; ++n) {
-            const V y0 = PS_DPLR_ROW(s0[n], dd[i], bb[i], x[n], kk[i], v[n]);
-            const V y1 = PS_DPLR_ROW(s1[n], dd[i + 1], bb[i + 1], x[n], kk[i + 1], v[n]);
-            d0[n] = y0;
-            d1[n] = y1;
-            if (read) {
-                a0[n] += y0 * an[i];
-                a1[n] += y1 * an[i + 1];
-                if (with_q) {
-                    q0[n] += y0 * qn[i];
-                    q1[n] += y1 * qn[i + 1];
-                }
-            }
-        }
-    }
-    if (i < K) {
+    V a0[NB], q0[NB];
+    for (int n = 0; n < NB; ++n) a0[n] = q0[n] = (V){0};
+    for (int64_t i = 0; i < K; ++i) {
         const V *s0 = (const V *)(src + i * VB);
         V *d0 = (V *)(dst + i * VB);
         for (int n = 0; n < NB; ++n) {
-            const V y0 = PS_DPLR_ROW(s0[n], dd[i], bb[i], x[n], kk[i], v[n]);
-            d0[n] = y0;
+            const V y = PS_DPLR_ROW(s0[n], dd[i], bb[i], x[n], kk[i], v[n]);
+            d0[n] = y;
             if (read) {
-                a0[n] += y0 * an[i];
-                if (with_q) q0[n] += y0 * qn[i];
+                a0[n] += y * an[i];
+                if (with_q) q0[n] += y * qn[i];
             }
         }
     }
     if (read)
         for (int n = 0; n < NB; ++n) {
-            xa[n] = a0[n] + a1[n];
-            if (with_q) xq[n] = q0[n] + q1[n];
+            xa[n] = a0[n];
+            if (with_q) xq[n] = q0[n];
         }
 }
 
@@ -171,12 +163,11 @@ PS_DPLR_INLINE void F(ps_dplr_out)(V *o, const V *xq, const V *x, const V *v, T 
 }
 
 /* The steps [t0, t0 + n) (chunk c) of column block vb of head h, batch row b: the tile
- * holds the state entering t0 (or anything, when t0 starts a sequence). `fetch`: the
- * next chunk's rows of the inputs are fetched meanwhile. */
+ * holds the state entering t0 (or anything, when t0 starts a sequence). */
 PS_DPLR_INLINE void F(ps_dplr_fwd_block)(const ps_dplr_args *a, const F(ps_dplr_prep) *p,
                                          const F(ps_kv_seqs) *sq, T *tile, int64_t b, int64_t h,
                                          int64_t vb, int64_t c, int64_t t0, int64_t n,
-                                         int64_t nc, const int fetch, const int gated) {
+                                         int64_t nc, const int gated) {
     const int64_t K = a->dk, Vd = a->dv, H = a->heads, c0 = vb * VB, KV = K * Vd;
     const T *init = a->initial;
     T *fin = a->final;
@@ -186,13 +177,12 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_block)(const ps_dplr_args *a, const F(ps_dplr_
     int fresh = 1; /* xa and xq are to be read from the tile */
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j;
-        if (fetch && t + a->chunk < a->length) F(ps_dplr_fetch_step)(a, b, h, t + a->chunk);
         if (t == sq->cu[s])
             F(ps_kv_load_cols)(tile, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL,
                                K, Vd, c0);
         if (j == 0 && a->checkpoints)
             F(ps_kv_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd, c0);
-        if (fresh) F(ps_kv_read)(tile, p->aa + j * K, p->qd + j * K, K, xa, xq, 1);
+        if (fresh) F(ps_dplr_read)(tile, VB, p->aa + j * K, p->qd + j * K, K, xa, xq, 1);
         F(ps_kv_load_row)(v, p->vv + j * Vd, Vd, c0);
         F(ps_dplr_out)(o, xq, xa, v, p->bq[j], p->kq[j]);
         F(ps_kv_store_row)(p->oo + j * Vd, o, Vd, c0);
@@ -224,30 +214,9 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_single)(const ps_dplr_args *a, const F(ps_dplr
                                           int64_t b, int64_t h, int64_t vb, const int gated) {
     typedef V VA __attribute__((aligned(sizeof(T)))); /* the state's rows: any alignment */
     const int64_t K = a->dk, Vd = a->dv, c0 = vb * VB, at = (b * a->heads + h) * K * Vd + c0;
-    const T *src = (const T *)a->initial + at, *aa = p->aa, *qd = p->qd;
-    V a0[NB], a1[NB], q0[NB], q1[NB], x[NB], xq[NB], v[NB], o[NB];
-    for (int n = 0; n < NB; ++n) a0[n] = a1[n] = q0[n] = q1[n] = (V){0};
-    int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const VA *r0 = (const VA *)(src + i * Vd), *r1 = (const VA *)(src + (i + 1) * Vd);
-        for (int n = 0; n < NB; ++n) {
-            a0[n] += r0[n] * aa[i];
-            a1[n] += r1[n] * aa[i + 1];
-            q0[n] += r0[n] * qd[i];
-            q1[n] += r1[n] * qd[i + 1];
-        }
-    }
-    if (i < K) {
-        const VA *r0 = (const VA *)(src + i * Vd);
-        for (int n = 0; n < NB; ++n) {
-            a0[n] += r0[n] * aa[i];
-            q0[n] += r0[n] * qd[i];
-        }
-    }
-    for (int n = 0; n < NB; ++n) {
-        x[n] = a0[n] + a1[n];
-        xq[n] = q0[n] + q1[n];
-    }
+    const T *src = (const T *)a->initial + at;
+    V x[NB], xq[NB], v[NB], o[NB];
+    F(ps_dplr_read)(src, Vd, p->aa, p->qd, K, x, xq, 1);
     F(ps_kv_load_row)(v, p->vv, Vd, c0);
     F(ps_dplr_out)(o, xq, x, v, p->bq[0], p->kq[0]);
     F(ps_kv_store_row)(p->oo, o, Vd, c0);
@@ -255,19 +224,26 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_single)(const ps_dplr_args *a, const F(ps_dplr
     T *dst = (T *)a->final + at;
     const T *dd = p->dd, *bb = p->bb, *kk = p->kk;
     if (F(ps_kv_streams)(dst, Vd)) { /* rows aligned to a vector: stored past the caches */
-        for (i = 0; i < K; ++i) {
+        for (int64_t i = 0; i < K; ++i) {
             const VA *r = (const VA *)(src + i * Vd);
             for (int n = 0; n < NB; ++n)
                 F(ps_kv_stream)(dst + i * Vd + n * W, PS_DPLR_ROW(r[n], dd[i], bb[i], x[n], kk[i], v[n]));
         }
         return;
     }
-    for (i = 0; i < K; ++i) {
+    for (int64_t i = 0; i < K; ++i) {
         const VA *r = (const VA *)(src + i * Vd);
         VA *d = (VA *)(dst + i * Vd);
         for (int n = 0; n < NB; ++n) d[n] = PS_DPLR_ROW(r[n], dd[i], bb[i], x[n], kk[i], v[n]);
     }
 }
+
+/* The units a thread runs chunk by chunk together: a chunk's rows of neighbouring heads
+ * share their pages and cache lines (a head's rows are H K elements apart from step to
+ * step, a new page at RWKV-7's shapes), so that the preparation of a chunk, unit after
+ * unit, does not wait on a page walk per row; the units' tiles (a state's worth each)
+ * stay in L2. */
+#define PS_DPLR_GROUP 16
 
 ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end) {
     const F(ps_dplr_fwd_ctx) *ctx = vp;
@@ -276,7 +252,8 @@ ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end)
     const int64_t nvb = ctx->nvb, split = ctx->split;
     const int64_t most = (nvb + split - 1) / split; /* column blocks of a unit, at most */
     const int64_t Cn = L < C ? L : C;                /* steps of a chunk, at most */
-    T *tiles = ps_kv_alloc(sizeof(T) * (size_t)(most * K * VB));
+    const int64_t group = end - begin < PS_DPLR_GROUP ? end - begin : PS_DPLR_GROUP;
+    T *tiles = ps_kv_alloc(sizeof(T) * (size_t)(group * most * K * VB));
     T *pm = malloc(sizeof(T) * (size_t)F(ps_dplr_prep_size)(Cn, K, a->dv));
     if (!tiles || !pm) {
         free(tiles);
@@ -286,32 +263,34 @@ ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end)
     }
     const F(ps_dplr_prep) p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv);
     const int single = L == 1 && a->initial && !a->cu_seqlens && !a->checkpoints;
-    for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t part = unit % split, bh = unit / split, b = bh / H, h = bh % H;
-        const int64_t vb0 = part * nvb / split, vb1 = (part + 1) * nvb / split;
-        if (vb0 == vb1) continue;
-        F(ps_kv_seqs) sq;
-        F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
+    for (int64_t first = begin; first < end; first += group) {
+        const int64_t last = end - first < group ? end : first + group;
         for (int64_t c = 0; c < ctx->nc; ++c) {
             const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
-            F(ps_dplr_prepare)(a, &p, b, h, t0, n);
-            for (int64_t vb = vb0; vb < vb1; ++vb) {
-                if (single && (vb + 1) * VB <= a->dv) { /* a whole block */
+            for (int64_t unit = first; unit < last; ++unit) {
+                const int64_t part = unit % split, bh = unit / split, b = bh / H, h = bh % H;
+                const int64_t vb0 = part * nvb / split, vb1 = (part + 1) * nvb / split;
+                if (vb0 == vb1) continue;
+                F(ps_kv_seqs) sq;
+                F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
+                F(ps_dplr_prepare)(a, &p, b, h, t0, n);
+                for (int64_t vb = vb0; vb < vb1; ++vb) {
+                    if (single && (vb + 1) * VB <= a->dv) { /* a whole block */
+                        if (a->gate)
+                            F(ps_dplr_fwd_single)(a, &p, b, h, vb, 1);
+                        else
+                            F(ps_dplr_fwd_single)(a, &p, b, h, vb, 0);
+                        continue;
+                    }
+                    T *tile = tiles + ((unit - first) * most + vb - vb0) * K * VB;
                     if (a->gate)
-                        F(ps_dplr_fwd_single)(a, &p, b, h, vb, 1);
+                        F(ps_dplr_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, 1);
                     else
-                        F(ps_dplr_fwd_single)(a, &p, b, h, vb, 0);
-                    continue;
+                        F(ps_dplr_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, 0);
                 }
-                T *tile = tiles + (vb - vb0) * K * VB;
-                const int fetch = vb == vb0;
-                if (a->gate)
-                    F(ps_dplr_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 1);
-                else
-                    F(ps_dplr_fwd_block)(a, &p, &sq, tile, b, h, vb, c, t0, n, ctx->nc, fetch, 0);
+                const int64_t c1 = vb1 * VB < a->dv ? vb1 * VB : a->dv;
+                F(ps_kv_scatter)(a->out, p.oo, a->dv, b, h, t0, n, L, H, a->dv, vb0 * VB, c1);
             }
-            const int64_t c1 = vb1 * VB < a->dv ? vb1 * VB : a->dv;
-            F(ps_kv_scatter)(a->out, p.oo, a->dv, b, h, t0, n, L, H, a->dv, vb0 * VB, c1);
         }
     }
     free(tiles);
@@ -501,7 +480,7 @@ PS_DPLR_INLINE void F(ps_dplr_bwd_block)(const ps_dplr_args *a, const F(ps_dplr_
             if (j > 0)
                 F(ps_kv_load_cols)(st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL,
                                    K, Vd, c0);
-            F(ps_kv_read)(st, p->aa + j * K, NULL, K, xa, NULL, 0);
+            F(ps_dplr_read)(st, VB, p->aa + j * K, NULL, K, xa, NULL, 0);
         }
         V *xj = (V *)(m->xx + j * VB);
         for (int q = 0; q < NB; ++q) xj[q] = xa[q];
@@ -550,12 +529,14 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
     const int64_t prep = F(ps_dplr_prep_size)(Cn, K, a->dv);
     T *pm = malloc(sizeof(T) * (size_t)(prep + 5 * Cn * K + Cn));
     m.states = ps_kv_alloc(sizeof(T) * (size_t)(Cn * tsz));
-    m.dS = ps_kv_alloc(sizeof(T) * (size_t)(per * nvb * tsz));
+    const int64_t group = end - begin < PS_DPLR_GROUP ? end - begin : PS_DPLR_GROUP;
+    T *dS = ps_kv_alloc(sizeof(T) * (size_t)(group * per * nvb * tsz));
+    m.dS = dS;
     m.xx = ps_kv_alloc(sizeof(T) * (size_t)(Cn * VB));
-    if (!pm || !m.states || !m.dS || !m.xx) {
+    if (!pm || !m.states || !dS || !m.xx) {
         free(pm);
         free(m.states);
-        free(m.dS);
+        free(dS);
         free(m.xx);
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
@@ -570,12 +551,14 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
     /* A unit is a q/k head with the value heads it serves: their shares of grad_q, grad_k,
      * grad_a and grad_b are summed in head order here, the same bits for any thread
      * count. */
-    for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t b = unit / Hk, hk = unit % Hk;
-        F(ps_kv_seqs) sq;
-        F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
-        for (int64_t c = ctx->nc - 1; c >= 0; --c) {
+    for (int64_t first = begin; first < end; first += group)
+    for (int64_t c = ctx->nc - 1; c >= 0; --c)
+        for (int64_t unit = first; unit < (end - first < group ? end : first + group); ++unit) {
+            const int64_t b = unit / Hk, hk = unit % Hk;
             const int64_t t0 = c * C, n = L - t0 < C ? L - t0 : C;
+            F(ps_kv_seqs) sq;
+            F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
+            m.dS = dS + (unit - first) * per * nvb * tsz; /* the unit's, carried over chunks */
             memset(m.dq, 0, sizeof(T) * (size_t)(4 * Cn * K));
             for (int64_t h = hk * per; h < (hk + 1) * per; ++h) {
                 F(ps_dplr_prepare)(a, &m.p, b, h, t0, n);
@@ -604,10 +587,9 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
                 memcpy((T *)a->grad_b + row, m.db + j * K, sizeof(T) * (size_t)K);
             }
         }
-    }
     free(pm);
     free(m.states);
-    free(m.dS);
+    free(dS);
     free(m.xx);
 }
 
@@ -629,4 +611,5 @@ ATTR static int F(ps_dplr_bwd)(ps_dplr_args *a) {
 }
 
 #undef PS_DPLR_ROW
+#undef PS_DPLR_GROUP
 #undef PS_DPLR_INLINE
