@@ -1,7 +1,8 @@
 """How far float32 drifts from float64 over a long sequence: the generalized delta rule
 with RWKV-7's ranges (and with decays near 1) and gated linear attention, at L = 16384,
 2 heads of K = V = 64, against the float64 ``loop`` backend; the error relative to the
-output's largest magnitude, overall and per window of 4096 steps (BENCHMARKS.md, run R).
+output's largest magnitude, overall and per window of 4096 steps, DPLR on its C kernel
+and its torch backend (BENCHMARKS.md).
 
     python tools/float32_drift.py [--length 16384]
 """
@@ -38,8 +39,14 @@ def main() -> None:
     for decay in ("rwkv", "near 1"):
         x = _rwkv7(length, decay, heads=2, dk=64, dv=64)
         want = ps.dplr_delta_rule_scan(*(x[n] for n in names), g=x["g"], backend="loop")
-        got = ps.dplr_delta_rule_scan(*(x[n].float() for n in names), g=x["g"].float())
-        print(f"dplr, {decay}: {_relative(got, want):.1e}; by window: {_windows(got, want, size)}")
+        for backend in [b for b in ("cpu", "torch") if b in ps.backends("cpu")]:
+            got = ps.dplr_delta_rule_scan(
+                *(x[n].float() for n in names), g=x["g"].float(), backend=backend
+            )
+            print(
+                f"dplr ({backend}), {decay}: {_relative(got, want):.1e}; by window: "
+                f"{_windows(got, want, size)}"
+            )
     x = _rwkv7(length, "rwkv", heads=2, dk=64, dv=64)
     g = F.logsigmoid(torch.randn(x["g"].shape, dtype=torch.float64) + 4) / 16
     want = ps.linear_attention_scan(x["q"], x["k"], x["v"], g=g, backend="loop")
