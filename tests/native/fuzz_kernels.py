@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
@@ -42,6 +43,8 @@ from parascan._native import kernel_constants, kernel_library_path
 from conftest import DTYPES, TOLERANCE, assert_matches
 from oracles import (
     delta_rule_loop,
+    dplr_delta_rule_loop,
+    linear_attention_loop,
     linear_loop,
     log_loop,
     matmul_fold,
@@ -49,6 +52,8 @@ from oracles import (
     selective_loop,
     ssd_loop,
 )
+
+_T = TypeVar("_T")
 
 FIRST_ORDER_DTYPES = DTYPES  # every dtype of the first-order scans
 MAX_ELEMENTS = 400_000  # per operand: keeps a case (and its float64 loop) quick
@@ -190,11 +195,11 @@ def _offsets(rng: random.Random, steps: int) -> list[int]:
     return [0, *sorted(cuts), steps]
 
 
-def _with_threads(n: int, fn: Callable[[], None]) -> None:
+def _with_threads(n: int, fn: Callable[[], _T]) -> _T:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
-        fn()
+        return fn()
     finally:
         torch.set_num_threads(before)
 
@@ -781,6 +786,272 @@ def _delta_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
     return what, lambda: _with_threads(threads, check)
 
 
+# (K, V)-state scans of linear attention and DPLR: the oracle's autograd graph holds a
+# few (rows, Hv, K, V) tensors per step, so a case's states times its steps is bounded
+# (its lengths, at most 129, are far below GRAD_MAX_STEPS)
+KV_MAX_STATE_STEPS = 1_500_000
+# key and value widths on and around the kernels' blocks: register blocks of 4 or 8 rows
+# and column blocks of 8 to 32 lanes (linear attention), column blocks of 16 to 64 lanes
+# and rows in pairs (DPLR), by instruction-set level and type
+_KV_DK = [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 32, 33, 63, 64, 65, 127, 129]
+_KV_DV = [1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 130]
+_KV_VIEWS = ["contiguous", "transposed", "sliced", "negative", "broadcast"]
+
+
+def _kv_state_case(rng: random.Random, family: str) -> tuple[str, Callable[[], None]]:
+    """Linear attention's C kernel (``family`` "linear") or the generalized delta rule's
+    ("dplr"), forward and fused backward, through their public functions with
+    backend="cpu": float32/float64 and float16/bfloat16 inputs (a float32 state), grouped
+    value heads, K and V around the kernels' blocks, lengths around the 64-step chunk,
+    no gate, a gate per head or per key channel (for linear attention now and then
+    strong decays and -inf resets that leave the kernel's frames, or weak ones that keep
+    one frame over a chunk), initial states, packed sequences (empty ones included),
+    strided, transposed, negative and broadcast (stride-0) views, an explicit scale, 1
+    to 4 threads, return_final on and off; the output, final states and every gradient
+    against the float64 loop, and the same call without autograd (the plain inference
+    path: the decoding step at L = 1) against it too."""
+    dplr = family == "dplr"
+    fn = ps.dplr_delta_rule_scan if dplr else ps.linear_attention_scan
+    name = "parascan.dplr_delta_rule_scan" if dplr else "parascan.linear_attention_scan"
+    dtype = rng.choice([torch.float32, torch.float32, torch.float64, torch.float16,
+                        torch.bfloat16])  # fmt: skip
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    hk = rng.choice([1, 1, 2])
+    hv = hk * rng.choice([1, 2, 3])
+    dk, dv = rng.choice(_KV_DK), rng.choice(_KV_DV)
+    gate = rng.choice(["none", "head", "channel"])
+    strength = "normal"
+    if gate != "none":
+        strength = rng.choice(
+            ["normal", "normal", "weak", "strong", "reset"] if not dplr else
+            ["normal", "normal", "normal", "strong"]
+        )  # fmt: skip
+    c = 64  # the cpu backend's checkpoint interval (CHECKPOINT_STEPS)
+    length = rng.choice([0, 1, 1, 2, 3, 17, c - 1, c, c + 1, 2 * c - 1, 2 * c, 2 * c + 1])
+    packed = rng.random() < 0.3
+    batch = 1 if packed else rng.choice([1, 2, 3])
+    cu = None
+    if packed:
+        cuts = sorted(rng.choice([0, 0, 1, c - 1, c, c + 1, rng.randint(0, length)])
+                      for _ in range(rng.randint(0, 4)))  # fmt: skip
+        cu = [0, *[x for x in cuts if x <= length], length]
+    initial = rng.random() < 0.5
+    return_final = rng.random() < 0.7
+    quiet_final = rng.random() < 0.5  # of the call without autograd
+    scale = rng.choice([None, None, None, 0.5, 1.7])
+    # the oracle's time: fewer batch rows, value heads, then narrower states
+    while (batch * hv * dk * dv * max(length, 1) > KV_MAX_STATE_STEPS
+           or batch * length * hv * max(dk, dv) > MAX_ELEMENTS):  # fmt: skip
+        if batch > 1:
+            batch -= 1
+        elif hv > hk:
+            hv = hk
+        elif hk > 1:
+            hk = hv = 1
+        elif dk >= dv:
+            dk = (dk + 1) // 2
+        else:
+            dv = (dv + 1) // 2
+    states = batch if cu is None else len(cu) - 1
+    keyed = ["q", "k", "a", "b"] if dplr else ["q", "k"]
+    names = [*keyed, "v", *(["g"] if gate != "none" else []), *(["initial"] if initial else [])]
+    shapes: dict[str, tuple[int, ...]] = {n: (batch, length, hk, dk) for n in keyed}
+    shapes["v"] = (batch, length, hv, dv)
+    shapes["g"] = (batch, length, hv) if gate == "head" else (batch, length, hv, dk)
+    shapes["initial"] = (states, hv, dk, dv)
+    # one view kind per operand; all contiguous on a third of the cases, where a call
+    # of float32 or float64 without autograd takes the plain inference path
+    plain = rng.random() < 0.35
+    views: dict[str, str | tuple[str, int]] = {}
+    for n in names:
+        kind: str | tuple[str, int] = "contiguous" if plain else rng.choice(_KV_VIEWS)
+        if kind == "broadcast":  # stride 0 along a dim of size > 1 (the leaf has size 1)
+            dims = [d for d, s in enumerate(shapes[n]) if s > 1]
+            kind = ("broadcast", rng.choice(dims)) if dims else "contiguous"
+        views[n] = kind
+    grads = length > 0 or (initial and return_final)
+    bad_flag = _bad_flag(rng)
+    threads = rng.choice([1, 2, 3, 4])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    what = (
+        f"{'dplr delta rule' if dplr else 'linear attention'} {dtype} batch {batch} "
+        f"heads {hk}/{hv} K {dk} V {dv} gate {gate} ({strength}) L {length} cu_seqlens {cu} "
+        f"initial {initial} return_final {return_final}/{quiet_final} scale {scale} views {views} "
+        f"bad flag {bad_flag!r} threads {threads}"
+    )
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def u(*shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=torch.float64)
+
+    wide: dict[str, torch.Tensor] = {
+        "q": r(*shapes["q"]),
+        "k": r(*shapes["k"]) * dk**-0.5,
+        "v": r(*shapes["v"]),
+    }
+    if dplr:  # RWKV-7's form: a = -kk, b = kk * rate, kk unit rows, rate in (0, 1)
+        kk = torch.nn.functional.normalize(r(*shapes["k"]), dim=-1)
+        wide["a"], wide["b"] = -kk, kk * u(*shapes["k"])
+    if gate != "none":
+        g = -(1.0 if dplr else 2.0) * u(*shapes["g"])
+        if strength == "weak":  # one frame over a whole chunk
+            g = g * 0.01
+        elif strength in ("strong", "reset") and length:
+            lo = rng.randrange(length)
+            hi = rng.randint(lo + 1, length)
+            g[:, lo:hi] *= 3.0 if dplr else 15.0  # down to -30 a step (-3 for DPLR)
+            if strength == "reset":  # -inf: the state restarts (in some channels or all)
+                t = rng.randrange(length)
+                mask = u(*g[:, t].shape) < (1.0 if rng.random() < 0.5 else 0.3)
+                g[:, t] = g[:, t].masked_fill(mask, -math.inf)
+        wide["g"] = g
+    if initial:
+        wide["initial"] = r(*shapes["initial"])
+    for n in names:  # a broadcast operand: the values of its first slice along the dim
+        kind = views[n]
+        if isinstance(kind, tuple):
+            wide[n] = wide[n].narrow(kind[1], 0, 1).contiguous()
+
+    def low(n: str) -> torch.Tensor:
+        return wide[n].to(state_dtype if n == "initial" else dtype)
+
+    def viewed(n: str, t: torch.Tensor) -> torch.Tensor:
+        kind = views[n]
+        if isinstance(kind, tuple):
+            return t.expand(shapes[n])
+        return _view(rng, t, str(kind))
+
+    def call(args: dict[str, torch.Tensor], final: Any) -> Any:
+        ops = [args[n] for n in (*keyed[:2], "v", *keyed[2:])]
+        return fn(*ops, g=args.get("g"), scale=scale, initial=args.get("initial"),
+                  return_final=final, backend="cpu",
+                  cu_seqlens=None if cu is None else torch.tensor(cu))  # fmt: skip
+
+    # the broadcast operands, and the dim of each
+    spread = {n: kind[1] for n, kind in views.items() if isinstance(kind, tuple)}
+
+    def loop(**full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # a broadcast operand's gradient is the sum of its expanded gradient, which
+        # autograd rounds to the operand's dtype element by element first (the public
+        # function casts the expanded operand to the state's dtype): rounded here too. In
+        # float16 the rounding of 16 terms alone, cancelling to a sum of 0.3, was 2.6 times
+        # the tolerance (seed 12 case 230, a's gradient)
+        full = {n: _RoundedGrad.apply(t, low(n).dtype) if n in spread else t
+                for n, t in full.items()}  # fmt: skip
+        if dplr:
+            return dplr_delta_rule_loop(
+                full["q"], full["k"], full["v"], full["a"], full["b"], g=full.get("g"),
+                scale=scale, initial=full.get("initial"), cu_seqlens=cu,
+            )  # fmt: skip
+        return linear_attention_loop(
+            full["q"], full["k"], full["v"], g=full.get("g"), scale=scale,
+            initial=full.get("initial"), cu_seqlens=cu,
+        )  # fmt: skip
+
+    def check() -> None:
+        args = {n: low(n) for n in names}
+        if bad_flag is not _NO_BAD_FLAG:
+            _expect_flag_error(name, lambda: call({n: viewed(n, t) for n, t in args.items()},
+                                                  bad_flag))  # fmt: skip
+        leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
+        operands = {n: viewed(n, t) for n, t in leaves.items()}
+        got = call(operands, return_final)
+        got, final = got if return_final else (got, None)
+        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+        full = {n: t.expand(shapes[n]) for n, t in exact.items()}
+        # the loop on one thread: its thousands of small ops would each wake the others
+        want, want_final = _with_threads(1, lambda: loop(**full))
+        assert got.dtype == dtype, got.dtype
+        assert_matches(got, want, dtype)
+        if final is not None:
+            assert final.dtype == state_dtype, final.dtype
+            assert_matches(final, want_final, state_dtype)
+        # the same call that nothing differentiates: the plain inference path (float32,
+        # float64, contiguous, not packed), else the kernel without the op
+        with torch.no_grad():
+            quiet = call({n: viewed(n, t) for n, t in args.items()}, quiet_final)
+        assert_matches(quiet[0] if quiet_final else quiet, want, dtype)
+        if quiet_final:
+            assert_matches(quiet[1], want_final, state_dtype)
+        if not grads:
+            return
+        # in the outputs' dtypes: the kernel and the loop start from the same gradients
+        w_out = r(*want.shape).to(dtype).double()
+        w_fin = r(*want_final.shape).to(state_dtype).double()
+        got_loss = (got.double() * w_out).sum()
+        want_loss = (want * w_out).sum()
+        if final is not None:
+            got_loss = got_loss + (final.double() * w_fin).sum()
+            want_loss = want_loss + (want_final * w_fin).sum()
+        # the leaves' gradients, then the broadcast operands' expanded ones: what the
+        # kernel computed, element by element, before autograd sums them into the leaf's
+        got_grads = _grads_or_zeros(
+            got_loss, [*leaves.values(), *(operands[n] for n in spread)]
+        )  # fmt: skip
+        want_grads = _with_threads(1, lambda: _grads_or_zeros(
+            want_loss, [*exact.values(), *(full[n] for n in spread)]))  # fmt: skip
+        m = len(leaves)
+        expanded = dict(zip(spread, zip(got_grads[m:], want_grads[m:], strict=True), strict=True))
+        for n, g_, w in zip(leaves, got_grads[:m], want_grads[:m], strict=True):
+            assert g_.dtype == leaves[n].dtype, (n, g_.dtype)
+            try:
+                if n not in spread:
+                    assert_matches(g_, w, leaves[n].dtype)
+                    continue
+                g_full, w_full = expanded[n]
+                assert_matches(g_full, w_full, leaves[n].dtype)
+                # the leaf's: a sum of those terms, whose errors it adds up, so the
+                # tolerance scales with the magnitudes it sums (as SSD's dt_bias's does).
+                # Linear attention's fixed decay (g broadcast over time) in float32: the
+                # kernel's grad_g per step within 0.09 of the tolerance, but correlated
+                # (suffix sums within a chunk), summed over 63 steps that cancel to 1/45
+                # of their magnitudes: 3.4 times the tolerance of the sum's own
+                # magnitude (seed 21 case 7549; also 14/1499, 21/9386, 23/11374)
+                rtol, atol = TOLERANCE[leaves[n].dtype]
+                terms = w_full.abs().sum(spread[n]).max().item() if w_full.numel() else 0.0
+                scale_n = max(1.0, terms, w.abs().max().item() if w.numel() else 0.0)
+                torch.testing.assert_close(g_.double(), w, rtol=rtol, atol=atol * scale_n)
+            except AssertionError as error:
+                raise AssertionError(f"the gradient of {n}: {error}") from None
+
+    return what, lambda: _with_threads(threads, check)
+
+
+class _RoundedGrad(torch.autograd.Function):
+    """The identity, whose backward rounds the incoming gradient to ``dtype`` (and
+    back): what autograd does to a gradient that flows through a cast from ``dtype``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype).to(grad.dtype), None
+
+
+def _grads_or_zeros(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``loss`` by ``leaves``, zeros for those it does not reach (the
+    loop reaches no operand of an empty input)."""
+    if not loss.requires_grad:
+        return [torch.zeros_like(t) for t in leaves]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)]
+
+
+def _linear_attention_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    """ps.linear_attention_scan(backend="cpu") (linear_attention/cpu.c): _kv_state_case."""
+    return _kv_state_case(rng, "linear")
+
+
+def _dplr_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
+    """ps.dplr_delta_rule_scan(backend="cpu") (dplr/cpu.c): _kv_state_case."""
+    return _kv_state_case(rng, "dplr")
+
+
 def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
     """Case ``case`` of ``seed``: its description, and the check that runs it."""
     rng = random.Random(f"{seed}-{case}")
@@ -789,6 +1060,12 @@ def make_case(seed: int, case: int) -> tuple[str, Callable[[], None]]:
     # and case number replay the same inputs: test_fuzz_regressions.py)
     if random.Random(f"{seed}-{case}-delta").random() < 0.125:
         return _delta_case(rng)
+    # the same for linear attention's and DPLR's kernels, each decided after the ones
+    # before it: a case drawn before they had a kernel keeps its inputs
+    if random.Random(f"{seed}-{case}-linear").random() < 0.125:
+        return _linear_attention_case(rng)
+    if random.Random(f"{seed}-{case}-dplr").random() < 0.125:
+        return _dplr_case(rng)
     kind = rng.choice(["linear", "linear", "log", "log", "matrix", "product", "selective", "ssd"])
     if kind in ("linear", "log"):
         return _first_order_case(rng, log=kind == "log")

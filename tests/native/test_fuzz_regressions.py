@@ -28,6 +28,14 @@ FAILED_ONCE = [
     # log_linear_scan, bfloat16, 57 steps with an initial state: the same for the
     # first-order scans, whose initial state's gradient cancelled to 1/1.8 of the error.
     (2640312857, 300),
+    # DPLR, float16, a and b broadcast along K: a's gradient, the sum of 16 terms that
+    # autograd rounds to float16 first, was 2.6 times the tolerance (the loop's terms are
+    # now rounded alike; a broadcast operand's expanded gradient is compared as well).
+    (12, 230),
+    # linear attention, float32, a fixed decay (g broadcast over 63 steps): its gradient,
+    # a sum of per-step gradients (each within 0.09 of the tolerance) that cancel to 1/45
+    # of their magnitudes, was 3.4 times the tolerance of the sum (now scaled by them).
+    (21, 7549),
 ]
 
 
