@@ -56,6 +56,11 @@ delta rule's gates, crossed where said):
 A case a backend cannot run (``spec.refuses``, such as a complex state on the Triton
 kernels) checks instead that the call raises the contract's RuntimeError naming the
 function and the backend.
+
+The default suite (10 minutes on 2 cores) runs forward mode, torch.compile and the
+gradcheck of the forms other than the main one on the first target of each device (the
+C kernel on the CPU); their cases on the other targets are marked slow (``pytest -m
+slow``): see ``_first_per_device``.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ import torch
 
 import parascan as ps
 
-from conftest import DTYPES, Target, assert_matches, targets
+from conftest import DTYPES, Target, assert_matches, oracle_threads, targets
 from harness import forward_mode_checks
 
 F64 = torch.float64
@@ -306,10 +311,11 @@ def oracle(
         else v
         for k, v in p.items()
     }  # fmt: skip
-    if spec.packs:
-        return spec.oracle(**wide, cu_seqlens=None if cu is None else list(cu))
-    assert cu is None
-    return spec.oracle(**wide)
+    with oracle_threads():
+        if spec.packs:
+            return spec.oracle(**wide, cu_seqlens=None if cu is None else list(cu))
+        assert cu is None
+        return spec.oracle(**wide)
 
 
 def assert_refused(spec: ScanSpec, p: Problem, target: Target) -> None:
@@ -379,7 +385,8 @@ def check_gradients(
         return drawn
 
     got = gradients(spec, q, lambda r: run(spec, r, target.backend, target.device, cu), weights)
-    want = gradients(spec, q, lambda r: oracle(spec, r, cu), lambda outputs: drawn)
+    with oracle_threads():
+        want = gradients(spec, q, lambda r: oracle(spec, r, cu), lambda outputs: drawn)
     assert set(got) == set(want)
     for name, g in got.items():
         assert g.shape == q[name].shape, name
@@ -407,6 +414,7 @@ class Case:
     label: str = ""
     dtype: torch.dtype = F32
     flag: Any = None
+    slow: bool = False  # with the slow tests (``pytest -m slow``): see ``_first_per_device``
 
     def __str__(self) -> str:
         return "-".join(part for part in (str(self.target), self.label) if part)
@@ -426,6 +434,22 @@ class Case:
 
 def _label(*parts: object) -> str:
     return "-".join(str(p) for p in parts if p not in ("", None))
+
+
+def _first_per_device(spec: ScanSpec) -> set[Target]:
+    """The first of ``spec``'s targets on each device type (the C kernel on the CPU).
+
+    The default suite (10 minutes on 2 cores) runs the costliest shared cases (forward
+    mode, gradcheck of every form, torch.compile) there only, where running them on
+    every target repeats the same code: every backend's tangents come from forward-mode
+    AD through the torch backend's forward (parascan._core.jvp_through), and the
+    gradients of every form on every target are checked by the cheaper
+    test_gradients_against_loop. The other targets' cases are marked slow (``pytest -m
+    slow`` runs them)."""
+    first: dict[str, Target] = {}
+    for t in spec.targets():
+        first.setdefault(t.device, t)
+    return set(first.values())
 
 
 # (case generator, test body) of every shared test, by the test's name
@@ -467,7 +491,10 @@ def shared_tests(spec: ScanSpec) -> type:
         found = cases(spec)
         if not found:
             continue
-        params = [pytest.param(c.target, c, id=str(c)) for c in found]
+        params = [
+            pytest.param(c.target, c, id=str(c), marks=[pytest.mark.slow] if c.slow else [])
+            for c in found
+        ]
         namespace[name] = pytest.mark.parametrize(("where", "case"), params)(_method(name, body))
     return type("TestShared", (), namespace)
 
@@ -649,15 +676,22 @@ def _across_checkpoints(spec: ScanSpec, target: Target) -> list[tuple[str, Optio
 
 
 def _gradcheck(spec: ScanSpec) -> list[Case]:
+    """Fast mode across the checkpoints: the main form on every target, the other forms
+    on the first target of each device in the default suite (on the others with the
+    slow tests); the whole Jacobian on the hand-written backwards."""
     cases = []
+    first = _first_per_device(spec)
+    main = spec.main_form()
     for t in spec.targets():
         short: list[tuple[str, Options]] = [("", {"length": 9})]
         if spec.packs:
             short.append(("packed", {"cu": (0, 3, 3, 9)}))
         for name, form in spec.forms.items():
+            slow = t not in first and form is not main
             for packed, options in _across_checkpoints(spec, t):
                 opts = spec.options("gradcheck", spec.tiny, form, own=options)
-                cases.append(Case(spec, t, opts, _label(name, packed, "fast"), flag=True))
+                label = _label(name, packed, "fast")
+                cases.append(Case(spec, t, opts, label, flag=True, slow=slow))
             if t.backend in spec.handwritten:
                 for packed, options in short:
                     opts = spec.options("gradcheck", spec.tiny, form, own=options)
@@ -688,14 +722,18 @@ def test_gradcheck_float64(case: Case, gen: torch.Generator) -> None:
 
 
 def _jvp(spec: ScanSpec) -> list[Case]:
+    """Each case on every target; in the default suite on the first target of each
+    device only (every backend's tangents come from the same forward-mode AD through
+    the torch backend's forward: ``_first_per_device``)."""
     cases = []
+    first = _first_per_device(spec)
     for t in spec.targets():
         named = spec.jvp_cases
         if named is None:
             named = dict(_across_checkpoints(spec, t))
         for name, options in named.items():
             opts = spec.options("jvp", spec.tiny, spec.main_form(), own=options)
-            cases.append(Case(spec, t, opts, name))
+            cases.append(Case(spec, t, opts, name, slow=t not in first))
     return cases
 
 
@@ -844,11 +882,20 @@ def test_vmap_packed(case: Case, gen: torch.Generator) -> None:
 
 
 def _compile(spec: ScanSpec) -> list[Case]:
+    """Unpacked and packed on every target; in the default suite on the first target of
+    each device only (a compilation costs seconds: ``_first_per_device``)."""
     packings: list[tuple[str, Options]] = [("", {"batch": 1})]
     if spec.packs:
         packings.append(("packed", {"cu": (0, 10, 10, 70)}))
+    first = _first_per_device(spec)
     return [
-        Case(spec, t, spec.options("compile", spec.main_form(), own=options), name)
+        Case(
+            spec,
+            t,
+            spec.options("compile", spec.main_form(), own=options),
+            name,
+            slow=t not in first,
+        )
         for t in spec.targets()
         for name, options in packings
     ]

@@ -11,7 +11,9 @@
   for them: the interpreter is slow), and, on a machine with CUDA, every backend
   ``ps.backends("cuda")`` lists, on CUDA tensors. Narrow it with
   ``@pytest.mark.targets(backends=..., interpreter=True)``; ``slow_interpreter=True``
-  moves the interpreter's cases to the slow tests (``pytest -m slow``).
+  moves the interpreter's cases to the slow tests (``pytest -m slow``), and
+  ``slow_interpreter=predicate`` those for which ``predicate(**params)`` holds (the
+  case's other parameters, by name); ``slow_backends=(...)`` moves those backends' cases.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 # Triton kernels (the ``triton`` backend, when triton is installed) run in Triton's
 # interpreter on CPU tensors in these tests. The flag must be set before torch imports
 # triton (torch._dynamo does), so it is set here, first; it changes nothing else.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP's threads sleep while they wait (libgomp reads this when torch loads it): with
+# its default, a thread spins for its partner instead, and on a machine as busy as its
+# cores each of torch's parallel regions (thousands a test, in the loops) then waits for a
+# time slice: a 9x9 batched matmul took 7 ms instead of 30 us, the suite twice as long.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
@@ -137,12 +144,32 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         marker = metafunc.definition.get_closest_marker("targets")
         options = dict(marker.kwargs) if marker else {}
         slow_interpreter = options.pop("slow_interpreter", False)
+        every = slow_interpreter is True  # a predicate: pytest_collection_modifyitems
+        slow_backends = options.pop("slow_backends", ())
         chosen = targets(**options)
         params = [
-            pytest.param(t, marks=pytest.mark.slow) if slow_interpreter and t.interpreted else t
+            pytest.param(t, marks=pytest.mark.slow)
+            if (every and t.interpreted) or t.backend in slow_backends
+            else t
             for t in chosen
         ]
         metafunc.parametrize("target", params, ids=[str(t) for t in chosen])
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m 'not slow'`` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``@pytest.mark.targets(slow_interpreter=predicate)``: the interpreter's cases whose
+    other parameters satisfy the predicate are marked slow."""
+    for item in items:
+        marker = item.get_closest_marker("targets")
+        predicate = marker.kwargs.get("slow_interpreter") if marker else None
+        callspec = getattr(item, "callspec", None)
+        if not callable(predicate) or callspec is None:
+            continue
+        params = dict(callspec.params)
+        target = params.pop("target", None)
+        if isinstance(target, Target) and target.interpreted and predicate(**params):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
@@ -209,3 +236,12 @@ def threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+def oracle_threads() -> AbstractContextManager[None]:
+    """torch on one thread within the block: for the float64 oracles (oracles.py) and
+    their gradients, never for the code under test. A loop of thousands of tiny ops (a
+    batched matmul a step) makes as many parallel regions on 2 threads, and on a busy
+    machine each waits for the other thread's time slice: the suite's oracles ran 3 to
+    10 times slower for it, to the same results."""
+    return threads(1)

@@ -48,6 +48,7 @@ from conftest import (
     Target,
     assert_matches,
     oracle_dtype,
+    oracle_threads,
     random_gates,
     random_tokens,
     targets,
@@ -126,6 +127,9 @@ class Layout:
     # The lengths the Triton interpreter runs by default; the rest of
     # INTERPRETER_LENGTHS (up to the layout's own lengths) run under -m slow.
     interpreter: tuple[int, ...] = ()
+    # Lengths whose cases cost seconds each (the oracle's loop over many steps of many
+    # channels): in the default suite in float32 only, every dtype under -m slow.
+    heavy: tuple[int, ...] = ()
 
     def shape(self, name: str, steps: int) -> tuple[int, ...] | None:
         template = self.shapes.get(name)
@@ -218,6 +222,9 @@ class OpSpec:
     min_steps: int = 0
     contiguous: bool = True  # the contract promises a contiguous result
     label: str = ""  # what tells cases of specs with the same name apart
+    # Lengths from this one on run in the default suite in float32 only, every dtype
+    # under -m slow (None: every length in every dtype).
+    long_from: int | None = None
 
     def targets(self) -> list[Target]:
         if self.backends is None:  # one target per device, the op's own choice
@@ -228,7 +235,10 @@ class OpSpec:
 
 def grid(spec: OpSpec) -> list[Any]:
     """Every case of ``spec``, as pytest parameters with readable ids; the Triton
-    interpreter's longer cases are marked slow."""
+    interpreter's longer cases, and but in float32 the interpreter's cases past one
+    step, a layout's heavy lengths and the lengths from ``spec.long_from`` on, are
+    marked slow (the default suite's 10 minutes on 2 cores: ``pytest -m slow`` runs
+    them)."""
     params = []
     for target in spec.targets():
         for dtype in spec.dtypes:
@@ -249,10 +259,15 @@ def grid(spec: OpSpec) -> list[Any]:
                     reverse, initial = spec.variants[i % len(spec.variants)]
                     initial = initial and layout.shapes.get("initial") is not None
                     case = Case(spec, target, dtype, layout, steps, reverse, initial)
-                    # the interpreter's longest case runs in float32 by default; the
-                    # other dtypes' (4 s each) with the slow tests
-                    longest = target.interpreted and steps == max(lengths)
-                    heavy = longest and dtype != torch.float32
+                    # the interpreter's longest case and those past one step run in
+                    # float32 by default; the other dtypes' (1 to 4 s each) with the
+                    # slow tests
+                    longer = target.interpreted and (steps == max(lengths) or steps > 1)
+                    long = spec.long_from is not None and steps >= spec.long_from
+                    heavy = longer or long or steps in layout.heavy
+                    heavy = heavy and dtype != torch.float32
+                    # and 17 steps (one past a block) there: 33 crosses two
+                    heavy = heavy or (target.interpreted and steps == 17)
                     marks = [pytest.mark.slow] if steps in slow or heavy else []
                     params.append(pytest.param(case, id=str(case), marks=marks))
     return params
@@ -297,7 +312,8 @@ def check(case: Case, gen: torch.Generator) -> None:
     high = {k: m.clone().requires_grad_() for k, (m, _) in memory.items()}
     before = {k: m.detach().clone() for k, m in mine.items()}
     got = spec.run({k: memory[k][1](m) for k, m in mine.items()}, case)
-    want = spec.oracle({k: memory[k][1](m) for k, m in high.items()}, case)
+    with oracle_threads():
+        want = spec.oracle({k: memory[k][1](m) for k, m in high.items()}, case)
     assert len(got) == len(want)
     observed = []
     for out, ref in zip(got, want, strict=True):
@@ -312,7 +328,8 @@ def check(case: Case, gen: torch.Generator) -> None:
     loss = sum((o * w.to(o.device)).real.sum() for o, w in zip(observed, weights, strict=True))
     ref_loss = sum((r * w.to(r.dtype)).real.sum() for r, w in zip(want, weights, strict=True))
     grads = _gradients(loss, list(mine.values()))
-    ref_grads = _gradients(ref_loss, list(high.values()))
+    with oracle_threads():
+        ref_grads = _gradients(ref_loss, list(high.values()))
     for name, g, ref in zip(mine, grads, ref_grads, strict=True):
         assert g.shape == mine[name].shape, name
         assert_matches(g, ref, dtype)  # 0 for the NaN memory between strided elements
@@ -360,6 +377,7 @@ def _first_order_layouts() -> tuple[Layout, ...]:
             -2,
             # 33 steps: enough elements for the kernels to use several threads
             lengths=lambda: [1, 2, 33],
+            heavy=(33,),
         ),
         Layout(
             "strided",
@@ -389,6 +407,11 @@ def _first_order_layouts() -> tuple[Layout, ...]:
     )
 
 
+# T = 257 and 1031 (4 and 16 time tiles: a second each in the loops) in float32 by
+# default; every dtype crosses one and two tiles (63 to 129 steps).
+FIRST_ORDER_LONG = 257
+
+
 def _first_order_values(name, shape, dtype, gen):  # type: ignore[no-untyped-def]
     return (random_gates if name == "gates" else random_tokens)(shape, dtype, gen)
 
@@ -413,6 +436,7 @@ LINEAR_SCAN = OpSpec(
     oracle=_linear_oracle,
     layouts=_first_order_layouts(),
     backends=("cpu", "triton", "torch", "loop"),
+    long_from=FIRST_ORDER_LONG,
 )
 
 
@@ -450,6 +474,7 @@ LOG_LINEAR_SCAN = OpSpec(
     observe=lambda out, case: out.exp() if out.is_complex() else out,
     layouts=_first_order_layouts(),
     backends=("cpu", "triton", "torch", "loop"),
+    long_from=FIRST_ORDER_LONG,
     # the Triton kernels take real logs only
     supports=lambda target, dtype: not (target.backend == "triton" and dtype.is_complex),
 )
@@ -619,6 +644,7 @@ COMBINES: dict[str, Combine] = {
 # associative_reduce has one: generic/test_matrix_product.py): lengths around powers
 # of two, odd and prime ones.
 GENERIC_LENGTHS = (0, 1, 2, 3, 5, 16, 17, 63, 64, 65, 97, 257)
+GENERIC_LONG = 63  # from here on: float32 only, but under -m slow
 
 
 def _few() -> list[int]:
@@ -669,6 +695,10 @@ def _associative_spec(name: str, combine: Combine, reduce: bool) -> OpSpec:
         lengths=lambda: GENERIC_LENGTHS,
         min_steps=1 if reduce else 0,
         contiguous=False,
+        # the scans run the same torch code in every dtype: every dtype on the short
+        # lengths, the long ones (the chunked path's, seconds each for the large
+        # elements) in float32 by default (every combine takes it)
+        long_from=GENERIC_LONG,
     )
 
 
@@ -713,7 +743,8 @@ def forward_mode_checks(
     def at(f):
         return lambda *ts: f({**p, **dict(zip(names, ts, strict=True))})
 
-    _, want = torch.func.jvp(at(oracle), primals, tangents)
+    with oracle_threads():
+        _, want = torch.func.jvp(at(oracle), primals, tangents)
     _, got = torch.func.jvp(at(fn), primals, tangents)
     with torch.autograd.forward_ad.dual_level():
         duals = [
@@ -750,9 +781,28 @@ def forward_mode_checks(
     def hvp(f):  # type: ignore[no-untyped-def]  # grad of a jvp: one Hessian-vector product
         return torch.func.grad(lambda v: torch.func.jvp(total(f), (v,), (direction,))[1])(x)
 
-    torch.testing.assert_close(hvp(fn), hvp(oracle))
+    with oracle_threads():
+        want_hvp = hvp(oracle)
+    torch.testing.assert_close(hvp(fn), want_hvp)
     with pytest.raises(RuntimeError, match=rf"{public}: second derivatives"):
         torch.func.hessian(total(fn))(x)
+
+
+_ONCE: dict[object, Any] = {}
+
+
+def oracle_once(key: object, compute: Callable[[], Any]) -> Any:
+    """``compute()`` (a float64 oracle's results) on one thread (``oracle_threads``),
+    once per ``key`` for the session: the kernels' tests check one problem in several
+    dtypes and builds, and the loop is their time. ``key`` must name everything the
+    problem depends on (the caller's module among it); None computes anew."""
+    if key is not None and key in _ONCE:
+        return _ONCE[key]
+    with oracle_threads():
+        result = compute()
+    if key is not None:
+        _ONCE[key] = result
+    return result
 
 
 def assert_within_scale(

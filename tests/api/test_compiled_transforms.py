@@ -125,9 +125,27 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+# A compilation costs 1 to 4 s: by default each op under one transform, each transform
+# over two or three ops (the Functions share one path through dynamo:
+# parascan._core.opaque_to_dynamo); every op under every transform with the slow tests.
+BY_DEFAULT = {
+    "linear_scan": "grad",
+    "log_linear_scan": "jacrev",
+    "matrix_linear_scan": "jvp",
+    "associative_scan-and-reduce": "grad",
+    "selective_scan": "jvp",
+    "ssd_scan": "jacrev",
+    "delta_rule_scan": "grad",
+}
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [pytest.param(name, kind) for name in OPS for kind in ("grad", "jacrev", "jvp")],
+    [
+        pytest.param(name, kind, marks=[] if BY_DEFAULT[name] == kind else [pytest.mark.slow])
+        for name in OPS
+        for kind in ("grad", "jacrev", "jvp")
+    ],
 )
 def test_compiled_vmap_of_transform(name: str, kind: str) -> None:
     shapes, op = OPS[name]

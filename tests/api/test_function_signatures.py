@@ -49,4 +49,5 @@ def test_a_differentiable_call_binds_without_inspecting(monkeypatch) -> None:
     out.sum().backward()
     assert calls == []
     want = ps.linear_scan(a.detach().double(), b.double(), -1, backend="loop")
-    torch.testing.assert_close(out.detach().double(), want)
+    # out is float32: compare at float32's tolerances, not float64's
+    torch.testing.assert_close(out.detach(), want.to(out.dtype))

@@ -178,10 +178,17 @@ def _cases() -> list[object]:
                 for present in itertools.combinations(fam.optional, count):
                     if {"g", "g_channel"} <= set(present):
                         continue  # one gate form at a time
+                    # in the interpreter (1 to 2 s a case) none and all of them by
+                    # default (each alone on the other targets); the other subsets
+                    # with the slow tests
+                    some = count not in (0, len(fam.optional))
+                    marks = [pytest.mark.slow] if where.interpreted and some else []
                     for packed in (False, True) if fam.packs else (False,):
                         flags = "+".join(present) or "none"
                         ident = f"{fam.name}-{where}-{flags}{'-packed' if packed else ''}"
-                        cases.append(pytest.param(fam, where, present, packed, id=ident))
+                        cases.append(
+                            pytest.param(fam, where, present, packed, id=ident, marks=marks)
+                        )
     return cases
 
 

@@ -44,12 +44,29 @@ def test_quick_mamba2_run() -> None:
         bench_transformers.run(quick=True, model_name="mamba3")
 
 
+OTHER_FAMILIES = [
+    ("qwen3_5", "Qwen3_5ForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"),
+    ("lfm2", "Lfm2ForCausalLM"), ("recurrent_gemma", "RecurrentGemmaForCausalLM"),
+    ("rwkv", "RwkvForCausalLM"), ("minimax", "MiniMaxForCausalLM"),
+]  # fmt: skip
+# A run costs 5 to 15 s: Qwen3.5's by default, the others with the slow tests; every
+# family's model is built by default (test_each_family_builds_its_model), and the run is
+# the same code for each (test_quick_mamba2_run and the tests above run it too).
+RUNS_BY_DEFAULT = ("qwen3_5",)
+
+
+@pytest.mark.parametrize(("name", "cls"), OTHER_FAMILIES)
+def test_each_family_builds_its_model(name: str, cls: str) -> None:
+    assert type(bench_transformers._model(name, 64, 2, None, 64, quick=True)).__name__ == cls
+
+
 @pytest.mark.parametrize(
     ("name", "cls"),
-    [("qwen3_5", "Qwen3_5ForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"),
-     ("lfm2", "Lfm2ForCausalLM"), ("recurrent_gemma", "RecurrentGemmaForCausalLM"),
-     ("rwkv", "RwkvForCausalLM"), ("minimax", "MiniMaxForCausalLM")],
-)  # fmt: skip
+    [
+        pytest.param(name, cls, marks=[] if name in RUNS_BY_DEFAULT else [pytest.mark.slow])
+        for name, cls in OTHER_FAMILIES
+    ],
+)
 def test_quick_runs_of_the_other_families(name: str, cls: str) -> None:
     assert type(bench_transformers._model(name, 64, 2, None, 64, quick=True)).__name__ == cls
     rows = bench_transformers.run(quick=True, tokens=12, new_tokens=2, repeat=1,

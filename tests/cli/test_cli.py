@@ -93,9 +93,19 @@ def _rows(text: str) -> list[list[str]]:
 
 
 FAMILIES_WITH_BACKENDS = [f.name for f in check.FAMILIES if f.op is not None]
+# 5 to 10 s each: with the slow tests. The check's (K, V)-state families come from one
+# builder (parascan.cli.check._matrix_state_family): linear_attention_scan's case runs it
+# by default.
+SLOW_CHECKS = ("delta_rule_scan", "dplr_delta_rule_scan")
 
 
-@pytest.mark.parametrize("family", FAMILIES_WITH_BACKENDS)
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=[pytest.mark.slow] if f in SLOW_CHECKS else [])
+        for f in FAMILIES_WITH_BACKENDS
+    ],
+)
 def test_check_fails_when_a_backend_is_wrong(family, monkeypatch) -> None:
     """A backend whose forward is 10% off fails every row of its family that it runs
     (the dtypes it takes, and gradcheck: its backward no longer matches), and
@@ -656,7 +666,10 @@ def test_bench_never_reports_a_speed_for_a_wrong_ssm_result(monkeypatch) -> None
     real = bench_selective.selective_scan
     monkeypatch.setattr(bench_selective, "selective_scan", lambda *a, **kw: real(*a, **kw) * 1.01)
     out = io.StringIO()
-    status = bench.run_bench(cases=[], ssm_cases=SELECTIVE, repeat=1, out=out)
+    # the check does not depend on the size: a small case (the quick one's loops take
+    # 10 to 20 s), 16 channels for the 8 checked against the float64 loop
+    small = [bench_selective.SsmCase("mamba-1 scan", 1, 16, 33, 4)]
+    status = bench.run_bench(cases=[], ssm_cases=small, repeat=1, out=out)
     assert status == 1
     wrong = [line for line in out.getvalue().splitlines() if "WRONG" in line]
     assert len(wrong) == 2 and all("parascan" in line for line in wrong)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import parascan as ps
 from parascan._core import table
 
+from conftest import oracle_threads
 from oracles import dplr_delta_rule_loop, linear_attention_loop
 
 # every backend of the op that runs on the CPU
@@ -60,7 +61,8 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("decay", ["rwkv", "near 1", "near 0"])
 def test_rwkv7_ranges_match_the_loop(decay: str, backend: str) -> None:
     x = _rwkv7(300, decay)
-    want, want_final = dplr_delta_rule_loop(**x)
+    with oracle_threads():
+        want, want_final = dplr_delta_rule_loop(**x)
     got, final = ps.dplr_delta_rule_scan(
         *(x[n].float() for n in ("q", "k", "v", "a", "b")), g=x["g"].float(),
         return_final=True, backend=backend,
@@ -72,14 +74,14 @@ def test_rwkv7_ranges_match_the_loop(decay: str, backend: str) -> None:
     got64 = ps.dplr_delta_rule_scan(
         *(leaves[n] for n in ("q", "k", "v", "a", "b")), g=leaves["g"], backend=backend
     )
-    want64, _ = dplr_delta_rule_loop(**leaves)
+    with oracle_threads():
+        want64, _ = dplr_delta_rule_loop(**leaves)
     torch.testing.assert_close(got64, want64, rtol=1e-10, atol=1e-10)
     w = torch.randn(want64.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    for g1, g2 in zip(
-        torch.autograd.grad((got64 * w).sum(), list(leaves.values())),
-        torch.autograd.grad((want64 * w).sum(), list(leaves.values())),
-        strict=True,
-    ):
+    got_grads = torch.autograd.grad((got64 * w).sum(), list(leaves.values()))
+    with oracle_threads():
+        want_grads = torch.autograd.grad((want64 * w).sum(), list(leaves.values()))
+    for g1, g2 in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g1, g2, rtol=1e-9, atol=1e-9)
 
 
@@ -88,13 +90,15 @@ def test_float32_drift_at_4096_steps() -> None:
     to the output's largest magnitude, for RWKV-7's ranges and for GLA (a decay per
     key channel), on "auto"'s backend."""
     x = _rwkv7(4096, "rwkv", heads=1)
-    want, _ = dplr_delta_rule_loop(**x)
+    with oracle_threads():
+        want, _ = dplr_delta_rule_loop(**x)
     got = ps.dplr_delta_rule_scan(
         *(x[n].float() for n in ("q", "k", "v", "a", "b")), g=x["g"].float()
     )
     assert _relative(got, want) <= 1e-4
     gla = {n: x[n] for n in ("q", "k", "v")}
     gla["g"] = F.logsigmoid(torch.randn(x["g"].shape, dtype=torch.float64) + 4) / 16
-    want, _ = linear_attention_loop(**gla)
+    with oracle_threads():
+        want, _ = linear_attention_loop(**gla)
     got = ps.linear_attention_scan(*(gla[n].float() for n in ("q", "k", "v")), g=gla["g"].float())
     assert _relative(got, want) <= 1e-4

@@ -67,6 +67,9 @@ def _op_samples(backend: str, device: str, gen: torch.Generator):
         yield (a, b, h if i % 2 else None, dim, bool(i // 2 % 2), backend)
 
 
+# 3 to 5 s a backend: the C kernel's by default; the op (its schema, fake kernel and
+# autograd registration) is one for every backend, the others' with the slow tests
+@pytest.mark.targets(slow_backends=("torch", "loop"))
 def test_opcheck_raw_ops(target, gen) -> None:
     for args in _op_samples(target.backend, target.device, gen):
         torch.library.opcheck(forward_op(LINEAR), args)

@@ -67,6 +67,9 @@ def test_gradcheck_with_a_log_zero_prefix(target, gen) -> None:
     assert gradgradcheck(fn, inputs)
 
 
+# 3 to 5 s a backend: the C kernel's by default; the op (its schema, fake kernel and
+# autograd registration) is one for every backend, the others' with the slow tests
+@pytest.mark.targets(slow_backends=("torch", "loop"))
 def test_opcheck_raw_ops(target, gen) -> None:
     backend, device = target.backend, target.device
     for dtype in [torch.float64, torch.complex64, torch.bfloat16]:

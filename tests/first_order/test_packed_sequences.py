@@ -125,7 +125,15 @@ def _comparable(op, t):  # type: ignore[no-untyped-def]
     return t.exp() if op == "log" and t.dtype.is_complex else t
 
 
-@pytest.mark.targets(interpreter=True)
+def _other_tile_and_mode(op: str, layout: str) -> bool:
+    """The interpreter's cases with the slow tests (2 to 6 s each) but linear_scan's
+    time-major and log_linear_scan's time-contiguous ones: each of the Triton kernels'
+    two tiles and each of their two modes runs by default (time first, channels
+    contiguous, takes the time-major tile)."""
+    return (op, layout) not in (("linear", "time-major"), ("log", "time-contiguous"))
+
+
+@pytest.mark.targets(interpreter=True, slow_interpreter=_other_tile_and_mode)
 @pytest.mark.parametrize("op", ["linear", "log"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
@@ -166,7 +174,7 @@ def test_each_sequence_is_scanned_alone(target, op, layout, gen) -> None:
                     assert_matches(_comparable(op, final), want_final, dtype)
 
 
-@pytest.mark.targets(interpreter=True)
+@pytest.mark.targets(interpreter=True, slow_interpreter=_other_tile_and_mode)
 @pytest.mark.parametrize("op", ["linear", "log"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gradients_stay_inside_each_sequence(target, op, layout, gen) -> None:

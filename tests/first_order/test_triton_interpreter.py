@@ -81,8 +81,20 @@ def test_both_tiles_and_both_chunk_plans_run_and_match_the_loop(op, monkeypatch)
     assert seen == {(t, one) for t in (major, contiguous) for one in (True, False)}
 
 
-@pytest.mark.parametrize("op", ["linear", "log"])
-def test_calls_without_gradients_reach_the_kernels_directly(op, monkeypatch) -> None:
+# 15 to 25 s each interpreted, all four (reverse, initial) pairs on each layout: with the
+# slow tests; by default linear_scan's, two pairs a layout (each direction and each kind
+# of start on each, every pair on some). log_linear_scan's is the same direct path
+# (api.fast_path) with the log semiring, which
+# test_the_direct_path_leaves_to_the_op_what_it_does_not_take checks it takes.
+@pytest.mark.parametrize(
+    ("op", "every_pair"),
+    [
+        ("linear", False),
+        pytest.param("linear", True, marks=pytest.mark.slow),
+        pytest.param("log", True, marks=pytest.mark.slow),
+    ],
+)
+def test_calls_without_gradients_reach_the_kernels_directly(op, every_pair, monkeypatch) -> None:
     """A call that needs no gradient goes straight to the Triton kernels, past the op
     machinery (whose host time left an H200 waiting: 0.36 ms per call through the op,
     0.09 ms in the launch), with the general path's result bit for bit; the op's own
@@ -94,7 +106,7 @@ def test_calls_without_gradients_reach_the_kernels_directly(op, monkeypatch) -> 
     scan = ps.linear_scan if op == "linear" else ps.log_linear_scan
     gen = torch.Generator().manual_seed(11)
     cases = []
-    for shape, dim in [((2, 9, 5), 1), ((3, 13), -1), ((4, 3, 7), -3)]:
+    for i, (shape, dim) in enumerate([((2, 9, 5), 1), ((3, 13), -1), ((4, 3, 7), -3)]):
         gates = torch.rand(shape, generator=gen) * 0.5 + 0.5
         gates = gates.log() if op == "log" else gates
         tokens = torch.randn(shape, generator=gen)
@@ -103,6 +115,8 @@ def test_calls_without_gradients_reach_the_kernels_directly(op, monkeypatch) -> 
         initial = torch.randn(shape[:d] + shape[d + 1 :], generator=gen)
         for reverse in (False, True):
             for h in (None, initial):
+                if not every_pair and (h is None) != (reverse == bool(i % 2)):
+                    continue  # (False, None), (True, initial); then the other two
                 # the general path: the op, with autograd recording
                 a, b = gates.clone().requires_grad_(), tokens.clone()
                 out, final = scan(a, b, dim, initial=h, reverse=reverse, return_final=True,

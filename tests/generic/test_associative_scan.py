@@ -109,7 +109,8 @@ def test_vmap_of_matrix_products() -> None:
     torch.testing.assert_close(reduced, fold(torch.matmul, w, 1))
 
 
-@pytest.mark.parametrize("dim", [0, -1])
+# inductor's compilation takes 7 to 14 s: the last dim's case with the slow tests
+@pytest.mark.parametrize("dim", [0, pytest.param(-1, marks=pytest.mark.slow)])
 def test_compile_fullgraph(dim) -> None:
     a = torch.rand(21, 19, dtype=torch.float64)
     b = torch.randn(21, 19, dtype=torch.float64)

@@ -259,7 +259,19 @@ def test_gradients_of_every_parameter(name) -> None:
         close(got[k], want[k], k)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# 4 to 6 s each: by default Mamba's and Mamba-2's own models (their cache_params) and a
+# hybrid of each (Zamba, Bamba: past_key_values); the other models' with the slow tests
+# (their patched forward and cache run by default: test_logits_and_cache_contents).
+GENERATION_BY_DEFAULT = ("mamba", "zamba", "mamba2", "bamba")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[] if n in GENERATION_BY_DEFAULT else [pytest.mark.slow])
+        for n in MODELS
+    ],
+)
 def test_greedy_generation(name) -> None:
     model = build(name).eval()
     ids, mask = inputs(length=11)
@@ -761,8 +773,12 @@ def compiled_matches_eager(module: torch.nn.Module, x: torch.Tensor, train: bool
         close(g, w, "compiled gradient")
 
 
+# 3 to 8 s a compilation: training (forward and backward) by default, eval mode's
+# forward with the slow tests
 @pytest.mark.parametrize("name", ["mamba", "mamba2"])
-@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize(
+    "train", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eval", "train"]
+)
 def test_a_patched_mixer_compiles_with_fullgraph(name, train) -> None:
     """The patched paths trace without a graph break: one mixer of each family (the
     fused Mamba-2 layer's eligibility test called Tensor.is_neg, which dynamo cannot

@@ -175,6 +175,21 @@ def test_gradients_of_every_parameter(family: str) -> None:
         close(got[name], want[name], name)
 
 
+# 5 to 17 s each: by default the families whose convolutions differ most (LFM2's with a
+# bias, LFM3's of kernel 7, which eight new tokens roll over, Inkling-2's dynamic ones);
+# the others (LFM2's with an MoE, Inkling's, Inkling-2's looped) with the slow tests. Every
+# family's prefill and cached decoding run the patched functions by default
+# (test_the_models_call_the_patched_functions).
+GENERATION_BY_DEFAULT = ("lfm2", "lfm3", "inkling2")
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=[] if f in GENERATION_BY_DEFAULT else [pytest.mark.slow])
+        for f in MODELS
+    ],
+)
 def test_greedy_generation_from_a_left_padded_batch(family: str) -> None:
     """Batch 2, the first row left-padded by 4 (the convolutions' inputs masked there):
     the logits of the real tokens, and a greedy generation with a cache (the prefill by

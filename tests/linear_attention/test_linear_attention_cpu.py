@@ -23,7 +23,7 @@ from parascan.linear_attention import api
 from parascan.linear_attention import cpu as la_cpu
 
 from conftest import assert_matches, simd_path, threads
-from harness import assert_within_scale
+from harness import assert_within_scale, oracle_once
 from oracles import linear_attention_loop
 
 F64 = torch.float64
@@ -84,8 +84,14 @@ def _grads(
     ]  # fmt: skip
 
 
-def _check(p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None) -> None:
-    want = _grads(p, F64, None, cu)
+def _check(
+    p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None, key: object = None
+) -> None:
+    """The kernel against the loop; ``key`` names the problem, whose loop results (the
+    tests' time) are then computed once for every dtype and build."""
+    packing = None if cu is None else tuple(cu)
+    named = None if key is None else (__name__, key, packing)
+    want = oracle_once(named, lambda: _grads(p, F64, None, cu))
     got = _grads(p, dtype, "cpu", cu)
     names = ("out", "final", *(k for k in NAMES if k in p))
     assert_within_scale(names, want, got, 1e-11 if dtype == F64 else 2e-5)
@@ -112,7 +118,8 @@ def test_awkward_shapes_against_loop(
     hv = 2 if (dk + dv) % 2 else 1  # grouped value heads on half of them
     batch = 2 if length < 100 else 1  # the loop's time
     with simd_path(simd):
-        _check(_problem(1, batch, length, 1, hv, dk, dv, gate, initial=dk != 3), dtype)
+        p = _problem(1, batch, length, 1, hv, dk, dv, gate, initial=dk != 3)
+        _check(p, dtype, key=("awkward", shape))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
@@ -120,7 +127,8 @@ def test_awkward_shapes_against_loop(
 @pytest.mark.parametrize("initial", [True, False], ids=["initial", "zeros"])
 @pytest.mark.parametrize("length", LENGTHS)
 def test_lengths_against_loop(length: int, initial: bool, gate: str, dtype: torch.dtype) -> None:
-    _check(_problem(2, 2 if length < 100 else 1, length, 1, 2, 9, 35, gate, initial=initial), dtype)
+    p = _problem(2, 2 if length < 100 else 1, length, 1, 2, 9, 35, gate, initial=initial)
+    _check(p, dtype, key=("lengths", length, initial, gate))
 
 
 # The column blocks' edges (16 or 32 floats, 8 or 16 doubles on the vector levels, 8 and
@@ -130,7 +138,7 @@ def test_lengths_against_loop(length: int, initial: bool, gate: str, dtype: torc
 @pytest.mark.parametrize("dk", [4, 5, 8, 9])
 def test_block_edges_against_loop(dk: int, dv: int, simd: bool) -> None:
     with simd_path(simd):
-        _check(_problem(3, 1, 66, 1, 2, dk, dv, "channel"), torch.float32)
+        _check(_problem(3, 1, 66, 1, 2, dk, dv, "channel"), torch.float32, key=("edges", dk, dv))
 
 
 # Packed sequences: empty ones, boundaries on, before and after the checkpoints at 64 and
@@ -148,10 +156,10 @@ PACKED = [
 def test_packed_against_loop(cu: list[int], gate: str, simd: bool) -> None:
     p = _problem(4, 1, cu[-1], 1, 2, 9, 35, gate, states=len(cu) - 1)
     with simd_path(simd):
-        _check(p, torch.float32, cu)
-        _check(p, F64, cu)
+        _check(p, torch.float32, cu, key=("packed", gate))
+        _check(p, F64, cu, key=("packed", gate))
         del p["initial"]
-        _check(p, torch.float32, cu)
+        _check(p, torch.float32, cu, key=("packed", gate, "no initial"))
 
 
 @pytest.mark.parametrize("gate", ["head", "channel"])

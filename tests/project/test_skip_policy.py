@@ -27,3 +27,16 @@ def test_only_missing_optional_packages_may_skip(pytester, monkeypatch, body, co
     pytester.makepyfile(f"import pytest\n\n\n{body}\n")
     result = pytester.runpytest_subprocess("-p", "skip_policy", "-p", "no:cacheprovider")
     assert result.ret == code, result.stdout.str()
+
+
+def test_the_policy_holds_across_processes(pytester, monkeypatch) -> None:
+    """The README's command runs the suite in two processes (pytest-xdist): a worker's
+    skip reaches the policy in the process that sets the exit status."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    pytester.makepyfile(
+        "import pytest\n\n\ndef test_a():\n    pass\n\n\n"
+        "def test_b():\n    pytest.skip('the kernel library is not built')\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "skip_policy", "-p", "no:cacheprovider", "-n", "2")
+    assert result.ret == 1, result.stdout.str()
+    assert "skipped tests of installed code" in result.stdout.str()

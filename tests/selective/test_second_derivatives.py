@@ -20,7 +20,8 @@ save_for_backward), and forward mode through a vmapped scan failed on the checkp
 None tangent; the first-order checks through vmap below pin both down.
 
 Shapes stay tiny: jacrev of jacfwd vmaps over every element, and the scans' vmap rule
-runs once per element.
+runs once per element. The reverse-over-forward cases run on the first CPU backend (the C
+kernel's) by default, on the others with the slow tests (``SECOND_ORDER_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ from oracles import selective_loop, ssd_loop
 
 F64 = torch.float64
 BACKENDS = [b for b in ps.backends("cpu") if b in ops.ROW.backends and b in ssd_ops.ROW.backends]
+# Reverse over forward: every backend's tangents are the torch backend's forward under
+# forward-mode AD (parascan._core.jvp_through), differentiated again in torch ops; the
+# backends differ in the primal only. The C kernel's cases by default, the others' with
+# the slow tests.
+SECOND_ORDER_BACKENDS = [
+    pytest.param(b, marks=[] if i == 0 else [pytest.mark.slow]) for i, b in enumerate(BACKENDS)
+]
 Problem = dict[str, Any]
 Run = Callable[[Problem], tuple[torch.Tensor, torch.Tensor]]
 
@@ -152,7 +160,7 @@ def _close(got: Any, want: Any) -> None:
 # --- right: reverse mode over forward mode ------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SECOND_ORDER_BACKENDS)
 @pytest.mark.parametrize(("scan", "name"), CASES)
 def test_jacrev_of_jacfwd(scan, name, backend, gen):
     """The Hessian of a non-linear function of both outputs in each operand, as
@@ -164,7 +172,7 @@ def test_jacrev_of_jacfwd(scan, name, backend, gen):
     _close(got, want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SECOND_ORDER_BACKENDS)
 @pytest.mark.parametrize("scan", SCANS)
 def test_jacrev_of_jacfwd_mixed(scan, backend, gen):
     """Mixed second derivatives (argnums tuples, A with B) of a vector-valued function,
@@ -196,7 +204,7 @@ def test_jacrev_of_jacfwd_mixed(scan, backend, gen):
     _close(aux, aux_want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SECOND_ORDER_BACKENDS)
 @pytest.mark.parametrize("scan", SCANS)
 def test_reverse_over_forward_all_operands(scan, backend, gen):
     """One Hessian-vector product in every operand at once, four ways: grad of a jvp,
@@ -231,7 +239,7 @@ def test_reverse_over_forward_all_operands(scan, backend, gen):
     _close(grad(through_dual_level, argnums=tuple(range(len(names))))(*primals), want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SECOND_ORDER_BACKENDS)
 @pytest.mark.parametrize("scan", SCANS)
 def test_reverse_over_forward_under_vmap(scan, backend, gen):
     """vmap over jacrev(jacfwd(f)), and jacrev of a vmapped jacfwd: a batch of two
@@ -251,7 +259,7 @@ def test_reverse_over_forward_under_vmap(scan, backend, gen):
     _close(torch.stack([got[i, :, i] for i in range(2)]), want.reshape(2, size, size))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SECOND_ORDER_BACKENDS)
 def test_complex_a_reverse_over_forward(backend, gen):
     """The selective scan with a complex A (and state): the Hessian in delta and in B."""
     p = _selective(gen, complex_a=True)

@@ -163,8 +163,8 @@ CASES = [
     Case(length=1, batch=1, dim=2, n=1),
     Case(length=2, n=4, initial=False),
     Case(length=3, dim=1, b="invariant", z=False),
-    # on and next to the default checkpoint interval (64 steps)
-    Case(batch=1, dim=2, n=2, length=63),
+    # on and next to the default checkpoint interval (64 steps; 63 with the slow tests)
+    pytest.param(Case(batch=1, dim=2, n=2, length=63), marks=pytest.mark.slow),
     Case(batch=1, dim=2, n=2, length=64, b="invariant", D=False),
     Case(batch=1, dim=1, n=2, length=65, z=False, softplus=False),
     # a realistic number of states, padded (16), and an odd one (3) in float32
@@ -369,7 +369,12 @@ def _scales(what: str, t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.movedim(dims, tuple(range(len(dims)))).flatten(0, len(dims) - 1).unbind(0))
 
 
-@pytest.mark.parametrize("name", list(GROWING))
+# 2 to 4 s each interpreted: the growth past the range in float64 and float32 with the
+# slow tests (the issues' cases, float64's and float32's, by default)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if n.startswith("issue") else [pytest.mark.slow]) for n in GROWING],
+)
 def test_growing_state_against_the_loop(name: str) -> None:
     """A growing state (A > 0) against the float64 loop: out and final (all finite and
     fitting the dtype), and every gradient wherever the loop's is finite and fits the
