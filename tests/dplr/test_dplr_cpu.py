@@ -20,7 +20,7 @@ from parascan.dplr import api
 from parascan.dplr import cpu as dplr_cpu
 
 from conftest import assert_matches, simd_path, threads
-from harness import assert_within_scale
+from harness import assert_within_scale, oracle_once
 from oracles import dplr_delta_rule_loop
 
 F64 = torch.float64
@@ -91,8 +91,14 @@ def _grads(
     ]  # fmt: skip
 
 
-def _check(p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None) -> None:
-    want = _grads(p, F64, None, cu)
+def _check(
+    p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None, key: object = None
+) -> None:
+    """The kernel against the loop; ``key`` names the problem, whose loop results (the
+    tests' time) are then computed once for every dtype and build."""
+    packing = None if cu is None else tuple(cu)
+    named = None if key is None else (__name__, key, packing)
+    want = oracle_once(named, lambda: _grads(p, F64, None, cu))
     got = _grads(p, dtype, "cpu", cu)
     names = ("out", "final", *(k for k in NAMES if k in p))
     assert_within_scale(names, want, got, 1e-11 if dtype == F64 else 5e-5)
@@ -119,7 +125,8 @@ def test_awkward_shapes_against_loop(
     hv = 2 if (dk + dv) % 2 else 1  # grouped value heads on half of them
     batch = 2 if length < 100 else 1  # the loop's time
     with simd_path(simd):
-        _check(_problem(dk, batch, length, 1, hv, dk, dv, gate, initial=dk != 3), dtype)
+        p = _problem(dk, batch, length, 1, hv, dk, dv, gate, initial=dk != 3)
+        _check(p, dtype, key=("awkward", shape))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
@@ -130,6 +137,7 @@ def test_lengths_against_loop(length: int, initial: bool, gate: str, dtype: torc
     _check(
         _problem(length, 2 if length < 100 else 1, length, 1, 2, 9, 35, gate, initial=initial),
         dtype,
+        key=("lengths", length, initial, gate),
     )
 
 
@@ -138,7 +146,46 @@ def test_lengths_against_loop(length: int, initial: bool, gate: str, dtype: torc
 @pytest.mark.parametrize("dv", [4, 8, 15, 16, 17, 32, 33, 64])
 def test_block_edges_against_loop(dv: int, simd: bool) -> None:
     with simd_path(simd):
-        _check(_problem(dv, 1, 66, 2, 4, 6, dv, "channel"), torch.float32)
+        _check(_problem(dv, 1, 66, 2, 4, 6, dv, "channel"), torch.float32, key=("edges", dv))
+
+
+# The forward's frames (dplr/cpu.c): a channel's decays summed since its frame began,
+# log lam, stay within +-16 (float32) or +-32 (float64), else the step rebases. Per key
+# channel: a decay that leaves the bound in one step, none at all (a frame for the whole
+# chunk), growth, slow and middling decays; per head, each of those on its own.
+FRAME_DECAYS = {"leaves": -40.0, "none": 0.0, "grows": 0.3, "slow": -1e-3, "middling": -3.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("gate", ["head", "channel"])
+@pytest.mark.parametrize("decay", [*FRAME_DECAYS, "mixed"])
+def test_frames_against_loop(decay: str, gate: str, dtype: torch.dtype) -> None:
+    p = _problem(13, 1, 100, 1, 2, 5, 20, gate)
+    values = torch.tensor(list(FRAME_DECAYS.values()), dtype=F64)
+    if decay != "mixed":
+        p["g"] = torch.full_like(p["g"], FRAME_DECAYS[decay])
+    elif gate == "channel":  # a column each
+        p["g"] = values.expand_as(p["g"]).clone()
+    else:  # a run of steps each
+        p["g"] = values.repeat_interleave(20)[: p["g"].shape[1], None].expand_as(p["g"]).clone()
+    _check(p, dtype, key=("frames", decay, gate))
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_a_decay_of_zero_against_loop(gate: str) -> None:
+    """g = -inf (d = 0, log lam not finite: the step rebases) at steps 30 and 70: the
+    state keeps only b a^T S there, and no frame carries anything else over."""
+    p = {k: v.float() for k, v in _problem(14, 1, 100, 1, 2, 9, 20, gate).items()}
+    p["g"][:, [30, 70]] = -torch.inf
+    with torch.no_grad():
+        out, final = _call(p, p["initial"], return_final=True)
+    want, want_final = dplr_delta_rule_loop(
+        *(p[k].double() for k in ("q", "k", "v", "a", "b")), g=p["g"].double(),
+        scale=SCALE, initial=p["initial"].double(),
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert_matches(out, want, torch.float32)
+    assert_matches(final, want_final, torch.float32)
 
 
 # Packed sequences: empty ones, boundaries on, before and after the checkpoints at 64 and
@@ -156,10 +203,10 @@ PACKED = [
 def test_packed_against_loop(cu: list[int], gate: str, simd: bool) -> None:
     p = _problem(4, 1, cu[-1], 1, 2, 9, 35, gate, states=len(cu) - 1)
     with simd_path(simd):
-        _check(p, torch.float32, cu)
-        _check(p, F64, cu)
+        _check(p, torch.float32, cu, key=("packed", gate))
+        _check(p, F64, cu, key=("packed", gate))
         del p["initial"]
-        _check(p, torch.float32, cu)
+        _check(p, torch.float32, cu, key=("packed", gate, "no initial"))
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,8 @@
  *   the chunked form is argued): column blocks of VB lanes of the state (2 vectors:
  *   cpu_instance.h), a block's K rows held in L1, every operation a vector over the
  *   block's columns times a broadcast scalar. A step is one sweep over the rows that
- *   applies the update and reads the next step's x and S^T (d q) from the updated row: a
- *   multiply and four multiply-adds per state element (the delta rule's has one multiply-
- *   add fewer: its erase and write share a vector), against the four multiply-adds of
+ *   applies the update and reads the next step's x and S^T (d q) from the updated row:
+ *   four multiply-adds per state element in the forward's frames (below), the four of
  *   the limit the bench measures. Work units are (batch row, head) pairs, split further
  *   into groups of column blocks when there are fewer pairs than threads; a thread runs
  *   its units chunk by chunk, up to 16 at a time (neighbouring heads' rows of a chunk
@@ -24,6 +23,25 @@
  *   one's initial state (or zeros) at its first step and stored as its final state
  *   after its last. The decoding step reads the state in place and streams the final
  *   one past the caches.
+ *
+ *   Decays without a multiply per step: frames (linear_attention/cpu.c's). In the forward
+ *   a tile holds X = Diag(lam)^-1 S, lam the product of the decays since the frame began
+ *   (per key channel, or per head), so that a step is the ungated one on rescaled
+ *   operands, prepared per chunk (an exp and a division per key channel):
+ *       x = X^T (a lam'),  X += (b / lam) x^T + (k / lam) v^T,  S^T (d q) = X^T (d q lam')
+ *   (lam' the product before the step, lam = lam' d after it). A step rebases, X = Diag(
+ *   lam) X + b x^T + k v^T (the multiply again) and a new frame with lam = 1, when log lam
+ *   would leave [-16, 16] (float32; [-32, 32] for float64) or is not finite (a zero
+ *   decay, a NaN), and always at a chunk's and a sequence's last step, so that
+ *   checkpoints and final states are the true state. A frame's first step has lam' = 1:
+ *   its operands are the plain step's bits (a decoding step's, too). Rounding: the terms
+ *   of X are those of S times 1 / lam, each read back times a lam no larger (decays <= 1),
+ *   so errors stay relative to the largest term as in the plain recurrence. At RWKV-7's
+ *   shape the forward went from 1.76x to 1.53x the multiply-add limit. The backward
+ *   rebuilds a chunk's states in the same frames (the forward's bits, three operations
+ *   an element instead of four); the adjoint's sums over a row of S[t-1] are taken over
+ *   the row of X and multiplied by the row's lam' (grad_a) or lam = lam' d (grad_q,
+ *   grad_g), once per row, step and column block.
  *
  *   Unlike the chunked form (the torch backend, dplr/chunked.py), the recurrence solves
  *   no triangular system: its rounding is the float64 loop's, step for step, in the

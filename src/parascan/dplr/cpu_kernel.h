@@ -23,24 +23,44 @@
 
 /* What the steps of a chunk need besides the state, for one (batch row, head): per step
  * j and key channel i, a, b, k, q (times the scale), the decay d = exp(g) (1 without a
- * gate) and d q (what the state before the step is read with for the output); b . q
- * and k . q; the rows of v (and in the backward of grad_out) gathered, and room for
- * the rows of the output (grad_v) before they are scattered. */
+ * gate) and d q (what the state before the step is read with for the output); the same
+ * in the forward's frames (cpu.c): fa = a lam', fq = d q lam', fb = b / lam, fk = k / lam
+ * (lam' the frame's product of decays before the step, lam after it), and fm = lam the
+ * multiplier of the state on a step that rebases (flag rb); b . q and k . q; the rows of
+ * v (and in the backward of grad_out) gathered, and room for the rows of the output
+ * (grad_v) before they are scattered. */
 typedef struct {
     T *aa, *bb, *kk, *qq, *dd, *qd; /* (chunk, K) */
-    T *bq, *kq;                     /* (chunk,) */
+    T *fa, *fb, *fk, *fq, *fm;      /* (chunk, K) */
+    T *lam;                         /* (K): log lam */
+    T *bq, *kq, *rb;                /* (chunk,) */
     T *vv, *oo, *go;                /* (chunk, V): v, out (or grad_v), grad_out */
 } F(ps_dplr_prep);
 
-static inline int64_t F(ps_dplr_prep_size)(int64_t C, int64_t K, int64_t Vd) {
-    return 6 * C * K + 2 * C + 3 * C * Vd;
+/* The elements of a prep for chunks of C steps; `frames`: with the forward's. */
+static inline int64_t F(ps_dplr_prep_size)(int64_t C, int64_t K, int64_t Vd, int frames) {
+    return (frames ? 11 : 6) * C * K + K + 3 * C + 3 * C * Vd;
 }
 
-static inline F(ps_dplr_prep) F(ps_dplr_prep_at)(T *m, int64_t C, int64_t K, int64_t Vd) {
-    T *s = m + 6 * C * K, *r = s + 2 * C;
-    return (F(ps_dplr_prep)){m,     m + C * K, m + 2 * C * K, m + 3 * C * K, m + 4 * C * K,
-                             m + 5 * C * K, s, s + C, r, r + C * Vd, r + 2 * C * Vd};
+static inline F(ps_dplr_prep) F(ps_dplr_prep_at)(T *m, int64_t C, int64_t K, int64_t Vd,
+                                                 int frames) {
+    F(ps_dplr_prep) p;
+    T **rows[11] = {&p.aa, &p.bb, &p.kk, &p.qq, &p.dd, &p.qd, &p.fa, &p.fb, &p.fk, &p.fq, &p.fm};
+    const int nrows = frames ? 11 : 6;
+    for (int o = 0; o < 11; ++o) *rows[o] = o < nrows ? m + o * C * K : NULL;
+    p.lam = m + nrows * C * K;
+    p.bq = p.lam + K;
+    p.kq = p.bq + C;
+    p.rb = p.kq + C;
+    p.vv = p.rb + C;
+    p.oo = p.vv + C * Vd;
+    p.go = p.oo + C * Vd;
+    return p;
 }
+
+/* The frames' bound on |log lam| (cpu.c): the state in a frame stays within e^16
+ * (float32) or e^32 (float64) of the true one. */
+#define PS_DPLR_FRAME (TBYTES == 4 ? (T)16 : (T)32)
 
 /* x . y over K, in W lanes summed at the end. */
 PS_DPLR_INLINE T F(ps_dplr_dot)(const T *x, const T *y, int64_t K) {
@@ -51,14 +71,78 @@ PS_DPLR_INLINE T F(ps_dplr_dot)(const T *x, const T *y, int64_t K) {
     return r;
 }
 
-ATTR static void F(ps_dplr_prepare)(const ps_dplr_args *a, const F(ps_dplr_prep) *p, int64_t b,
-                                    int64_t h, int64_t t0, int64_t n) {
+/* Whether every element of x[0 .. K) is within [-bound, bound] (NaN is not). */
+PS_DPLR_INLINE int F(ps_dplr_within)(const T *x, int64_t K, T bound) {
+    int ok = 1;
+    for (int64_t i = 0; i < K; ++i) ok &= x[i] <= bound && x[i] >= -bound;
+    return ok;
+}
+
+/* Step j's operands in the forward's frames (cpu.c), from its plain a, b and k at aa, bb
+ * and kk, its q (times the scale) and d q prepared, and g at `gs` (the step's decay per
+ * head or per channel); `end`: the step ends a sequence or the chunk, and rebases. A frame starts at the chunk's first step and after each
+ * step that rebases, with lam' = 1: fa = a and fq = d q, the plain operands' bits. */
+PS_DPLR_INLINE void F(ps_dplr_frame)(const ps_dplr_args *a, const F(ps_dplr_prep) *p, int64_t j,
+                                     const T *aa, const T *bb, const T *kk, const T *gs,
+                                     int end) {
+    const int64_t K = a->dk, o = j * K;
+    T *fa = p->fa + o, *fb = p->fb + o, *fk = p->fk + o, *fq = p->fq + o, *fm = p->fm + o;
+    if (!a->gate) { /* no decay: the plain step, never a frame */
+        memcpy(fa, aa, sizeof(T) * (size_t)K);
+        memcpy(fb, bb, sizeof(T) * (size_t)K);
+        memcpy(fk, kk, sizeof(T) * (size_t)K);
+        memcpy(fq, p->qd + o, sizeof(T) * (size_t)K);
+        p->rb[j] = 0;
+        return;
+    }
+    const int fresh = j == 0 || p->rb[j - 1] != 0; /* lam' = 1 */
+    const T *before = fresh ? NULL : fm - K;        /* lam' of each channel */
+    T *lam = p->lam;
+    if (fresh)
+        for (int64_t i = 0; i < K; ++i) lam[i] = 0;
+    if (a->gate == 1) { /* one frame for the head: the scalar exp, as the plain d's */
+        lam[0] += gs[0];
+        const T e = EXP(lam[0]);
+        for (int64_t i = 0; i < K; ++i) fm[i] = e;
+    } else {
+        for (int64_t i = 0; i < K; i += W) {
+            const V x = F(ps_kv_load_vec)(lam, i, K) + F(ps_kv_load_vec)(gs, i, K);
+            F(ps_kv_store_vec)(lam, x, i, K);
+            F(ps_kv_store_vec)(fm, F(ps_vexp)(x), i, K);
+        }
+    }
+    const T *qq = p->qq + o;
+    for (int64_t i = 0; i < K; ++i) {
+        fa[i] = before ? aa[i] * before[i] : aa[i];
+        fq[i] = fm[i] * qq[i];
+    }
+    const int rebase = end || !F(ps_dplr_within)(lam, a->gate == 1 ? 1 : K, PS_DPLR_FRAME);
+    p->rb[j] = (T)rebase;
+    if (rebase) {
+        memcpy(fb, bb, sizeof(T) * (size_t)K);
+        memcpy(fk, kk, sizeof(T) * (size_t)K);
+        return;
+    }
+    for (int64_t i = 0; i < K; i += W) { /* 1 / lam: a division, cheaper than an exp */
+        const V ei = (T)1 / F(ps_kv_load_vec)(fm, i, K);
+        F(ps_kv_store_vec)(fb, F(ps_kv_load_vec)(bb, i, K) * ei, i, K);
+        F(ps_kv_store_vec)(fk, F(ps_kv_load_vec)(kk, i, K) * ei, i, K);
+    }
+}
+
+/* Steps [t0, t0 + n) of head h, batch row b: their plain operands, and (frames) those
+ * in the frames, with sq the row's sequences; frames = 1 (the forward's) leaves out the
+ * plain d and d q of a gate, 2 (the backward's) takes both. */
+ATTR static void F(ps_dplr_prepare)(const ps_dplr_args *a, const F(ps_dplr_prep) *p,
+                                    const F(ps_kv_seqs) *sq, int64_t b, int64_t h, int64_t t0,
+                                    int64_t n, const int frames) {
     const int64_t L = a->length, K = a->dk, H = a->heads, Hk = a->kheads;
     const int64_t hk = h / (H / Hk);
     const T *g = a->g;
     double scale_d;
     memcpy(&scale_d, &a->scale_bits, sizeof scale_d);
     const T scale = (T)scale_d;
+    int64_t s = F(ps_kv_seq_at)(sq, t0);
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j, step = (b * L + t) * H + h, row = ((b * L + t) * Hk + hk) * K;
         const T *src[4] = {(const T *)a->a + row, (const T *)a->b + row, (const T *)a->k + row,
@@ -66,14 +150,20 @@ ATTR static void F(ps_dplr_prepare)(const ps_dplr_args *a, const F(ps_dplr_prep)
         T *dst[4] = {p->aa + j * K, p->bb + j * K, p->kk + j * K, p->qq + j * K};
         for (int o = 0; o < 4; ++o) {
             if (j + PS_KV_FETCH_STEPS < n) F(ps_kv_fetch)(src[o] + PS_KV_FETCH_STEPS * Hk * K, K, 1);
-            memcpy(dst[o], src[o], sizeof(T) * (size_t)K);
+            /* the forward reads a, b and k where they are */
+            if (frames == 1 && o < 3)
+                dst[o] = (T *)src[o]; /* read only */
+            else
+                memcpy(dst[o], src[o], sizeof(T) * (size_t)K);
         }
         if (a->gate == 2 && j + PS_KV_FETCH_STEPS < n)
             F(ps_kv_fetch)(g + (step + PS_KV_FETCH_STEPS * H) * K, K, 1);
         T *qq = dst[3], *dd = p->dd + j * K, *qd = p->qd + j * K;
         if (scale != 1)
             for (int64_t i = 0; i < K; ++i) qq[i] *= scale;
-        if (a->gate == 1) {
+        if (frames == 1 && a->gate) {
+            /* the frames' fm is d at a frame's first step (ps_dplr_frame): d, d q unused */
+        } else if (a->gate == 1) {
             const T d = EXP(g[step]);
             for (int64_t i = 0; i < K; ++i) dd[i] = d;
         } else if (a->gate == 2) {
@@ -83,9 +173,17 @@ ATTR static void F(ps_dplr_prepare)(const ps_dplr_args *a, const F(ps_dplr_prep)
         } else {
             for (int64_t i = 0; i < K; ++i) dd[i] = 1;
         }
-        for (int64_t i = 0; i < K; ++i) qd[i] = dd[i] * qq[i];
+        if (frames != 1 || !a->gate)
+            for (int64_t i = 0; i < K; ++i) qd[i] = dd[i] * qq[i];
         p->bq[j] = F(ps_dplr_dot)(dst[1], qq, K);
         p->kq[j] = F(ps_dplr_dot)(dst[2], qq, K);
+        const int end = t == sq->cu[s + 1] - 1;
+        if (frames != 0)
+            F(ps_dplr_frame)(a, p, j, dst[0], dst[1], dst[2],
+                             a->gate == 2 ? g + step * K : a->gate ? g + step : NULL,
+                             end || j == n - 1);
+        if (end)
+            while (s < sq->nseq - 1 && sq->cu[s + 1] <= t + 1) ++s;
     }
     F(ps_kv_gather)(p->vv, a->dv, a->v, b, h, t0, n, L, H, a->dv);
     if (a->grad_out) F(ps_kv_gather)(p->go, a->dv, a->grad_out, b, h, t0, n, L, H, a->dv);
@@ -182,7 +280,7 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_block)(const ps_dplr_args *a, const F(ps_dplr_
                                K, Vd, c0);
         if (j == 0 && a->checkpoints)
             F(ps_kv_store_cols)((T *)a->checkpoints + ((b * nc + c) * H + h) * KV, tile, K, Vd, c0);
-        if (fresh) F(ps_dplr_read)(tile, VB, p->aa + j * K, p->qd + j * K, K, xa, xq, 1);
+        if (fresh) F(ps_dplr_read)(tile, VB, p->fa + j * K, p->fq + j * K, K, xa, xq, 1);
         F(ps_kv_load_row)(v, p->vv + j * Vd, Vd, c0);
         F(ps_dplr_out)(o, xq, xa, v, p->bq[j], p->kq[j]);
         F(ps_kv_store_row)(p->oo + j * Vd, o, Vd, c0);
@@ -190,12 +288,15 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_block)(const ps_dplr_args *a, const F(ps_dplr_
         fresh = last || j + 1 == n;
         V x[NB];
         for (int m = 0; m < NB; ++m) x[m] = xa[m];
+        /* in the step's frame: the multiplier fm (the true state) only where it rebases */
+        const T *fm = p->fm + j * K, *fb = p->fb + j * K, *fk = p->fk + j * K;
+        const T *an = p->fa + (j + 1) * K, *qn = p->fq + (j + 1) * K;
         if (fresh)
-            F(ps_dplr_update)(tile, tile, p->dd + j * K, p->bb + j * K, p->kk + j * K, x, v, NULL,
-                              NULL, K, xa, xq, gated, 0, 0);
+            F(ps_dplr_update)(tile, tile, fm, fb, fk, x, v, NULL, NULL, K, xa, xq, gated, 0, 0);
+        else if (gated && p->rb[j] != 0)
+            F(ps_dplr_update)(tile, tile, fm, fb, fk, x, v, an, qn, K, xa, xq, 1, 1, 1);
         else
-            F(ps_dplr_update)(tile, tile, p->dd + j * K, p->bb + j * K, p->kk + j * K, x, v,
-                              p->aa + (j + 1) * K, p->qd + (j + 1) * K, K, xa, xq, gated, 1, 1);
+            F(ps_dplr_update)(tile, tile, fm, fb, fk, x, v, an, qn, K, xa, xq, 0, 1, 1);
         if (last) {
             if (fin)
                 F(ps_kv_store_cols)(fin + (F(ps_kv_state_row)(sq, s) * H + h) * KV, tile, K, Vd,
@@ -216,13 +317,13 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_single)(const ps_dplr_args *a, const F(ps_dplr
     const int64_t K = a->dk, Vd = a->dv, c0 = vb * VB, at = (b * a->heads + h) * K * Vd + c0;
     const T *src = (const T *)a->initial + at;
     V x[NB], xq[NB], v[NB], o[NB];
-    F(ps_dplr_read)(src, Vd, p->aa, p->qd, K, x, xq, 1);
+    F(ps_dplr_read)(src, Vd, p->fa, p->fq, K, x, xq, 1);
     F(ps_kv_load_row)(v, p->vv, Vd, c0);
     F(ps_dplr_out)(o, xq, x, v, p->bq[0], p->kq[0]);
     F(ps_kv_store_row)(p->oo, o, Vd, c0);
     if (!a->final) return;
     T *dst = (T *)a->final + at;
-    const T *dd = p->dd, *bb = p->bb, *kk = p->kk;
+    const T *dd = p->fm, *bb = p->fb, *kk = p->fk; /* a frame's first step: d, b, k */
     if (F(ps_kv_streams)(dst, Vd)) { /* rows aligned to a vector: stored past the caches */
         for (int64_t i = 0; i < K; ++i) {
             const VA *r = (const VA *)(src + i * Vd);
@@ -254,14 +355,14 @@ ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end)
     const int64_t Cn = L < C ? L : C;                /* steps of a chunk, at most */
     const int64_t group = end - begin < PS_DPLR_GROUP ? end - begin : PS_DPLR_GROUP;
     T *tiles = ps_kv_alloc(sizeof(T) * (size_t)(group * most * K * VB));
-    T *pm = malloc(sizeof(T) * (size_t)F(ps_dplr_prep_size)(Cn, K, a->dv));
+    T *pm = malloc(sizeof(T) * (size_t)F(ps_dplr_prep_size)(Cn, K, a->dv, 1));
     if (!tiles || !pm) {
         free(tiles);
         free(pm);
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    const F(ps_dplr_prep) p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv);
+    const F(ps_dplr_prep) p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv, 1);
     const int single = L == 1 && a->initial && !a->cu_seqlens && !a->checkpoints;
     for (int64_t first = begin; first < end; first += group) {
         const int64_t last = end - first < group ? end : first + group;
@@ -273,7 +374,7 @@ ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end)
                 if (vb0 == vb1) continue;
                 F(ps_kv_seqs) sq;
                 F(ps_kv_seqs_of)(&sq, a->cu_seqlens, a->nseq, a->length, b);
-                F(ps_dplr_prepare)(a, &p, b, h, t0, n);
+                F(ps_dplr_prepare)(a, &p, &sq, b, h, t0, n, 1);
                 for (int64_t vb = vb0; vb < vb1; ++vb) {
                     if (single && (vb + 1) * VB <= a->dv) { /* a whole block */
                         if (a->gate)
@@ -344,6 +445,11 @@ ATTR static void F(ps_dplr_grad_final)(const ps_dplr_args *a, const F(ps_kv_seqs
                        a->dk, a->dv, c0);
 }
 
+/* lam' of step j, the product of decays its state's frame holds (NULL: 1). */
+PS_DPLR_INLINE const T *F(ps_dplr_lam_before)(const F(ps_dplr_prep) *p, int64_t j, int64_t K) {
+    return j == 0 || p->rb[j - 1] != 0 ? NULL : p->fm + (j - 1) * K;
+}
+
 /* One sweep of the adjoint over the rows of a block's dS (K x NB vectors), W rows at a
  * time (their lane sums interleave with the next rows' multiply-adds), dS the gradient
  * of the state after the step:
@@ -364,7 +470,9 @@ PS_DPLR_INLINE void F(ps_dplr_adjoint)(const F(ps_dplr_bwd_buf) *m, V *dS, int64
     const int64_t jB = has_b ? jb_ : 0, jA = has_a ? ja_ : 0;
     const V *SpB = (const V *)(m->states + jB * tsz), *SpA = (const V *)(m->states + jA * tsz);
     const T *aB = p->aa + jB * K, *dB = p->dd + jB * K;
-    const T *qA = p->qq + jA * K, *dA = p->dd + jA * K, *bA = p->bb + jA * K, *kA = p->kk + jA * K;
+    const T *qA = p->qq + jA * K, *bA = p->bb + jA * K, *kA = p->kk + jA * K;
+    /* the states are in the steps' frames: S[jB-1] = Diag(lam') X, d S[jA-1] = Diag(lam) X */
+    const T *lB = gated ? F(ps_dplr_lam_before)(p, jB, K) : NULL, *dA = p->fm + jA * K;
     T *gq = m->dq + jA * K, *gk = m->dk + jA * K, *gb = m->db + jA * K, *gg = m->dg + jA * K;
     T *ga = m->da + jB * K;
     V go[NB], x[NB], v[NB], gv[NB], t1[NB], gacc = (V){0};
@@ -422,7 +530,7 @@ PS_DPLR_INLINE void F(ps_dplr_adjoint)(const F(ps_dplr_bwd_buf) *m, V *dS, int64
         }
         if (has_b) {
             F(ps_lane_sums)(ra, cnt, sums);
-            for (int64_t r = 0; r < cnt; ++r) ga[i0 + r] += sums[r];
+            for (int64_t r = 0; r < cnt; ++r) ga[i0 + r] += lB ? lB[i0 + r] * sums[r] : sums[r];
         }
         if (has_a) {
             F(ps_lane_sums)(rb, cnt, sums);
@@ -473,14 +581,19 @@ PS_DPLR_INLINE void F(ps_dplr_bwd_block)(const ps_dplr_args *a, const F(ps_dplr_
         T *st = m->states + j * tsz;
         if (j > 0 && t != sq->cu[s]) {
             F(ps_kv_load_row)(v, p->vv + (j - 1) * Vd, Vd, c0);
-            F(ps_dplr_update)(st, st - tsz, p->dd + (j - 1) * K, p->bb + (j - 1) * K,
-                              p->kk + (j - 1) * K, (const V *)(m->xx + (j - 1) * VB), v,
-                              p->aa + j * K, NULL, K, xa, NULL, gated, 1, 0);
+            const int64_t o = (j - 1) * K; /* step j - 1, as the forward ran it */
+            const V *x = (const V *)(m->xx + (j - 1) * VB);
+            if (gated && p->rb[j - 1] != 0)
+                F(ps_dplr_update)(st, st - tsz, p->fm + o, p->fb + o, p->fk + o, x, v, p->fa + j * K,
+                                  NULL, K, xa, NULL, 1, 1, 0);
+            else
+                F(ps_dplr_update)(st, st - tsz, p->fm + o, p->fb + o, p->fk + o, x, v, p->fa + j * K,
+                                  NULL, K, xa, NULL, 0, 1, 0);
         } else {
             if (j > 0)
                 F(ps_kv_load_cols)(st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL,
                                    K, Vd, c0);
-            F(ps_dplr_read)(st, VB, p->aa + j * K, NULL, K, xa, NULL, 0);
+            F(ps_dplr_read)(st, VB, p->fa + j * K, NULL, K, xa, NULL, 0);
         }
         V *xj = (V *)(m->xx + j * VB);
         for (int q = 0; q < NB; ++q) xj[q] = xa[q];
@@ -526,7 +639,7 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
     const int64_t nvb = ctx->nvb, tsz = K * VB, per = H / Hk;
     const int64_t Cn = L < C ? L : C; /* steps of a chunk, at most */
     F(ps_dplr_bwd_buf) m;
-    const int64_t prep = F(ps_dplr_prep_size)(Cn, K, a->dv);
+    const int64_t prep = F(ps_dplr_prep_size)(Cn, K, a->dv, 1);
     T *pm = malloc(sizeof(T) * (size_t)(prep + 5 * Cn * K + Cn));
     m.states = ps_kv_alloc(sizeof(T) * (size_t)(Cn * tsz));
     const int64_t group = end - begin < PS_DPLR_GROUP ? end - begin : PS_DPLR_GROUP;
@@ -541,7 +654,7 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    m.p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv);
+    m.p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv, 1);
     m.dq = pm + prep;
     m.dk = m.dq + Cn * K;
     m.da = m.dk + Cn * K;
@@ -561,7 +674,7 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
             m.dS = dS + (unit - first) * per * nvb * tsz; /* the unit's, carried over chunks */
             memset(m.dq, 0, sizeof(T) * (size_t)(4 * Cn * K));
             for (int64_t h = hk * per; h < (hk + 1) * per; ++h) {
-                F(ps_dplr_prepare)(a, &m.p, b, h, t0, n);
+                F(ps_dplr_prepare)(a, &m.p, &sq, b, h, t0, n, 2);
                 memset(m.dg, 0, sizeof(T) * (size_t)(Cn * K + Cn));
                 for (int64_t vb = 0; vb < nvb; ++vb) {
                     if (a->gate == 2)
