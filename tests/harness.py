@@ -805,6 +805,32 @@ def oracle_once(key: object, compute: Callable[[], Any]) -> Any:
     return result
 
 
+Grads = Callable[
+    [dict[str, torch.Tensor], torch.dtype, "str | None", "list[int] | None"], list[torch.Tensor]
+]
+
+
+def kernel_against_loop(
+    grads: Grads,
+    names: Sequence[str],
+    p: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    cu: list[int] | None,
+    key: object,
+    tol: float,
+    tol64: float = 1e-11,
+) -> None:
+    """A C kernel's outputs and gradients (``grads(p, dtype, "cpu", cu)``, named by
+    ``names``) against the float64 loop's (``grads(p, float64, None, cu)``) within ``tol``
+    (``tol64`` in float64) of each tensor's scale. ``key`` names the problem (the caller's
+    module among it; None: none): its loop results, the tests' time, are then computed
+    once for every dtype and build (``oracle_once``)."""
+    named = None if key is None else (key, None if cu is None else tuple(cu))
+    want = oracle_once(named, lambda: grads(p, torch.float64, None, cu))
+    got = grads(p, dtype, "cpu", cu)
+    assert_within_scale(names, want, got, tol64 if dtype == torch.float64 else tol)
+
+
 def assert_within_scale(
     names: Sequence[str], want: Sequence[torch.Tensor], got: Sequence[torch.Tensor], tol: float
 ) -> None:

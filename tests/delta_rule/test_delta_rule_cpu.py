@@ -15,7 +15,7 @@ import parascan as ps
 from parascan.delta_rule import cpu as delta_cpu
 
 from conftest import assert_matches, simd_path, threads
-from harness import assert_within_scale, oracle_once
+from harness import kernel_against_loop
 from oracles import delta_rule_loop
 
 F64 = torch.float64
@@ -74,14 +74,10 @@ def _grads(
 def _check(
     p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None, key: object = None
 ) -> None:
-    """The kernel against the loop; ``key`` names the problem, whose loop results (the
-    tests' time) are then computed once for every dtype and build."""
-    packing = None if cu is None else tuple(cu)
-    named = None if key is None else (__name__, key, packing)
-    want = oracle_once(named, lambda: _grads(p, F64, None, cu))
-    got = _grads(p, dtype, "cpu", cu)
+    """The kernel against the loop (``key``: the problem's name, its loop run once)."""
+    named = None if key is None else (__name__, key)
     names = ("out", "final", *(k for k in NAMES if k in p))
-    assert_within_scale(names, want, got, 1e-11 if dtype == F64 else 2e-5)
+    kernel_against_loop(_grads, names, p, dtype, cu, named, 2e-5)
 
 
 # (batch, L, Hk, Hv, K, V): Qwen3.5's head (128 x 128), V around the column blocks (64

@@ -20,7 +20,7 @@ from parascan.dplr import api
 from parascan.dplr import cpu as dplr_cpu
 
 from conftest import assert_matches, simd_path, threads
-from harness import assert_within_scale, oracle_once
+from harness import assert_within_scale, kernel_against_loop
 from oracles import dplr_delta_rule_loop
 
 F64 = torch.float64
@@ -94,14 +94,10 @@ def _grads(
 def _check(
     p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None, key: object = None
 ) -> None:
-    """The kernel against the loop; ``key`` names the problem, whose loop results (the
-    tests' time) are then computed once for every dtype and build."""
-    packing = None if cu is None else tuple(cu)
-    named = None if key is None else (__name__, key, packing)
-    want = oracle_once(named, lambda: _grads(p, F64, None, cu))
-    got = _grads(p, dtype, "cpu", cu)
+    """The kernel against the loop (``key``: the problem's name, its loop run once)."""
+    named = None if key is None else (__name__, key)
     names = ("out", "final", *(k for k in NAMES if k in p))
-    assert_within_scale(names, want, got, 1e-11 if dtype == F64 else 5e-5)
+    kernel_against_loop(_grads, names, p, dtype, cu, named, 5e-5)
 
 
 # K and V through 1, 3, 65 and 129 (column blocks of 8 to 32 lanes, by level and type;

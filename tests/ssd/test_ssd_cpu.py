@@ -16,7 +16,7 @@ from parascan.ssd import autograd as ssd_ops
 from parascan.ssd import cpu as ssd_cpu
 
 from conftest import assert_matches, simd_path, threads
-from harness import assert_within_scale, oracle_once
+from harness import assert_within_scale, kernel_against_loop
 from oracles import ssd_loop
 
 F64 = torch.float64
@@ -69,13 +69,9 @@ def _grads(
 def _check(
     p: dict[str, torch.Tensor], dtype: torch.dtype, cu: list[int] | None = None, key: object = None
 ) -> None:
-    """The kernel against the loop; ``key`` names the problem, whose loop results are
-    then computed once for every dtype and build."""
-    packing = None if cu is None else tuple(cu)
-    named = None if key is None else (__name__, key, packing)
-    want = oracle_once(named, lambda: _grads(p, F64, None, cu))
-    got = _grads(p, dtype, "cpu", cu)
-    assert_within_scale(("out", "final", *NAMES), want, got, 1e-10 if dtype == F64 else 3e-5)
+    """The kernel against the loop (``key``: the problem's name, its loop run once)."""
+    named = None if key is None else (__name__, key)
+    kernel_against_loop(_grads, ("out", "final", *NAMES), p, dtype, cu, named, 3e-5, tol64=1e-10)
 
 
 # (batch, L, heads, headdim, groups, N): the model's head (64 x 64), headdim not a
