@@ -93,7 +93,7 @@ class LinearRow(KvRow):
 _GLA = LinearCase("gla 1.3B", 1, 1024, 4, 4, 256, 512, LINEAR, prefix=256, packed=8)
 _RWKV7 = LinearCase("rwkv-7 2.9B", 1, 1024, 40, 40, 64, 64, DPLR, prefix=256, packed=8)
 DEFAULT_LINEAR_CASES = [_GLA, _RWKV7]
-# --full: the naive loops whole, and DPLR's packed row
+# --full: the naive loops whole (the default times 256 of their steps)
 FULL_LINEAR_CASES = [
     LinearCase("gla 1.3B", 1, 1024, 4, 4, 256, 512, LINEAR, packed=8),
     LinearCase("rwkv-7 2.9B", 1, 1024, 40, 40, 64, 64, DPLR, packed=8),

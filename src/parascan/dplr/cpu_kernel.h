@@ -25,8 +25,9 @@
  * j and key channel i, a, b, k, q (times the scale), the decay d = exp(g) (1 without a
  * gate) and d q (what the state before the step is read with for the output); the same
  * in the forward's frames (cpu.c): fa = a lam', fq = d q lam', fb = b / lam, fk = k / lam
- * (lam' the frame's product of decays before the step, lam after it), and fm = lam the
- * multiplier of the state on a step that rebases (flag rb); b . q and k . q; the rows of
+ * (lam' the frame's product of decays before the step, lam after it), and fm = lam on
+ * every gated step: the next step's lam', the backward's scale of its row sums and, on a
+ * step that rebases (flag rb), the multiplier of the state; b . q and k . q; the rows of
  * v (and in the backward of grad_out) gathered, and room for the rows of the output
  * (grad_v) before they are scattered. */
 typedef struct {
