@@ -430,6 +430,20 @@ def _overlapping_like(t: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros(size, dtype=t.dtype).as_strided(t.shape, strides)
 
 
+def _draws(
+    gen: torch.Generator,
+) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """Float64 normal and uniform draws of a shape from ``gen``."""
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def u(*shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=torch.float64)
+
+    return r, u
+
+
 def _bad_flag(rng: random.Random) -> object:
     """A value that is not a bool (one case in eight), to pass as a flag: every public
     function must raise its TypeError, on every path; else _NO_BAD_FLAG."""
@@ -743,12 +757,7 @@ def _delta_case(rng: random.Random) -> tuple[str, Callable[[], None]]:
         f"cu_seqlens {cu} initial {initial} qk_l2norm {l2norm} views {kinds} "
         f"bad flag {bad_flag!r} threads {threads}"
     )
-
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=torch.float64)
-
-    def u(*shape: int) -> torch.Tensor:
-        return torch.rand(shape, generator=gen, dtype=torch.float64)
+    r, u = _draws(gen)
 
     k = r(batch, length, hk, dk)
     wide = {
@@ -879,12 +888,7 @@ def _kv_state_case(rng: random.Random, family: str) -> tuple[str, Callable[[], N
         f"initial {initial} return_final {return_final}/{quiet_final} scale {scale} views {views} "
         f"bad flag {bad_flag!r} threads {threads}"
     )
-
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=torch.float64)
-
-    def u(*shape: int) -> torch.Tensor:
-        return torch.rand(shape, generator=gen, dtype=torch.float64)
+    r, u = _draws(gen)
 
     wide: dict[str, torch.Tensor] = {
         "q": r(*shapes["q"]),
