@@ -145,6 +145,19 @@ def test_block_edges_against_loop(dv: int, simd: bool) -> None:
         _check(_problem(dv, 1, 66, 2, 4, 6, dv, "channel"), torch.float32, key=("edges", dv))
 
 
+# The backward sweeps a step's column blocks together, as many as a chunk's rebuilt
+# states of 1 MiB hold (dplr/cpu_kernel.h): at K = 65, V = 129 and full 64-step chunks,
+# groups of 3 of 9 blocks (AVX2, float32) or 7, 7 and 3 of 17 (the portable build), with
+# packed sequences ending inside a group's chunk.
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_column_block_groups_against_loop(dtype: torch.dtype, simd: bool) -> None:
+    cu = [0, 70, 70, 150]
+    p = _problem(15, 1, cu[-1], 1, 1, 65, 129, "channel", states=len(cu) - 1)
+    with simd_path(simd):
+        _check(p, dtype, cu, key=("block groups",))
+
+
 # The forward's frames (dplr/cpu.c): a channel's decays summed since its frame began,
 # log lam, stay within +-16 (float32) or +-32 (float64), else the step rebases. Per key
 # channel: a decay that leaves the bound in one step, none at all (a frame for the whole

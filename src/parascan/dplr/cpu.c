@@ -49,22 +49,26 @@
  *
  * The backward.
  *   Per unit (a q/k head with its value heads, in head order; up to 16 units chunk by
- *   chunk, as the forward's), the chunks from last to first, per head and column block:
- *   the block's states before each step of the chunk
- *   and each step's x are rebuilt from the checkpoint (chunk x K x VB), then the adjoint
- *   runs from the chunk's last step to its first, with dS the gradient of the state
- *   after step t:
+ *   chunk, as the forward's), the chunks from last to first, per head and group of
+ *   column blocks: each block's states before each step of the chunk and each step's x
+ *   are rebuilt from the checkpoint (chunk x blocks x K x VB), then the adjoint runs
+ *   from the chunk's last step to its first, with dS the gradient of the state after
+ *   step t:
  *       dS += q go^T,  dx = dS^T b,  grad_v = dS^T k,  grad_b = dS x,  grad_k = dS v,
  *       grad_q = Diag(d) S[t-1] go + b (x . go) + k (v . go),
  *       grad_g = d * rows of dS * S[t-1],  grad_a = S[t-1] dx,
  *       dS = Diag(d) dS + a dx^T   (the gradient of the state before the step)
  *   the last two lines (part B) of step t in the same sweep as the first three (part
- *   A) of step t - 1. The sums over a row's columns take lane sums of a vector per row,
- *   W rows at a time. A block's shares are added into the chunk's sums in block order
- *   and value heads that share q/k heads in head order: the same bits for any number of
- *   threads. dS at a sequence's last step is its grad_final (or zeros) and at its first
- *   becomes its grad_initial. No buffer holds a (batch, L, heads, K, V) tensor: one
- *   chunk of one block's states per thread.
+ *   A) of step t - 1. A group holds as many column blocks as a chunk's rebuilt states
+ *   of 1 MiB take (4 of 16 lanes at RWKV-7's K = V = 64 and 64 steps), and a step
+ *   sweeps them one after the other, so that the sums over a row's columns are vectors
+ *   carried from block to block and summed over their lanes once per row, step and
+ *   group (W rows at a time, by a lane-sum tree whose in-lane levels come first). Groups
+ *   add their shares into the chunk's sums in block order and value heads that share
+ *   q/k heads in head order: the same bits for any number of threads. dS at a
+ *   sequence's last step is its grad_final (or zeros) and at its first becomes its
+ *   grad_initial. No buffer holds a (batch, L, heads, K, V) tensor: one chunk of one
+ *   group's states per thread.
  *
  *   The hot functions are compiled three times (x86-64-v4: 16 floats a vector;
  *   x86-64-v3: 8; the baseline: 4), the first two with fused multiply-adds, and the CPU

@@ -347,6 +347,11 @@ PS_DPLR_INLINE void F(ps_dplr_fwd_single)(const ps_dplr_args *a, const F(ps_dplr
  * stay in L2. */
 #define PS_DPLR_GROUP 16
 
+/* The backward's bytes of a chunk's rebuilt states (cpu.c), which bound how many column
+ * blocks a step's sweep takes together (1 MiB: 1.03x faster than 512 KiB at RWKV-7's
+ * shape, one and two threads, Zen 1's L2 of 512 KiB notwithstanding). */
+#define PS_DPLR_BWD_BYTES ((int64_t)1 << 20)
+
 ATTR static void F(ps_dplr_fwd_task)(const void *vp, int64_t begin, int64_t end) {
     const F(ps_dplr_fwd_ctx) *ctx = vp;
     ps_dplr_args *a = ctx->a;
@@ -429,9 +434,15 @@ typedef struct {
 /* A thread's memory for the backward of a unit's chunk. */
 typedef struct {
     F(ps_dplr_prep) p;
-    T *states;       /* (chunk, K, VB): the state before each step of the chunk, one block */
+    T *states;       /* (chunk, nb, K, VB): the state before each step of the chunk, per
+                        block of a group of nb (PS_DPLR_BWD_BYTES) */
     T *dS;           /* (heads of a unit, nvb, K, VB): the gradient of the state, carried */
-    T *xx;           /* (chunk, VB): x = a^T S[t-1] of each step, one block */
+    T *xx;           /* (chunk, nb, VB): x = a^T S[t-1] of each step, per block */
+    V *dx;           /* (2, nb, NB): dx of the step whose part B comes next, and of the one
+                        being summed, per block */
+    V *rs;           /* (5, K): the rows' sums for grad_a, grad_b, grad_k, grad_q and grad_g
+                        over the group's blocks so far, before their lane sums */
+    T *xv;           /* (2,): x . go and v . go over the group's blocks so far */
     T *dq, *dk, *da, *db; /* (chunk, K): the unit's sums over blocks and heads */
     T *dg;           /* (chunk, K): the head's sums over blocks */
     T *dgh;          /* (chunk,) */
@@ -451,9 +462,25 @@ PS_DPLR_INLINE const T *F(ps_dplr_lam_before)(const F(ps_dplr_prep) *p, int64_t 
     return j == 0 || p->rb[j - 1] != 0 ? NULL : p->fm + (j - 1) * K;
 }
 
-/* One sweep of the adjoint over the rows of a block's dS (K x NB vectors), W rows at a
- * time (their lane sums interleave with the next rows' multiply-adds), dS the gradient
- * of the state after the step:
+/* The lane sums of r[0 .. cnt) as one vector's lanes, zeros past cnt (cnt <= W; a
+ * full group's count a constant, so without the tail's branches). */
+PS_DPLR_INLINE V F(ps_dplr_sums)(const V *r, int64_t cnt) {
+    T sums[W];
+    if (cnt == W)
+        F(ps_lane_sums)(r, W, sums);
+    else
+        F(ps_lane_sums)(r, cnt, sums);
+    return F(ps_kv_load_vec)(sums, 0, cnt);
+}
+
+/* One sweep of the adjoint over the rows of block g of a group of nb (dS: its K x NB
+ * vectors), dS the gradient of the state after the step. The sums over a row's columns
+ * (grad_a, grad_b, grad_k, grad_q, grad_g) are vectors carried in m->rs from the group's
+ * first block to its last, which sums their lanes, W rows at a time (interleaved with the
+ * next rows' multiply-adds) and adds them into the chunk's sums a vector at a time: one
+ * lane-sum tree per row and step for the group, not one per block (1.13x faster at
+ * RWKV-7's shape, 4 blocks a group; summing into vectors, not lane by lane, 1.2x). The
+ * sweep: 
  *   part B of step jb (when has_b), given its dx (dx_in):
  *     grad_a += S[jb-1] dx,  dS = Diag(d) dS + a dx^T   (the gradient before the step)
  *   then part A of step ja (when has_a), on the result:
@@ -462,39 +489,47 @@ PS_DPLR_INLINE const T *F(ps_dplr_lam_before)(const F(ps_dplr_prep) *p, int64_t 
  *     gate per head),  grad_q += Diag(d) S[ja-1] go + b (x . go) + k (v . go)
  * `has_b`, `has_a` and `gate` are constants after inlining. */
 PS_DPLR_INLINE void F(ps_dplr_adjoint)(const F(ps_dplr_bwd_buf) *m, V *dS, int64_t K, int64_t Vd,
-                                       int64_t c0, int64_t jb_, int64_t ja_, const V *dx_in,
-                                       V *dx_out, const int has_b, const int has_a,
-                                       const int gate) {
+                                       int64_t c0, int64_t g, int64_t nb, int64_t jb_,
+                                       int64_t ja_, const V *dx_in, V *dx_out, const int has_b,
+                                       const int has_a, const int gate) {
     const int gated = gate != 0;
     const F(ps_dplr_prep) *p = &m->p;
     const int64_t tsz = K * VB;
     const int64_t jB = has_b ? jb_ : 0, jA = has_a ? ja_ : 0;
-    const V *SpB = (const V *)(m->states + jB * tsz), *SpA = (const V *)(m->states + jA * tsz);
+    const V *SpB = (const V *)(m->states + (jB * nb + g) * tsz);
+    const V *SpA = (const V *)(m->states + (jA * nb + g) * tsz);
+    /* the rows' sums: started by the group's first block, summed over lanes by its last */
+    const int first = g == 0, last = g == nb - 1;
+    V *ra = m->rs, *rb = ra + K, *rk = rb + K, *rq = rk + K, *rg = rq + K;
     const T *aB = p->aa + jB * K, *dB = p->dd + jB * K;
     const T *qA = p->qq + jA * K, *bA = p->bb + jA * K, *kA = p->kk + jA * K;
     /* the states are in the steps' frames: S[jB-1] = Diag(lam') X, d S[jA-1] = Diag(lam) X */
     const T *lB = gated ? F(ps_dplr_lam_before)(p, jB, K) : NULL, *dA = p->fm + jA * K;
     T *gq = m->dq + jA * K, *gk = m->dk + jA * K, *gb = m->db + jA * K, *gg = m->dg + jA * K;
     T *ga = m->da + jB * K;
-    V go[NB], x[NB], v[NB], gv[NB], t1[NB], gacc = (V){0};
+    V go[NB], x[NB], v[NB], gv[NB], dxo[NB], t1[NB], gacc = (V){0};
     T xg = 0, vg = 0;
     if (has_a) {
         F(ps_kv_load_row)(go, p->go + jA * Vd, Vd, c0);
         F(ps_kv_load_row)(v, p->vv + jA * Vd, Vd, c0);
-        const V *xs = (const V *)(m->xx + jA * VB);
+        const V *xs = (const V *)(m->xx + (jA * nb + g) * VB);
         for (int q = 0; q < NB; ++q) {
             x[q] = xs[q];
             t1[q] = x[q] * go[q];
-            gv[q] = dx_out[q] = (V){0};
+            gv[q] = dxo[q] = (V){0};
         }
         xg = F(ps_kv_hsum)(t1);
         for (int q = 0; q < NB; ++q) t1[q] = v[q] * go[q];
         vg = F(ps_kv_hsum)(t1);
+        if (!first) { /* grad_q's x . go and v . go over the columns of the group's blocks */
+            xg += m->xv[0];
+            vg += m->xv[1];
+        }
+        m->xv[0] = xg;
+        m->xv[1] = vg;
     }
     for (int64_t i0 = 0; i0 < K; i0 += W) {
         const int64_t cnt = K - i0 < W ? K - i0 : W;
-        V ra[W], rb[W], rk[W], rq[W], rg[W];
-        T sums[W];
         for (int64_t r = 0; r < cnt; ++r) {
             const int64_t i = i0 + r;
             V *row = dS + i * NB;
@@ -502,54 +537,58 @@ PS_DPLR_INLINE void F(ps_dplr_adjoint)(const F(ps_dplr_bwd_buf) *m, V *dS, int64
             for (int q = 0; q < NB; ++q) y[q] = row[q];
             if (has_b) {
                 const V *sp = SpB + i * NB;
-                V acc = (V){0};
+                V acc = first ? (V){0} : ra[i];
                 for (int q = 0; q < NB; ++q) {
                     acc += sp[q] * dx_in[q];
                     y[q] = (gated ? dB[i] * y[q] : y[q]) + aB[i] * dx_in[q];
                 }
-                ra[r] = acc;
+                ra[i] = acc;
             }
             if (has_a) {
                 const V *sp = SpA + i * NB;
-                V ab = (V){0}, ak = (V){0}, aq = (V){0}, ag = (V){0};
+                V ab = first ? (V){0} : rb[i], ak = first ? (V){0} : rk[i];
+                V aq = first ? (V){0} : rq[i], ag = gate == 2 && !first ? rg[i] : (V){0};
                 for (int q = 0; q < NB; ++q) {
                     y[q] += qA[i] * go[q];
-                    dx_out[q] += y[q] * bA[i];
+                    dxo[q] += y[q] * bA[i];
                     gv[q] += y[q] * kA[i];
                     ab += y[q] * x[q];
                     ak += y[q] * v[q];
                     aq += sp[q] * go[q];
                     if (gate) ag += y[q] * sp[q];
                 }
-                rb[r] = ab;
-                rk[r] = ak;
-                rq[r] = aq;
-                if (gate == 2) rg[r] = ag;
+                rb[i] = ab;
+                rk[i] = ak;
+                rq[i] = aq;
+                if (gate == 2) rg[i] = ag;
                 if (gate == 1) gacc += ag;
             }
             for (int q = 0; q < NB; ++q) row[q] = y[q];
         }
+        /* the rows' sums added into the chunk's, W rows a vector */
+        if (!last) continue;
         if (has_b) {
-            F(ps_lane_sums)(ra, cnt, sums);
-            for (int64_t r = 0; r < cnt; ++r) ga[i0 + r] += lB ? lB[i0 + r] * sums[r] : sums[r];
+            const V sa = F(ps_dplr_sums)(ra + i0, cnt);
+            F(ps_kv_store_vec)(ga, F(ps_kv_load_vec)(ga, i0, K) +
+                                       (lB ? F(ps_kv_load_vec)(lB, i0, K) * sa : sa), i0, K);
         }
         if (has_a) {
-            F(ps_lane_sums)(rb, cnt, sums);
-            for (int64_t r = 0; r < cnt; ++r) gb[i0 + r] += sums[r];
-            F(ps_lane_sums)(rk, cnt, sums);
-            for (int64_t r = 0; r < cnt; ++r) gk[i0 + r] += sums[r];
-            F(ps_lane_sums)(rq, cnt, sums);
-            for (int64_t r = 0; r < cnt; ++r) {
-                const int64_t i = i0 + r;
-                gq[i] += ((gated ? dA[i] * sums[r] : sums[r]) + bA[i] * xg) + kA[i] * vg;
-            }
-            if (gate == 2) {
-                F(ps_lane_sums)(rg, cnt, sums);
-                for (int64_t r = 0; r < cnt; ++r) gg[i0 + r] += dA[i0 + r] * sums[r];
-            }
+            const V sb = F(ps_dplr_sums)(rb + i0, cnt), sk = F(ps_dplr_sums)(rk + i0, cnt);
+            const V sq = F(ps_dplr_sums)(rq + i0, cnt);
+            const V vd = gated ? F(ps_kv_load_vec)(dA, i0, K) : (V){0};
+            F(ps_kv_store_vec)(gb, F(ps_kv_load_vec)(gb, i0, K) + sb, i0, K);
+            F(ps_kv_store_vec)(gk, F(ps_kv_load_vec)(gk, i0, K) + sk, i0, K);
+            F(ps_kv_store_vec)(gq, F(ps_kv_load_vec)(gq, i0, K) +
+                                       (((gated ? vd * sq : sq) +
+                                         F(ps_kv_load_vec)(bA, i0, K) * xg) +
+                                        F(ps_kv_load_vec)(kA, i0, K) * vg), i0, K);
+            if (gate == 2)
+                F(ps_kv_store_vec)(gg, F(ps_kv_load_vec)(gg, i0, K) +
+                                           vd * F(ps_dplr_sums)(rg + i0, cnt), i0, K);
         }
     }
     if (has_a) {
+        for (int q = 0; q < NB; ++q) dx_out[q] = dxo[q]; /* (kept in registers, not stored per row) */
         F(ps_kv_store_row)(p->oo + jA * Vd, gv, Vd, c0); /* the block's columns of grad_v */
         if (gate == 1) {
             T r;
@@ -559,77 +598,100 @@ PS_DPLR_INLINE void F(ps_dplr_adjoint)(const F(ps_dplr_bwd_buf) *m, V *dS, int64
     }
 }
 
-/* The backward of steps [t0, t0 + n) (chunk c) for column block vb of head h, batch row
- * b: the states are rebuilt from the chunk's checkpoint, then the adjoint runs from the
- * last step to the first, adding the block's share of the gradients of q, k, a, b and g
- * into the chunk's sums and writing its columns of grad_v. */
-PS_DPLR_INLINE void F(ps_dplr_bwd_block)(const ps_dplr_args *a, const F(ps_dplr_bwd_buf) *m,
-                                         const F(ps_kv_seqs) *sq, int64_t b, int64_t h,
-                                         int64_t vb, int64_t c, int64_t t0, int64_t n, int64_t nc,
-                                         const int gate) {
-    const int64_t K = a->dk, Vd = a->dv, H = a->heads, c0 = vb * VB, KV = K * Vd, tsz = K * VB;
+/* One sweep of the adjoint (F(ps_dplr_adjoint)) for each of a group's nb blocks, dS the
+ * first's, dx_in and dx_out (when used) the group's (nb, NB) vectors. */
+PS_DPLR_INLINE void F(ps_dplr_adjoint_blocks)(const F(ps_dplr_bwd_buf) *m, V *dS, int64_t K,
+                                              int64_t Vd, int64_t vb0, int64_t nb, int64_t jb,
+                                              int64_t ja, const V *dx_in, V *dx_out,
+                                              const int has_b, const int has_a, const int gate) {
+    for (int64_t g = 0; g < nb; ++g)
+        F(ps_dplr_adjoint)(m, dS + g * K * NB, K, Vd, (vb0 + g) * VB, g, nb, jb, ja,
+                           has_b ? dx_in + g * NB : NULL, has_a ? dx_out + g * NB : NULL, has_b,
+                           has_a, gate);
+}
+
+/* The backward of steps [t0, t0 + n) (chunk c) for column blocks [vb0, vb0 + nb) of head
+ * h, batch row b: each block's states are rebuilt from the chunk's checkpoint, then the
+ * adjoint runs from the last step to the first, each step's sweep over the blocks in
+ * order (their rows' sums carried from block to block and summed over lanes once),
+ * adding the blocks' share of the gradients of q, k, a, b and g into the chunk's sums
+ * and writing their columns of grad_v. */
+PS_DPLR_INLINE void F(ps_dplr_bwd_blocks)(const ps_dplr_args *a, const F(ps_dplr_bwd_buf) *m,
+                                          const F(ps_kv_seqs) *sq, int64_t b, int64_t h,
+                                          int64_t vb0, int64_t nb, int64_t c, int64_t t0,
+                                          int64_t n, int64_t nc, const int gate) {
+    const int64_t K = a->dk, Vd = a->dv, H = a->heads, KV = K * Vd, tsz = K * VB;
     const int gated = gate != 0;
     const F(ps_dplr_prep) *p = &m->p;
     const T *init = a->initial;
     V xa[NB], v[NB];
 
-    /* the states and each step's x, forward */
-    int64_t s = F(ps_kv_seq_at)(sq, t0);
-    F(ps_kv_load_cols)(m->states, (const T *)a->checkpoints + ((b * nc + c) * H + h) * KV, K, Vd,
-                       c0);
-    for (int64_t j = 0; j < n; ++j) {
-        const int64_t t = t0 + j;
-        T *st = m->states + j * tsz;
-        if (j > 0 && t != sq->cu[s]) {
-            F(ps_kv_load_row)(v, p->vv + (j - 1) * Vd, Vd, c0);
-            const int64_t o = (j - 1) * K; /* step j - 1, as the forward ran it */
-            const V *x = (const V *)(m->xx + (j - 1) * VB);
-            if (gated && p->rb[j - 1] != 0)
-                F(ps_dplr_update)(st, st - tsz, p->fm + o, p->fb + o, p->fk + o, x, v, p->fa + j * K,
-                                  NULL, K, xa, NULL, 1, 1, 0);
-            else
-                F(ps_dplr_update)(st, st - tsz, p->fm + o, p->fb + o, p->fk + o, x, v, p->fa + j * K,
-                                  NULL, K, xa, NULL, 0, 1, 0);
-        } else {
-            if (j > 0)
-                F(ps_kv_load_cols)(st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL,
-                                   K, Vd, c0);
-            F(ps_dplr_read)(st, VB, p->fa + j * K, NULL, K, xa, NULL, 0);
+    /* the states and each step's x, forward, block by block */
+    for (int64_t g = 0; g < nb; ++g) {
+        const int64_t c0 = (vb0 + g) * VB;
+        int64_t s = F(ps_kv_seq_at)(sq, t0);
+        F(ps_kv_load_cols)(m->states + g * tsz,
+                           (const T *)a->checkpoints + ((b * nc + c) * H + h) * KV, K, Vd, c0);
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t t = t0 + j;
+            T *st = m->states + (j * nb + g) * tsz;
+            if (j > 0 && t != sq->cu[s]) {
+                F(ps_kv_load_row)(v, p->vv + (j - 1) * Vd, Vd, c0);
+                const int64_t o = (j - 1) * K; /* step j - 1, as the forward ran it */
+                const V *x = (const V *)(m->xx + ((j - 1) * nb + g) * VB);
+                const T *src = st - nb * tsz;
+                if (gated && p->rb[j - 1] != 0)
+                    F(ps_dplr_update)(st, src, p->fm + o, p->fb + o, p->fk + o, x, v,
+                                      p->fa + j * K, NULL, K, xa, NULL, 1, 1, 0);
+                else
+                    F(ps_dplr_update)(st, src, p->fm + o, p->fb + o, p->fk + o, x, v,
+                                      p->fa + j * K, NULL, K, xa, NULL, 0, 1, 0);
+            } else {
+                if (j > 0)
+                    F(ps_kv_load_cols)(
+                        st, init ? init + (F(ps_kv_state_row)(sq, s) * H + h) * KV : NULL, K, Vd,
+                        c0);
+                F(ps_dplr_read)(st, VB, p->fa + j * K, NULL, K, xa, NULL, 0);
+            }
+            V *xj = (V *)(m->xx + (j * nb + g) * VB);
+            for (int q = 0; q < NB; ++q) xj[q] = xa[q];
+            if (t == sq->cu[s + 1] - 1)
+                while (s < sq->nseq - 1 && sq->cu[s + 1] <= t + 1) ++s;
         }
-        V *xj = (V *)(m->xx + j * VB);
-        for (int q = 0; q < NB; ++q) xj[q] = xa[q];
-        if (t == sq->cu[s + 1] - 1)
-            while (s < sq->nseq - 1 && sq->cu[s + 1] <= t + 1) ++s;
     }
 
     /* the adjoint, backward: B of step j and A of step j - 1 in one sweep over the rows */
-    V *dS = (V *)(m->dS + ((h % (H / a->kheads)) * ((Vd + VB - 1) / VB) + vb) * tsz);
-    V dx[2][NB]; /* dx of the step whose part B comes next, and the one being summed */
+    V *dS = (V *)(m->dS + ((h % (H / a->kheads)) * ((Vd + VB - 1) / VB) + vb0) * tsz);
+    V *dx[2] = {m->dx, m->dx + nb * NB}; /* as F(ps_dplr_bwd_buf) says */
     int cur = 0;
-    for (int q = 0; q < NB; ++q) dx[0][q] = dx[1][q] = (V){0}; /* set by every part A */
+    for (int64_t q = 0; q < 2 * nb * NB; ++q) m->dx[q] = (V){0}; /* set by every part A */
     const int64_t last = t0 + n - 1;
-    s = F(ps_kv_seq_at)(sq, last);
-    if (last == sq->cu[s + 1] - 1) F(ps_dplr_grad_final)(a, sq, s, h, (T *)dS, c0);
-    F(ps_dplr_adjoint)(m, dS, K, Vd, c0, -1, n - 1, NULL, dx[cur], 0, 1, gate);
+    int64_t s = F(ps_kv_seq_at)(sq, last);
+    if (last == sq->cu[s + 1] - 1)
+        for (int64_t g = 0; g < nb; ++g)
+            F(ps_dplr_grad_final)(a, sq, s, h, (T *)(dS + g * K * NB), (vb0 + g) * VB);
+    F(ps_dplr_adjoint_blocks)(m, dS, K, Vd, vb0, nb, -1, n - 1, NULL, dx[cur], 0, 1, gate);
     for (int64_t j = n - 1; j >= 0; --j) {
         const int64_t t = t0 + j;
         while (sq->cu[s] > t) --s;
         const int start = t == sq->cu[s];
         if (!start && j > 0) { /* two call sites: each inlined with its own constants */
-            F(ps_dplr_adjoint)(m, dS, K, Vd, c0, j, j - 1, dx[cur], dx[1 - cur], 1, 1, gate);
+            F(ps_dplr_adjoint_blocks)(m, dS, K, Vd, vb0, nb, j, j - 1, dx[cur], dx[1 - cur], 1,
+                                      1, gate);
             cur = 1 - cur;
         } else {
-            F(ps_dplr_adjoint)(m, dS, K, Vd, c0, j, -1, dx[cur], NULL, 1, 0, gate);
+            F(ps_dplr_adjoint_blocks)(m, dS, K, Vd, vb0, nb, j, -1, dx[cur], NULL, 1, 0, gate);
         }
         if (!start) continue;
-        if (a->grad_initial)
+        for (int64_t g = 0; g < nb && a->grad_initial; ++g)
             F(ps_kv_store_cols)((T *)a->grad_initial + (F(ps_kv_state_row)(sq, s) * H + h) * KV,
-                                (const T *)dS, K, Vd, c0);
+                                (const T *)(dS + g * K * NB), K, Vd, (vb0 + g) * VB);
         if (j == 0) continue;
         int64_t before = s; /* step j - 1 ends the sequence before: its grad_final */
         while (sq->cu[before] > t - 1) --before;
-        F(ps_dplr_grad_final)(a, sq, before, h, (T *)dS, c0);
-        F(ps_dplr_adjoint)(m, dS, K, Vd, c0, -1, j - 1, NULL, dx[cur], 0, 1, gate);
+        for (int64_t g = 0; g < nb; ++g)
+            F(ps_dplr_grad_final)(a, sq, before, h, (T *)(dS + g * K * NB), (vb0 + g) * VB);
+        F(ps_dplr_adjoint_blocks)(m, dS, K, Vd, vb0, nb, -1, j - 1, NULL, dx[cur], 0, 1, gate);
     }
 }
 
@@ -642,16 +704,25 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
     F(ps_dplr_bwd_buf) m;
     const int64_t prep = F(ps_dplr_prep_size)(Cn, K, a->dv, 1);
     T *pm = malloc(sizeof(T) * (size_t)(prep + 5 * Cn * K + Cn));
-    m.states = ps_kv_alloc(sizeof(T) * (size_t)(Cn * tsz));
+    /* the column blocks swept together: as many as a chunk's states of PS_DPLR_BWD_BYTES
+     * hold, at least one */
+    const int64_t fit = PS_DPLR_BWD_BYTES / (Cn * tsz * (int64_t)sizeof(T));
+    const int64_t nbg = fit < 1 ? 1 : fit < nvb ? fit : nvb;
+    m.states = ps_kv_alloc(sizeof(T) * (size_t)(Cn * nbg * tsz));
     const int64_t group = end - begin < PS_DPLR_GROUP ? end - begin : PS_DPLR_GROUP;
     T *dS = ps_kv_alloc(sizeof(T) * (size_t)(group * per * nvb * tsz));
     m.dS = dS;
-    m.xx = ps_kv_alloc(sizeof(T) * (size_t)(Cn * VB));
-    if (!pm || !m.states || !dS || !m.xx) {
+    m.xx = ps_kv_alloc(sizeof(T) * (size_t)(Cn * nbg * VB));
+    m.dx = ps_kv_alloc(sizeof(V) * (size_t)(2 * nbg * NB));
+    m.rs = ps_kv_alloc(sizeof(V) * (size_t)(5 * K + 1));
+    m.xv = (T *)(m.rs + 5 * K);
+    if (!pm || !m.states || !dS || !m.xx || !m.dx || !m.rs) {
         free(pm);
         free(m.states);
         free(dS);
         free(m.xx);
+        free(m.dx);
+        free(m.rs);
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
@@ -677,13 +748,14 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
             for (int64_t h = hk * per; h < (hk + 1) * per; ++h) {
                 F(ps_dplr_prepare)(a, &m.p, &sq, b, h, t0, n, 2);
                 memset(m.dg, 0, sizeof(T) * (size_t)(Cn * K + Cn));
-                for (int64_t vb = 0; vb < nvb; ++vb) {
+                for (int64_t vb0 = 0; vb0 < nvb; vb0 += nbg) {
+                    const int64_t nb = nvb - vb0 < nbg ? nvb - vb0 : nbg;
                     if (a->gate == 2)
-                        F(ps_dplr_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 2);
+                        F(ps_dplr_bwd_blocks)(a, &m, &sq, b, h, vb0, nb, c, t0, n, ctx->nc, 2);
                     else if (a->gate == 1)
-                        F(ps_dplr_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 1);
+                        F(ps_dplr_bwd_blocks)(a, &m, &sq, b, h, vb0, nb, c, t0, n, ctx->nc, 1);
                     else
-                        F(ps_dplr_bwd_block)(a, &m, &sq, b, h, vb, c, t0, n, ctx->nc, 0);
+                        F(ps_dplr_bwd_blocks)(a, &m, &sq, b, h, vb0, nb, c, t0, n, ctx->nc, 0);
                 }
                 F(ps_kv_scatter)(a->grad_v, m.p.oo, a->dv, b, h, t0, n, L, H, a->dv, 0, a->dv);
                 for (int64_t j = 0; j < n; ++j) {
@@ -705,6 +777,8 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
     free(m.states);
     free(dS);
     free(m.xx);
+    free(m.dx);
+    free(m.rs);
 }
 
 ATTR static int F(ps_dplr_bwd)(ps_dplr_args *a) {
@@ -726,4 +800,5 @@ ATTR static int F(ps_dplr_bwd)(ps_dplr_args *a) {
 
 #undef PS_DPLR_ROW
 #undef PS_DPLR_GROUP
+#undef PS_DPLR_BWD_BYTES
 #undef PS_DPLR_INLINE
