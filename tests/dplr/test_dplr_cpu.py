@@ -146,16 +146,19 @@ def test_block_edges_against_loop(dv: int, simd: bool) -> None:
 
 
 # The backward sweeps a step's column blocks together, as many as a chunk's rebuilt
-# states of 1 MiB hold (dplr/cpu_kernel.h): at K = 65, V = 129 and full 64-step chunks,
-# groups of 3 of 9 blocks (AVX2, float32) or 7, 7 and 3 of 17 (the portable build), with
-# packed sequences ending inside a group's chunk.
+# states of 1 MiB hold (dplr/cpu_kernel.h): at K = 33, V = 129 and full 64-step chunks,
+# groups of 7 and 2 of 9 blocks (AVX2, float32), 3 and 2 of 5 (AVX-512), 15 and 2 of 17
+# (portable); float64 7, 7, 3 (AVX2), 3, 3, 3 (AVX-512), 15, 15, 3 (portable); with K's
+# last rows past a multiple of the vector width, every gate form, and packed sequences
+# ending inside a chunk.
 @pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
-def test_column_block_groups_against_loop(dtype: torch.dtype, simd: bool) -> None:
+@pytest.mark.parametrize("gate", ["none", "head", "channel"])
+def test_column_block_groups_against_loop(gate: str, dtype: torch.dtype, simd: bool) -> None:
     cu = [0, 70, 70, 150]
-    p = _problem(15, 1, cu[-1], 1, 1, 65, 129, "channel", states=len(cu) - 1)
+    p = _problem(15, 1, cu[-1], 1, 1, 33, 129, gate, states=len(cu) - 1)
     with simd_path(simd):
-        _check(p, dtype, cu, key=("block groups",))
+        _check(p, dtype, cu, key=("block groups", gate))
 
 
 # The forward's frames (dplr/cpu.c): a channel's decays summed since its frame began,

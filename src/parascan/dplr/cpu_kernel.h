@@ -715,7 +715,6 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
     m.xx = ps_kv_alloc(sizeof(T) * (size_t)(Cn * nbg * VB));
     m.dx = ps_kv_alloc(sizeof(V) * (size_t)(2 * nbg * NB));
     m.rs = ps_kv_alloc(sizeof(V) * (size_t)(5 * K + 1));
-    m.xv = (T *)(m.rs + 5 * K);
     if (!pm || !m.states || !dS || !m.xx || !m.dx || !m.rs) {
         free(pm);
         free(m.states);
@@ -726,6 +725,7 @@ ATTR static void F(ps_dplr_bwd_task)(const void *vp, int64_t begin, int64_t end)
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
+    m.xv = (T *)(m.rs + 5 * K);
     m.p = F(ps_dplr_prep_at)(pm, Cn, K, a->dv, 1);
     m.dq = pm + prep;
     m.dk = m.dq + Cn * K;
