@@ -688,3 +688,28 @@ def test_the_published_and_the_reference_loops_compute_the_same_scan() -> None:
                              x["delta_bias"], delta_softplus=True)  # fmt: skip
     torch.testing.assert_close(bench_selective.reference_loop(**x), want)
     torch.testing.assert_close(bench_selective.published_loop(**x), want)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage")
+def test_peak_measurement_leaves_malloc_reusing_blocks_afterwards() -> None:
+    """peak_extra_mib makes blocks of 64 KiB and more fresh mappings while it measures;
+    left so, every later tensor of that size would fault its pages in and zero them at
+    each allocation (the bench's naive loops ran 2x to 4x slower after the first peak
+    row, and its allocating limits slower too). After it, a 1 MiB tensor allocated again
+    and again reuses malloc's block."""
+    import resource
+
+    from parascan.cli.common import peak_extra_mib
+
+    if peak_extra_mib(lambda: torch.ones(1 << 20)) is None:
+        pytest.skip("no glibc mallopt or /proc/self/clear_refs here")
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    torch.ones(1 << 18)  # 1 MiB: first allocation, its pages faulted in once
+    before = faults()
+    for _ in range(40):
+        torch.ones(1 << 18)
+    pages = (1 << 20) // resource.getpagesize()
+    assert faults() - before < 4 * pages  # a fresh mapping each time: 40 * 256 faults

@@ -6,7 +6,8 @@ today and a FLOP limit, forward and forward + backward.
 - ``naive loop``: the recurrence as fla's naive references compute it
   (``naive_recurrent_gla``; ``dplr_recurrence``, the DPLR naive of RWKV-7): a step
   loop as fla's naive_recurrent_* (one vectorized update of the whole (batch, H, K, V)
-  float32 state per step, the same torch ops), written here (fla is not needed).
+  float32 state per step, the same torch ops, dplr_recurrence's two copies of the state
+  a step included), written here (fla is not needed).
   Forward only; timed on the first ``prefix`` steps and scaled to L (a step loop's
   cost grows as L), the note says so.
 - ``fla naive``: fla's own naive function, where fla is importable (its file loaded
@@ -223,10 +224,13 @@ def _naive_linear(x: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _naive_dplr(x: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor]:
-    # dplr_recurrence's step: the rank-one write b (a^T S) from the state before the decay
+    # dplr_recurrence's step: the rank-one write b (a^T S) from the state before the decay;
+    # it reads the state through a copy (S.clone()) for the read and for the decay both,
+    # two more passes over the state a step, and copies the step's a and b
+    a, b = x["a"].clone(), x["b"].clone()
     kv = x["k"][..., None] * x["v"][..., None, :]
-    kv = kv + (h * x["a"][..., None]).sum(-2, keepdim=True) * x["b"][..., None]
-    h = decayed(h, x.get("g")) + kv
+    kv = kv + (h.clone() * a[..., None]).sum(-2, keepdim=True) * b[..., None]
+    h = decayed(h.clone(), x.get("g")) + kv
     return h, torch.einsum("bhd,bhdm->bhm", x["q"], h)
 
 
@@ -234,7 +238,8 @@ def naive_loop(family: str, **x: Tensor) -> Tensor:
     """The family's recurrence as fla's naive references compute it, in float32: q and
     k repeated to the value heads (as a layer does), (batch, H, L, .) views, q scaled by
     K^-0.5, then a Python loop over L with one vectorized update of the whole (batch, H,
-    K, V) state per step (no initial state)."""
+    K, V) state per step (no initial state), op for op as fla's functions run it (their
+    copies of the state too: they cost dplr_recurrence 1.2x)."""
     step = _naive_linear if family == LINEAR else _naive_dplr
     xs = {key: t.float().transpose(1, 2) for key, t in value_heads(x).items()}
     q, v = xs["q"], xs["v"]

@@ -115,8 +115,15 @@ def bmm_limits(
 
 def peak_extra_mib(fn: Callable[[], object]) -> float | None:
     """Growth of the peak resident set during ``fn`` (Linux, glibc), in MiB. Blocks of
-    64 KiB and more are first made to come from (and go back to) the OS directly, so
-    that memory freed earlier and kept by malloc cannot hide an allocation."""
+    64 KiB and more are made to come from (and go back to) the OS directly during
+    ``fn``, so that memory freed earlier and kept by malloc cannot hide an allocation.
+
+    Afterwards malloc keeps blocks up to 32 MiB, as glibc's own dynamic threshold does
+    once blocks of that size have been freed: setting the threshold turns that growth off
+    for the rest of the process, and left at 64 KiB every later block of that size
+    would be a fresh mapping, its pages faulted in and zeroed at each allocation. Torch
+    ops on temporaries of a few hundred KiB (the naive loops' steps) ran 2x to 4x slower
+    after a peak measurement than before it."""
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)  # also turns off its dynamic growth
@@ -124,13 +131,18 @@ def peak_extra_mib(fn: Callable[[], object]) -> float | None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident set
         base = _status_kib("VmRSS")
-        fn()
+        try:
+            fn()
+        finally:
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
         return (_status_kib("VmHWM") - base) / 1024
     except (OSError, AttributeError):
         return None
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for its dynamic threshold (64-bit)
 
 
 def _status_kib(key: str) -> int:
