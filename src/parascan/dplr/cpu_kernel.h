@@ -419,7 +419,7 @@ ATTR static int F(ps_dplr_fwd)(ps_dplr_args *a) {
     if (a->checkpoints)
         ps_prefer_huge_pages(a->checkpoints, ctx.nc * a->batch * a->heads * a->dk * a->dv * bytes);
     if (a->length > 0)
-        ps_parallel_for(units * split, ps_threads_for(work / 4, a->nthreads), F(ps_dplr_fwd_task),
+        ps_parallel_for(units * split, ps_threads_for(work, a->nthreads), F(ps_dplr_fwd_task),
                         &ctx);
     return a->failed ? -1 : 0;
 }
@@ -793,7 +793,7 @@ ATTR static int F(ps_dplr_bwd)(ps_dplr_args *a) {
     ps_prefer_huge_pages(a->grad_a, rows);
     ps_prefer_huge_pages(a->grad_b, rows);
     if (a->gate == 2) ps_prefer_huge_pages(a->grad_g, steps * K * bytes);
-    ps_parallel_for(units, ps_threads_for(steps * K * a->dv / 4, a->nthreads), F(ps_dplr_bwd_task),
+    ps_parallel_for(units, ps_threads_for(steps * K * a->dv, a->nthreads), F(ps_dplr_bwd_task),
                     &ctx);
     return a->failed ? -1 : 0;
 }
