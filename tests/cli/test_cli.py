@@ -694,9 +694,8 @@ def test_the_published_and_the_reference_loops_compute_the_same_scan() -> None:
 def test_peak_measurement_leaves_malloc_reusing_blocks_afterwards() -> None:
     """peak_extra_mib makes blocks of 64 KiB and more fresh mappings while it measures;
     left so, every later tensor of that size would fault its pages in and zero them at
-    each allocation (the bench's naive loops ran 2x to 4x slower after the first peak
-    row, and its allocating limits slower too). After it, a 1 MiB tensor allocated again
-    and again reuses malloc's block."""
+    each allocation (the bench's DPLR naive loop ran 4x slower after the first peak
+    row). After it, a 1 MiB tensor allocated again and again reuses malloc's block."""
     import resource
 
     from parascan.cli.common import peak_extra_mib

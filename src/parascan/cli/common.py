@@ -121,9 +121,9 @@ def peak_extra_mib(fn: Callable[[], object]) -> float | None:
     Afterwards malloc keeps blocks up to 32 MiB, as glibc's own dynamic threshold does
     once blocks of that size have been freed: setting the threshold turns that growth off
     for the rest of the process, and left at 64 KiB every later block of that size
-    would be a fresh mapping, its pages faulted in and zeroed at each allocation. Torch
-    ops on temporaries of a few hundred KiB (the naive loops' steps) ran 2x to 4x slower
-    after a peak measurement than before it."""
+    would be a fresh mapping, its pages faulted in and zeroed at each allocation: the
+    bench's DPLR naive loop (temporaries of 640 KiB a step) ran 4x slower after a peak
+    measurement than before it, and every allocating call somewhat slower."""
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)  # also turns off its dynamic growth
