@@ -5,6 +5,8 @@ transformers  ``patch()`` / ``unpatch()``: the Mamba-family models of Hugging Fa
               transformers (Mamba, FalconMamba and the hybrids that reuse their mixers)
               run their scans and decoding steps with parascan, on any device.
 
-Each submodule imports its library only when called, so importing one costs nothing
-and the library stays an optional dependency.
+_patching holds the engine they share (families of functions found by their modules'
+source, checked, replaced idempotently, restored). Each submodule imports its library
+only when called, so importing one costs nothing and the library stays an optional
+dependency.
 """

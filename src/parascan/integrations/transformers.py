@@ -140,17 +140,13 @@ elsewhere keeps them unpatched, and its Mamba-1 models are still patched).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
-import inspect
 import math
 import re
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -163,6 +159,15 @@ from parascan.compat._checks import is_integer_tensor
 from parascan.delta_rule.api import delta_rule_scan as ps_delta_rule_scan
 from parascan.first_order.api import linear_scan as ps_linear_scan
 from parascan.first_order.api import log_linear_scan as ps_log_linear_scan
+from parascan.integrations._patching import (
+    Family,
+    Function,
+    Patches,
+    calls,
+    leading_params,
+    modules_defining,
+    owner_of,
+)
 from parascan.mixer import conv
 from parascan.ssd.api import ssd_scan as ps_ssd_scan
 
@@ -891,99 +896,67 @@ def recurrent_kimi_delta_attention(
 # --- what is patched where ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Function:
-    """One module-level function of a modeling module (or a method, ``Class.name``) and
-    its replacement."""
-
-    name: str
-    replacement: Callable[..., Any]
-    # The original's leading parameters, which the mixers pass and the replacement takes;
-    # left empty: the replacement's named parameters.
-    params: tuple[str, ...] = ()
-    # Whether a mixer's forward must call it (False: patched where present).
-    required: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.params:
-            named = inspect.signature(self.replacement).parameters.values()
-            params = tuple(p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-            object.__setattr__(self, "params", params)
-
-
-@dataclass(frozen=True)
-class _Family:
-    """A kind of mixer: the modeling modules that define ``marker`` are patched."""
-
-    marker: str
-    functions: tuple[_Function, ...]
-    # The modules the patch promises: a transformers without them is not supported.
-    expected: tuple[str, ...] = ()
-    # Markers of other families: a module that defines one of them is theirs, not this one's.
-    unless: tuple[str, ...] = ()
-
-
 # mamba_selective_scan's leading parameters: its replacement also takes (and ignores)
 # use_mambapy and use_associative_scan, which the original need not have.
 _SCAN_PARAMS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
                 "return_last_state")  # fmt: skip
 # Both families' modules carry the convolution's functions (patched where present); the
 # Mamba-1 mixers' convolution refuses packed sequences, which their scan cannot restart at.
-_CONV_UPDATE = _Function("causal_conv1d_update", causal_conv1d_update, required=False)
-_MAMBA1 = _Family(
+_CONV_UPDATE = Function("causal_conv1d_update", causal_conv1d_update, required=False)
+_MAMBA1 = Family(
     marker="mamba_selective_scan",
     functions=(
-        _Function("mamba_selective_scan", selective_scan, _SCAN_PARAMS),
-        _Function("mamba_selective_state_update", selective_state_update),
+        Function("mamba_selective_scan", selective_scan, _SCAN_PARAMS),
+        Function("mamba_selective_state_update", selective_state_update),
         # Only where the mixer has a fused training path (not zamba's).
-        _Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
-        _Function("causal_conv1d_fn", causal_conv1d_one_sequence, required=False),
+        Function("mamba_inner_fn", no_fused_inner, ("xz",), required=False),
+        Function("causal_conv1d_fn", causal_conv1d_one_sequence, required=False),
         _CONV_UPDATE,
     ),
     expected=("mamba", "falcon_mamba"),
 )
-_MAMBA2 = _Family(
+_MAMBA2 = Family(
     marker="mamba2_chunk_scan",
     functions=(
-        _Function("mamba2_chunk_scan", chunk_scan),
-        _Function("mamba2_selective_state_update", multihead_state_update),
-        _Function("mamba2_split_conv1d_scan_combined", split_conv_scan, required=False),
+        Function("mamba2_chunk_scan", chunk_scan),
+        Function("mamba2_selective_state_update", multihead_state_update),
+        Function("mamba2_split_conv1d_scan_combined", split_conv_scan, required=False),
         # Where the fused path is there: it declines after a padded mask.
-        _Function("apply_mask_to_padding_states", mask_padding, required=False),
-        _Function("causal_conv1d_fn", causal_conv1d, required=False),
+        Function("apply_mask_to_padding_states", mask_padding, required=False),
+        Function("causal_conv1d_fn", causal_conv1d, required=False),
         _CONV_UPDATE,
     ),
 )
-_GATED_DELTA = _Family(
+_GATED_DELTA = Family(
     marker="torch_chunk_gated_delta_rule",
     functions=(
-        _Function("torch_chunk_gated_delta_rule", chunk_gated_delta_rule),
-        _Function("torch_recurrent_gated_delta_rule", recurrent_gated_delta_rule),
-        _Function("causal_conv1d_fn", causal_conv1d_packed_q, required=False),
+        Function("torch_chunk_gated_delta_rule", chunk_gated_delta_rule),
+        Function("torch_recurrent_gated_delta_rule", recurrent_gated_delta_rule),
+        Function("causal_conv1d_fn", causal_conv1d_packed_q, required=False),
         _CONV_UPDATE,
     ),
 )
-_KDA = _Family(
+_KDA = Family(
     marker="chunk_kimi_delta_attention",
     functions=(
-        _Function("chunk_kimi_delta_attention", chunk_kimi_delta_attention),
-        _Function("recurrent_kimi_delta_attention", recurrent_kimi_delta_attention),
-        _Function("causal_conv1d_fn", causal_conv1d_packed_q, required=False),
+        Function("chunk_kimi_delta_attention", chunk_kimi_delta_attention),
+        Function("recurrent_kimi_delta_attention", recurrent_kimi_delta_attention),
+        Function("causal_conv1d_fn", causal_conv1d_packed_q, required=False),
         _CONV_UPDATE,
     ),
 )
 # The models whose only patched function is the convolution (a gated short convolution
 # block in place of attention, or convolutions of the attention's projections).
-_SHORT_CONV = _Family(
+_SHORT_CONV = Family(
     marker=_CONV_FN,
-    functions=(_Function(_CONV_FN, causal_conv1d_packed_q), _CONV_UPDATE),
+    functions=(Function(_CONV_FN, causal_conv1d_packed_q), _CONV_UPDATE),
     expected=("lfm2",),
     unless=tuple(family.marker for family in (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA)),
 )
-_RG_LRU = _Family(
+_RG_LRU = Family(
     marker="RecurrentGemmaRglru._rnn_scan",
     functions=(
-        _Function(
+        Function(
             "RecurrentGemmaRglru._rnn_scan",
             rg_lru_scan,
             ("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states"),
@@ -991,17 +964,17 @@ _RG_LRU = _Family(
     ),
     expected=("recurrent_gemma",),
 )
-_RWKV = _Family(
+_RWKV = Family(
     marker="rwkv_linear_attention_cpu",
     # called through rwkv_linear_attention (which the attention's forward calls): not
     # required to be looked up by a forward itself
-    functions=(_Function("rwkv_linear_attention_cpu", rwkv_linear_attention, required=False),),
+    functions=(Function("rwkv_linear_attention_cpu", rwkv_linear_attention, required=False),),
     expected=("rwkv",),
 )
-_LIGHTNING = _Family(
+_LIGHTNING = Family(
     marker="MiniMaxLightningAttention.forward",
     functions=(
-        _Function(
+        Function(
             "MiniMaxLightningAttention.forward",
             lightning_attention_forward,
             # the fifth, the cache, is `past_key_values` before 5.24 and `cache` after
@@ -1013,8 +986,9 @@ _LIGHTNING = _Family(
 )
 _FAMILIES = (_MAMBA1, _MAMBA2, _GATED_DELTA, _KDA, _SHORT_CONV, _RG_LRU, _RWKV, _LIGHTNING)
 
-# (module name, function name) -> the original, for every function patched now.
-_ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
+# the functions patched now, with their originals
+_PATCHES = Patches()
+_ORIGINALS = _PATCHES.originals  # (module name, function name) -> the original
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -1035,110 +1009,41 @@ def _unsupported(version: str, what: str) -> UnsupportedVersionError:
     )
 
 
-def _candidate_modules(family: _Family) -> list[str]:
+def _candidate_modules(family: Family) -> list[str]:
     """The modeling modules whose source defines ``family.marker`` and none of
     ``family.unless`` (read as text, so only those are imported)."""
     spec = importlib.util.find_spec("transformers.models")
     if spec is None or not spec.submodule_search_locations:
         return []
     root = str(next(iter(spec.submodule_search_locations)))
-    return list(_modules_defining(root, family.marker, family.unless))
+    return list(
+        modules_defining(root, "*/modeling_*.py", "transformers.models", family.marker,
+                         family.unless)
+    )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=64)
-def _modules_defining(root: str, marker: str, unless: tuple[str, ...]) -> tuple[str, ...]:
-    """_candidate_modules' search of the modeling sources under ``root``, once per
-    process and family: reading the few hundred modeling files is slow enough that
-    every patch() paid for it noticeably for each family (BENCHMARKS.md, "Figures the
-    source cites")."""
-    names = []
-    for path in sorted(Path(root).glob("*/modeling_*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if _defines(text, marker) and not any(_defines(text, o) for o in unless):
-            names.append(f"transformers.models.{path.parent.name}.{path.stem}")
-    return tuple(names)
-
-
-def _defines(source: str, name: str) -> bool:
-    """Whether a module's ``source`` defines the function ``name`` (or ``Class.method``)."""
-    if "." in name:
-        owner, method = name.split(".")
-        return f"\nclass {owner}(" in source and f"\n    def {method}(" in source
-    return f"\ndef {name}(" in source
-
-
-def _owner(module: ModuleType, name: str) -> tuple[object, str]:
-    """Where ``name`` (a function, or ``Class.method``) of ``module`` is an attribute:
-    the module or the class, and the attribute's name (the class is None when the module
-    has no such class)."""
-    if "." in name:
-        owner, attribute = name.split(".", 1)
-        return getattr(module, owner, None), attribute
-    return module, name
-
-
-def _own_attribute(owner: object, attribute: str) -> Any:
-    """``owner``'s own ``attribute`` as stored (a class's, not inherited, and a static or
-    class method as its descriptor), so that unpatch() puts back exactly what was there."""
-    if isinstance(owner, type):
-        return vars(owner).get(attribute)
-    return getattr(owner, attribute, None)
-
-
-def _global_names(fn: object, depth: int = 3) -> set[str]:
-    """The global (and attribute) names ``fn``'s code looks up, and those of the functions
-    it wraps: through ``__wrapped__`` and through its closure, since a decorator may wrap
-    without functools.wraps (transformers 5.15's ``force_accelerate_hooks`` does)."""
-    code = getattr(fn, "__code__", None)
-    names = set(code.co_names) if code is not None else set()
-    if depth > 0:
-        inner = [getattr(fn, "__wrapped__", None)]
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                inner.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        for f in inner:
-            if inspect.isfunction(f):
-                names |= _global_names(f, depth - 1)
-    return names
-
-
-def _calls(module: ModuleType, name: str) -> bool:
-    """Whether a class of ``module`` has a ``forward`` that looks ``name`` up."""
-    for value in vars(module).values():
-        if isinstance(value, type) and value.__module__ == module.__name__:
-            forward = vars(value).get("forward")
-            if forward is not None and name in _global_names(forward):
-                return True
-    return False
-
-
-def _check(version: str, module: ModuleType, fn: _Function) -> bool:
+def _check(version: str, module: ModuleType, fn: Function) -> bool:
     """Whether ``fn`` is to be patched in ``module``; raises if the module does not
     have it as expected."""
     where = f"{module.__name__}.{fn.name}"
-    owner, attribute = _owner(module, fn.name)
-    original = _ORIGINALS.get((module.__name__, fn.name), _own_attribute(owner, attribute))
+    original = _PATCHES.original(module, fn.name)
     if original is None or not callable(original):
         if fn.required:
             raise _unsupported(version, f"but {module.__name__} has no function {fn.name}")
         return False
-    try:
-        params = tuple(inspect.signature(original).parameters)
-    except (TypeError, ValueError):
-        params = ()
-    if params[: len(fn.params)] != fn.params:
+    params = leading_params(original, fn)
+    if params is not None:
         raise _unsupported(
             version,
             f"but {where} takes ({', '.join(params)}), not ({', '.join(fn.params)}, ...)",
         )
-    if fn.required and not _calls(module, attribute):
+    _, attribute = owner_of(module, fn.name)
+    if fn.required and not calls(module, attribute):
         raise _unsupported(version, f"but no mixer's forward in {module.__name__} calls {fn.name}")
     return True
 
 
-def _targets() -> list[tuple[ModuleType, _Function]]:
+def _targets() -> list[tuple[ModuleType, Function]]:
     """Every (module, function) to patch, all checked before any is touched."""
     try:
         import transformers
@@ -1189,29 +1094,15 @@ def patch() -> list[str]:
             :data:`MIN_VERSION` or its modules do not have the functions as expected
             (nothing is patched then).
     """
-    for module, fn in _targets():
-        key = (module.__name__, fn.name)
-        if key not in _ORIGINALS:
-            owner, attribute = _owner(module, fn.name)
-            _ORIGINALS[key] = _own_attribute(owner, attribute)
-            setattr(owner, attribute, fn.replacement)
-    return patched()
+    return _PATCHES.apply(_targets())
 
 
 def unpatch() -> list[str]:
     """Restore every function :func:`patch` replaced; returns their names (empty when
     nothing was patched)."""
-    restored = patched()
-    for (module_name, name), original in _ORIGINALS.items():
-        module = sys.modules.get(module_name)
-        if module is not None:
-            owner, attribute = _owner(module, name)
-            if owner is not None:
-                setattr(owner, attribute, original)
-    _ORIGINALS.clear()
-    return restored
+    return _PATCHES.restore()
 
 
 def patched() -> list[str]:
     """The fully qualified names of the functions replaced now."""
-    return sorted(f"{module}.{name}" for module, name in _ORIGINALS)
+    return _PATCHES.names()
