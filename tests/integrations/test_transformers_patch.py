@@ -362,6 +362,72 @@ def test_a_second_patch_reads_no_modeling_source(monkeypatch) -> None:
     assert len(names) > 10 and reads == []
 
 
+def test_patch_takes_the_models_to_patch() -> None:
+    from transformers.models.mamba import modeling_mamba
+    from transformers.models.mamba2 import modeling_mamba2
+
+    mamba1_scan, mamba2_scan = (
+        modeling_mamba.mamba_selective_scan,
+        modeling_mamba2.mamba2_chunk_scan,
+    )
+    try:
+        names = integration.patch("mamba2")
+        assert names and all(n.startswith("transformers.models.mamba2.") for n in names)
+        assert modeling_mamba2.mamba2_chunk_scan is integration.chunk_scan
+        assert modeling_mamba.mamba_selective_scan is mamba1_scan  # not asked for
+        both = integration.patch("mamba", "mamba2")
+        assert set(names) < set(both) and modeling_mamba.mamba_selective_scan is not mamba1_scan
+    finally:
+        integration.unpatch()
+    assert modeling_mamba2.mamba2_chunk_scan is mamba2_scan
+    with pytest.raises(ValueError, match=r"leaves 'not_a_model' alone.*it patches .*mamba2"):
+        integration.patch("mamba2", "not_a_model")
+    with pytest.raises(TypeError, match="expected model types"):
+        integration.patch(["mamba2"])  # type: ignore[arg-type]
+    assert integration.patched() == []  # a refused call patches nothing
+
+
+def test_patch_as_a_context_manager_puts_back_what_it_replaced() -> None:
+    from transformers.models.mamba import modeling_mamba
+    from transformers.models.mamba2 import modeling_mamba2
+
+    mamba1_scan, mamba2_scan = (
+        modeling_mamba.mamba_selective_scan,
+        modeling_mamba2.mamba2_chunk_scan,
+    )
+    try:
+        integration.patch("mamba")  # patched before the block: stays patched after it
+        with integration.patch("mamba", "mamba2") as names:
+            assert any(n.startswith("transformers.models.mamba2.") for n in names)
+            assert modeling_mamba2.mamba2_chunk_scan is integration.chunk_scan
+            assert modeling_mamba.mamba_selective_scan is integration.selective_scan
+        assert modeling_mamba2.mamba2_chunk_scan is mamba2_scan
+        assert modeling_mamba.mamba_selective_scan is integration.selective_scan
+        assert all(n.startswith("transformers.models.mamba.") for n in integration.patched())
+    finally:
+        integration.unpatch()
+    assert modeling_mamba.mamba_selective_scan is mamba1_scan
+
+
+def test_patching_one_model_imports_no_other_modeling_module() -> None:
+    """patch() imported every recurrent family's modeling module (and through
+    qwen3_5's, flash-linear-attention where installed); patch("mamba2") imports
+    mamba2's alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, parascan.integrations.transformers as t\n"
+        "t.patch('mamba2')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models.')\n"
+        "             and '.modeling_' in m and '.auto.' not in m))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    assert out.strip().splitlines()[-1] == "['transformers.models.mamba2.modeling_mamba2']"
+
+
 def _resolve(name: str) -> object:
     """A patched name's current object: ``transformers.models.<x>.modeling_<x>.`` then a
     function, or a ``Class.method``."""

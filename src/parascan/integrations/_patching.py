@@ -22,6 +22,7 @@ from typing import Any
 __all__ = [
     "Family",
     "Function",
+    "Patched",
     "Patches",
     "calls",
     "defines",
@@ -150,6 +151,22 @@ def leading_params(original: object, fn: Function) -> tuple[str, ...] | None:
     return None if params[: len(fn.params)] == fn.params else params
 
 
+class Patched(list[str]):
+    """What a patch() returns: the names of the functions replaced now (a list, as
+    before), and a context manager whose exit puts back what that call replaced (not
+    what an earlier call had), so that ``with patch(...):`` patches for a block."""
+
+    def __init__(self, names: list[str], patches: Patches, new: tuple[tuple[str, str], ...]):
+        super().__init__(names)
+        self._patches, self._new = patches, new
+
+    def __enter__(self) -> Patched:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patches.restore(self._new)
+
+
 class Patches:
     """The functions an integration has replaced, by (module name, function name), with
     their originals: applied idempotently, restored all at once."""
@@ -164,27 +181,31 @@ class Patches:
         owner, attribute = owner_of(module, name)
         return self.originals.get((module.__name__, name), own_attribute(owner, attribute))
 
-    def apply(self, targets: Iterable[tuple[ModuleType, Function]]) -> list[str]:
-        """Replace each target not replaced yet; returns :meth:`names`."""
+    def apply(self, targets: Iterable[tuple[ModuleType, Function]]) -> Patched:
+        """Replace each target not replaced yet; returns :meth:`names`, as a
+        :class:`Patched` that undoes this call's replacements when used as a context."""
+        new = []
         for module, fn in targets:
             key = (module.__name__, fn.name)
             if key not in self.originals:
                 owner, attribute = owner_of(module, fn.name)
                 self.originals[key] = own_attribute(owner, attribute)
                 setattr(owner, attribute, fn.replacement)
-        return self.names()
+                new.append(key)
+        return Patched(self.names(), self, tuple(new))
 
-    def restore(self) -> list[str]:
-        """Put every original back; returns the names that were replaced."""
-        restored = self.names()
-        for (module_name, name), original in self.originals.items():
+    def restore(self, keys: Iterable[tuple[str, str]] | None = None) -> list[str]:
+        """Put the originals of ``keys`` (every replaced function when None) back;
+        returns the names that were replaced."""
+        chosen = list(self.originals) if keys is None else [k for k in keys if k in self.originals]
+        for module_name, name in chosen:
+            original = self.originals.pop((module_name, name))
             module = sys.modules.get(module_name)
             if module is not None:
                 owner, attribute = owner_of(module, name)
                 if owner is not None:
                     setattr(owner, attribute, original)
-        self.originals.clear()
-        return restored
+        return sorted(f"{module}.{name}" for module, name in chosen)
 
     def names(self) -> list[str]:
         """The fully qualified names of the functions replaced now."""

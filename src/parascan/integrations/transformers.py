@@ -162,6 +162,7 @@ from parascan.first_order.api import log_linear_scan as ps_log_linear_scan
 from parascan.integrations._patching import (
     Family,
     Function,
+    Patched,
     Patches,
     calls,
     leading_params,
@@ -1043,8 +1044,21 @@ def _check(version: str, module: ModuleType, fn: Function) -> bool:
     return True
 
 
-def _targets() -> list[tuple[ModuleType, Function]]:
-    """Every (module, function) to patch, all checked before any is touched."""
+def _model_of(module_name: str) -> str:
+    """The model type of a modeling module: ``transformers.models.X.modeling_X`` -> X."""
+    return module_name.split(".")[2]
+
+
+def _targets(models: tuple[str, ...] = ()) -> list[tuple[ModuleType, Function]]:
+    """Every (module, function) to patch, all checked before any is touched: of the
+    modeling modules of ``models`` (model types, as transformers' folders name them),
+    or of every family's modules when empty."""
+    for model in models:
+        if not isinstance(model, str):
+            raise TypeError(
+                f"{_FN}: expected model types such as 'mamba2' or 'qwen3_5', but got "
+                f"{type(model).__name__} {model!r}"
+            )
     try:
         import transformers
     except ImportError as error:
@@ -1056,8 +1070,10 @@ def _targets() -> list[tuple[ModuleType, Function]]:
     if _version_tuple(version) < _version_tuple(MIN_VERSION):
         raise _unsupported(version, f"older than {MIN_VERSION}")
     targets = []
+    every: set[str] = set()
     for family in _FAMILIES:
         names = _candidate_modules(family)
+        every.update(_model_of(name) for name in names)
         for expected in family.expected:
             wanted = f"transformers.models.{expected}.modeling_{expected}"
             if wanted not in names:
@@ -1065,36 +1081,53 @@ def _targets() -> list[tuple[ModuleType, Function]]:
                     version, f"but {wanted} does not define {family.marker} (or is missing)"
                 )
         for name in names:
+            if models and _model_of(name) not in models:
+                continue  # not asked for: not even imported
             try:
                 module = importlib.import_module(name)
             except ImportError:
+                if models:
+                    raise  # asked for by name: its missing dependency is the answer
                 continue  # a model whose own dependencies are missing cannot be built either
             targets += [(module, fn) for fn in family.functions if _check(version, module, fn)]
+    unknown = sorted(set(models) - every)
+    if unknown:
+        raise ValueError(
+            f"{_FN}: the patch leaves {', '.join(map(repr, unknown))} alone: no scan of "
+            f"theirs is one parascan computes; it patches {', '.join(sorted(every))}"
+        )
     return targets
 
 
 # --- the public functions -----------------------------------------------------------------
 
 
-def patch() -> list[str]:
-    """Make the installed transformers' Mamba-family models compute their scans and
-    decoding steps with parascan (see the module docstring).
+def patch(*models: str) -> Patched:
+    """Make the installed transformers' recurrent models compute their scans and
+    decoding steps with parascan (see the module docstring): those of ``models``
+    (model types, as transformers names its folders: ``patch("mamba2", "qwen3_5")``),
+    or every family's when none is named. Only the modeling modules patched are
+    imported.
 
     Idempotent: a second call changes nothing. Models created before the call are
-    patched too (the mixers look the functions up on every call).
+    patched too (the layers look the functions up on every call). As a context manager,
+    ``with patch("mamba2"):`` puts back on exit what that call replaced.
 
     Returns:
-        The fully qualified names of the functions replaced now (the same list on every
-        call until :func:`unpatch`), e.g.
+        The fully qualified names of the functions replaced now, by this call and
+        earlier ones (the same list on every call until :func:`unpatch`), e.g.
         ``'transformers.models.mamba.modeling_mamba.mamba_selective_scan'``.
 
     Raises:
-        ImportError: transformers is not installed.
+        ImportError: transformers is not installed (or a model named has a dependency
+            that is not).
         UnsupportedVersionError: the installed transformers is older than
             :data:`MIN_VERSION` or its modules do not have the functions as expected
             (nothing is patched then).
+        ValueError: a model named is one the patch leaves alone (the message lists
+            those it patches); TypeError: a model named is not a string.
     """
-    return _PATCHES.apply(_targets())
+    return _PATCHES.apply(_targets(models))
 
 
 def unpatch() -> list[str]:
@@ -1104,5 +1137,6 @@ def unpatch() -> list[str]:
 
 
 def patched() -> list[str]:
-    """The fully qualified names of the functions replaced now."""
+    """The fully qualified names of the functions replaced now (to patch for a block,
+    ``with patch(...):``)."""
     return _PATCHES.names()
