@@ -239,6 +239,25 @@ def test_the_same_bits_with_any_thread_count(shape: tuple[int, ...], gate: str) 
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("gate", ["none", "channel"])
+def test_a_decoding_step_gives_the_same_bits_with_any_thread_count(gate: str) -> None:
+    """RWKV-7 2.9B's step (40 heads of 64 x 64, 2^17.3 state elements) on the inference
+    path, no autograd: it went from one thread to several when the kernels' threshold
+    came down to 2^16 elements."""
+    p = {k: t.float() for k, t in _problem(8, 1, 1, 40, 40, 64, 64, gate).items()}
+    runs = []
+    for n in (1, 2, 3):
+        with threads(n), torch.no_grad():
+            runs.append(
+                ps.dplr_delta_rule_scan(
+                    p["q"], p["k"], p["v"], p["a"], p["b"], g=p.get("g"), initial=p["initial"],
+                    return_final=True,
+                )
+            )  # fmt: skip
+    for other in runs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(runs[0], other, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
 @pytest.mark.parametrize("gate", ["none", "head", "channel"])
 def test_the_baseline_build_agrees_with_the_vector_one(gate: str, dtype: torch.dtype) -> None:

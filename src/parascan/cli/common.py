@@ -127,18 +127,20 @@ def peak_extra_mib(fn: Callable[[], object]) -> float | None:
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)  # also turns off its dynamic growth
+    except (OSError, AttributeError):
+        return None
+    try:
         libc.malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident set
         base = _status_kib("VmRSS")
-        try:
-            fn()
-        finally:
-            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
+        fn()
         return (_status_kib("VmHWM") - base) / 1024
     except (OSError, AttributeError):
         return None
+    finally:  # whatever failed above: never left at 64 KiB
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
