@@ -409,6 +409,25 @@ def test_patch_as_a_context_manager_puts_back_what_it_replaced() -> None:
     assert modeling_mamba.mamba_selective_scan is mamba1_scan
 
 
+def test_patching_one_model_reads_its_source_alone(monkeypatch) -> None:
+    from parascan.integrations import _patching
+
+    _patching.modules_defining.cache_clear()  # a first call in a process
+    reads: list[Path] = []
+    read_text = Path.read_text
+
+    def counted(self: Path, *args: object, **kwargs: object) -> str:
+        reads.append(self)
+        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    try:
+        assert integration.patch("mamba2")
+    finally:
+        integration.unpatch()
+    assert reads and {(p.parent.name, p.name) for p in reads} == {("mamba2", "modeling_mamba2.py")}
+
+
 def test_patching_one_model_imports_no_other_modeling_module() -> None:
     """patch() imported every recurrent family's modeling module (and through
     qwen3_5's, flash-linear-attention where installed); patch("mamba2") imports

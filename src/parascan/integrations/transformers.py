@@ -1010,17 +1010,22 @@ def _unsupported(version: str, what: str) -> UnsupportedVersionError:
     )
 
 
-def _candidate_modules(family: Family) -> list[str]:
-    """The modeling modules whose source defines ``family.marker`` and none of
-    ``family.unless`` (read as text, so only those are imported)."""
+def _candidate_modules(family: Family, models: tuple[str, ...] = ()) -> list[str]:
+    """The modeling modules (of ``models`` only, when given) whose source defines
+    ``family.marker`` and none of ``family.unless``, read as text, so that only those are
+    imported (and, for ``models``, only their sources are read)."""
     spec = importlib.util.find_spec("transformers.models")
     if spec is None or not spec.submodule_search_locations:
         return []
     root = str(next(iter(spec.submodule_search_locations)))
-    return list(
-        modules_defining(root, "*/modeling_*.py", "transformers.models", family.marker,
-                         family.unless)
-    )  # fmt: skip
+    patterns = [f"{m}/modeling_{m}.py" for m in models] if models else ["*/modeling_*.py"]
+    return [
+        name
+        for pattern in patterns
+        for name in modules_defining(
+            root, pattern, "transformers.models", family.marker, family.unless
+        )
+    ]
 
 
 def _check(version: str, module: ModuleType, fn: Function) -> bool:
@@ -1054,7 +1059,7 @@ def _targets(models: tuple[str, ...] = ()) -> list[tuple[ModuleType, Function]]:
     modeling modules of ``models`` (model types, as transformers' folders name them),
     or of every family's modules when empty."""
     for model in models:
-        if not isinstance(model, str):
+        if not isinstance(model, str) or not re.fullmatch(r"\w+", model, re.ASCII):
             raise TypeError(
                 f"{_FN}: expected model types such as 'mamba2' or 'qwen3_5', but got "
                 f"{type(model).__name__} {model!r}"
@@ -1069,20 +1074,23 @@ def _targets(models: tuple[str, ...] = ()) -> list[tuple[ModuleType, Function]]:
     version = str(getattr(transformers, "__version__", "unknown"))
     if _version_tuple(version) < _version_tuple(MIN_VERSION):
         raise _unsupported(version, f"older than {MIN_VERSION}")
+    modules = {family: _candidate_modules(family, models) for family in _FAMILIES}
+    unknown = sorted(set(models) - {_model_of(n) for names in modules.values() for n in names})
+    if unknown:
+        every = {_model_of(n) for family in _FAMILIES for n in _candidate_modules(family)}
+        raise ValueError(
+            f"{_FN}: the patch leaves {', '.join(map(repr, unknown))} alone: no scan of "
+            f"theirs is one parascan computes; it patches {', '.join(sorted(every))}"
+        )
     targets = []
-    every: set[str] = set()
-    for family in _FAMILIES:
-        names = _candidate_modules(family)
-        every.update(_model_of(name) for name in names)
-        for expected in family.expected:
+    for family, names in modules.items():
+        for expected in () if models else family.expected:
             wanted = f"transformers.models.{expected}.modeling_{expected}"
             if wanted not in names:
                 raise _unsupported(
                     version, f"but {wanted} does not define {family.marker} (or is missing)"
                 )
         for name in names:
-            if models and _model_of(name) not in models:
-                continue  # not asked for: not even imported
             try:
                 module = importlib.import_module(name)
             except ImportError:
@@ -1090,12 +1098,6 @@ def _targets(models: tuple[str, ...] = ()) -> list[tuple[ModuleType, Function]]:
                     raise  # asked for by name: its missing dependency is the answer
                 continue  # a model whose own dependencies are missing cannot be built either
             targets += [(module, fn) for fn in family.functions if _check(version, module, fn)]
-    unknown = sorted(set(models) - every)
-    if unknown:
-        raise ValueError(
-            f"{_FN}: the patch leaves {', '.join(map(repr, unknown))} alone: no scan of "
-            f"theirs is one parascan computes; it patches {', '.join(sorted(every))}"
-        )
     return targets
 
 
