@@ -1,4 +1,5 @@
-"""Hugging Face transformers' Mamba-family models, computing their scans with parascan::
+"""Hugging Face transformers' recurrent models (Mamba-1 and -2, the gated delta rule, KDA,
+short convolutions, Griffin, RWKV-4, MiniMax), computing their scans with parascan::
 
     import parascan.integrations.transformers as parascan_hf
 
@@ -8,6 +9,9 @@
     model(input_ids, labels=input_ids).loss.backward()
     model.generate(input_ids, max_new_tokens=64)
     parascan_hf.unpatch()    # the originals again
+
+    with parascan_hf.patch("mamba2", "qwen3_5"):   # those models' modules alone, for a block
+        ...
 
 Without mamba_ssm (on CPU, or on a GPU where it is not installed), transformers runs a
 Mamba layer's scan as a Python loop over the tokens, materializing a (batch, dim, L, N)
@@ -1002,11 +1006,11 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def _unsupported(version: str, what: str) -> UnsupportedVersionError:
     return UnsupportedVersionError(
         f"{_FN}: transformers {version} is installed, {what}. The patch supports "
-        f"transformers>={MIN_VERSION} (tested with {TESTED_VERSIONS}), whose Mamba-family "
-        "modeling modules compute their scans in module-level functions "
-        "(mamba_selective_scan, mamba_selective_state_update; for Mamba-2 mamba2_chunk_scan, "
-        "mamba2_selective_state_update) called by the mixers; "
-        "nothing was patched"
+        f"transformers>={MIN_VERSION} (tested with {TESTED_VERSIONS}), whose recurrent "
+        "models' modeling modules compute their scans in functions the layers call "
+        "(mamba_selective_scan and mamba_selective_state_update for Mamba-1, "
+        "mamba2_chunk_scan for Mamba-2, torch_chunk_gated_delta_rule for the gated delta "
+        "rule, ...); nothing was patched"
     )
 
 
