@@ -74,14 +74,28 @@ def scan_lengths(monkeypatch: pytest.MonkeyPatch, name: str, operand: int) -> li
     parascan.integrations.transformers makes to its scan ``name`` (e.g.
     ``"ps_linear_scan"``) from now on in the test: proof that a replacement runs it."""
     lengths: list[int] = []
-    inner = getattr(integration, name)
+    # the family modules of the package that call it
+    modules = [m for m in _family_modules() if hasattr(m, name)]
+    assert modules, f"no module of {integration.__name__} calls {name}"
+    inner = getattr(modules[0], name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         lengths.append(args[operand].shape[1])
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(integration, name, counted)
+    for module in modules:
+        monkeypatch.setattr(module, name, counted)
     return lengths
+
+
+def _family_modules() -> list[Any]:
+    import importlib
+    import pkgutil
+
+    return [
+        importlib.import_module(f"{integration.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(integration.__path__)
+    ]
 
 
 def train_and_generate(

@@ -1,7 +1,7 @@
 """The patching engine of parascan's integrations: which functions of another library's
 modules are replaced, how they are found, checked, replaced and put back.
 
-An integration (integrations/transformers.py) declares :class:`Family` entries, each a
+An integration (integrations/transformers/) declares :class:`Family` entries, each a
 ``marker`` that the library's modules define and the :class:`Function` entries to
 replace in every such module, then runs :meth:`Patches.apply` on the checked targets.
 Nothing here imports the patched library: modules are found by reading their source
