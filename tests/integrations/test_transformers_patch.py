@@ -342,11 +342,8 @@ def test_patch_is_idempotent_and_names_what_it_replaced() -> None:
     assert integration.unpatch() == [] and integration.patched() == []
 
 
-def test_a_second_patch_reads_no_modeling_source(monkeypatch) -> None:
-    """Which modeling modules define a family's functions is read from their sources
-    once per process: every patch() used to read all of them again (0.3 s a call)."""
-    integration.patch()
-    integration.unpatch()
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files read with Path.read_text from now on in the test."""
     reads: list[Path] = []
     read_text = Path.read_text
 
@@ -355,6 +352,15 @@ def test_a_second_patch_reads_no_modeling_source(monkeypatch) -> None:
         return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Path, "read_text", counted)
+    return reads
+
+
+def test_a_second_patch_reads_no_modeling_source(monkeypatch) -> None:
+    """Which modeling modules define a family's functions is read from their sources
+    once per process: every patch() used to read all of them again (0.3 s a call)."""
+    integration.patch()
+    integration.unpatch()
+    reads = _count_reads(monkeypatch)
     try:
         names = integration.patch()
     finally:
@@ -413,14 +419,7 @@ def test_patching_one_model_reads_its_source_alone(monkeypatch) -> None:
     from parascan.integrations import _patching
 
     _patching.modules_defining.cache_clear()  # a first call in a process
-    reads: list[Path] = []
-    read_text = Path.read_text
-
-    def counted(self: Path, *args: object, **kwargs: object) -> str:
-        reads.append(self)
-        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "read_text", counted)
+    reads = _count_reads(monkeypatch)
     try:
         assert integration.patch("mamba2")
     finally:
